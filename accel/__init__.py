@@ -1,0 +1,38 @@
+"""bcg-diffusers: breakable CUDA graphs for diffusers pipelines.
+
+    from accel import accelerate_pipeline
+    accelerate_pipeline(pipe)
+    pipe.accel.warmup([(512, 512), (1024, 1024)])
+
+The graph core (:mod:`accel.bcg`) and the runner (:mod:`accel.runner`) work on any callable;
+:mod:`accel.pipeline` applies them to diffusers pipelines through model recipes.
+"""
+
+from .bcg import (
+    BreakableCUDAGraph,
+    BreakError,
+    CopyBackError,
+    NestedBreakError,
+    break_graph,
+    capture,
+    eager_on_graph,
+    is_capturing,
+)
+from .pool import GraphPool
+from .runner import GraphRunner, RunnerStats
+
+__all__ = [
+    "BreakError",
+    "BreakableCUDAGraph",
+    "CopyBackError",
+    "GraphPool",
+    "GraphRunner",
+    "NestedBreakError",
+    "RunnerStats",
+    "break_graph",
+    "capture",
+    "eager_on_graph",
+    "is_capturing",
+]
+
+__version__ = "0.1.0"

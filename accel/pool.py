@@ -1,0 +1,68 @@
+"""A CUDA-graph memory pool and capture stream that several graph runners share.
+
+All segments of all captured signatures of all denoisers of a pipeline allocate from one pool:
+only one graph replays at a time, so their intermediates can overlay. The pool also serialises
+replays (a lock for threads, an event for streams), because two graphs replaying at once would
+write the same blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["GraphPool"]
+
+
+class GraphPool:
+    """One graph memory pool, capture stream and replay lock on one CUDA device."""
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("GraphPool needs a CUDA device; none is available")
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"GraphPool needs a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        with torch.cuda.device(device):
+            self.handle = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)
+        self.lock = threading.RLock()
+        self._last_stream: torch.cuda.Stream | None = None
+        self._done = torch.cuda.Event()
+
+    def order_after_last_replay(self, stream: torch.cuda.Stream) -> None:
+        """Make ``stream`` wait for the last replay if that ran on another stream (no host sync).
+
+        Call with :attr:`lock` held, before a replay.
+        """
+        if self._last_stream is not None and self._last_stream != stream:
+            stream.wait_event(self._done)
+
+    def mark_replay_done(self, stream: torch.cuda.Stream) -> None:
+        """Record that the last replay's work (including the output copy) was issued on ``stream``."""
+        if self._last_stream is None or self._last_stream != stream:
+            self._last_stream = stream
+        self._done.record(stream)
+
+    def _segments(self) -> list[dict]:
+        pool = tuple(self.handle)
+        return [
+            s
+            for s in torch.cuda.memory._snapshot(self.device)["segments"]  # type: ignore[attr-defined]
+            if tuple(s.get("segment_pool_id", ())) == pool and s.get("device", self.device.index) == self.device.index
+        ]
+
+    def resident_bytes(self) -> int:
+        """Device memory the pool holds (reserved segments), whether or not a graph uses it now."""
+        return sum(s["total_size"] for s in self._segments())
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the pool that live tensors (graph outputs, pinned caches) still occupy."""
+        return sum(s["allocated_size"] for s in self._segments())
+
+    def __repr__(self) -> str:
+        return f"GraphPool(device={self.device}, handle={tuple(self.handle)})"

@@ -1,0 +1,339 @@
+"""Per-signature capture and replay of one callable (a denoiser's forward).
+
+A :class:`GraphRunner` sits where the callable was. Each call is reduced to a
+:class:`~accel.signature.Signature`; a signature that has a captured entry replays it (live
+tensors are copied into the entry's static buffers, the breakable graph replays, a copy of its
+output is returned). Anything else runs eagerly: capture happens only inside
+:meth:`GraphRunner.capturing` (an explicit warm-up) or, when opted in, on first use. A capture
+that fails blocks its signature, which then always runs eagerly, and keeps the reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import gc
+import logging
+import threading
+import time
+from typing import Any, Callable, ContextManager, Hashable, Iterator
+
+import torch
+
+from . import bcg
+from .pool import GraphPool
+from .signature import Signature, describe_diff, flatten
+
+__all__ = ["GraphRunner", "RunnerStats", "capture_session"]
+
+logger = logging.getLogger(__name__)
+
+CaptureScope = Callable[[], ContextManager[list]]
+
+
+@dataclasses.dataclass
+class RunnerStats:
+    """Counters of one runner. Byte counts are filled by :meth:`GraphRunner.stats`."""
+
+    captures: int = 0
+    replays: int = 0
+    misses: int = 0
+    eager_calls: int = 0
+    capture_failures: int = 0
+    evictions: int = 0
+    capture_seconds: float = 0.0
+    entries: int = 0
+    segments_per_entry: list[int] = dataclasses.field(default_factory=list)
+    pool_bytes: int = 0
+    static_bytes: int = 0
+    boundary_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class _Entry:
+    signature: Signature
+    static: list[torch.Tensor]
+    graph: bcg.BreakableCUDAGraph
+    output: Any
+    keepalive: list[Any]
+    capture_seconds: float
+
+
+_session_lock = threading.Lock()
+_session_depth = 0
+
+
+@contextlib.contextmanager
+def capture_session() -> Iterator[None]:
+    """Collect garbage once and keep the collector off while graphs are captured.
+
+    A collection in the middle of a capture can run finalisers that touch CUDA; collecting once
+    per session rather than per segment keeps capture fast. Re-entrant.
+    """
+    global _session_depth
+    with _session_lock:
+        _session_depth += 1
+        first = _session_depth == 1
+        was_enabled = gc.isenabled()
+    if first:
+        gc.collect()
+        gc.disable()
+    try:
+        yield
+    finally:
+        with _session_lock:
+            _session_depth -= 1
+            last = _session_depth == 0
+        if last and was_enabled:
+            gc.enable()
+
+
+def _clone_output(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if type(obj) in (list, tuple):
+        return type(obj)(_clone_output(o) for o in obj)
+    if type(obj) is dict:
+        return {k: _clone_output(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _clone_output(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+    return obj
+
+
+class GraphRunner:
+    """Capture and replay ``fn`` once per call signature.
+
+    Args:
+        fn: the callable to accelerate (typically a module's original forward).
+        name: used in log messages and reports.
+        pool: a :class:`GraphPool` to share with other runners; one is made on first capture
+            otherwise.
+        capture_on_miss: capture a new signature on first use instead of running it eagerly.
+        max_entries: captured signatures kept; the least recently used is evicted beyond it.
+        max_segments: a capture with more segments than this is refused (runs eagerly).
+        debug: capture the whole call as one eager break, so the model runs eagerly through the
+            same static buffers, replay walk and copies; tells capture bugs from model bugs.
+        warmup_runs: eager runs on the capture stream before a capture (lazy caches, autotuning).
+        capture_scope: a context-manager factory entered around warm-up and capture; the list it
+            yields is kept alive with the entry (for caches a graph reads by address).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str = "fn",
+        pool: GraphPool | None = None,
+        capture_on_miss: bool = False,
+        max_entries: int = 32,
+        max_segments: int = 512,
+        debug: bool = False,
+        warmup_runs: int = 2,
+        capture_scope: CaptureScope | None = None,
+    ) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be at least 1")
+        self.fn = fn
+        self.name = name
+        self.pool = pool
+        self.capture_on_miss = capture_on_miss
+        self.max_entries = max_entries
+        self.max_segments = max_segments
+        self.debug = debug
+        self.warmup_runs = warmup_runs
+        self.capture_scope = capture_scope
+        self.enabled = True
+        self._entries: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()
+        self._blocked: dict[Hashable, str] = {}
+        self._said: set[Hashable] = set()
+        self._capturing = 0
+        self._stats = RunnerStats()
+        self._lock = threading.RLock()
+
+    # ---------------------------------------------------------------------------------------
+    # Public surface
+    # ---------------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.enabled:
+            return self.fn(*args, **kwargs)
+        sig, leaves = flatten(args, kwargs)
+        entry = self._entries.get(sig.key)
+        if entry is not None:
+            return self._replay(entry, leaves)
+        if not self._capturable(sig, leaves):
+            self._stats.eager_calls += 1
+            return self.fn(*args, **kwargs)
+        if self._capturing or self.capture_on_miss:
+            entry = self._capture(sig, leaves)
+            if entry is not None:
+                return self._replay(entry, leaves)
+        else:
+            self._stats.misses += 1
+            self._say_once(sig.key, f"{self.name}: no graph for this call; running eagerly. {self._miss_reason(sig)}")
+        self._stats.eager_calls += 1
+        return self.fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[GraphRunner]:
+        """Inside this block, calls whose signature has no graph capture one (a warm-up)."""
+        with capture_session():
+            self._capturing += 1
+            try:
+                yield self
+            finally:
+                self._capturing -= 1
+
+    def capture(self, *args: Any, **kwargs: Any) -> bool:
+        """Capture this call's signature now (no output). True if a graph exists afterwards."""
+        sig, leaves = flatten(args, kwargs)
+        if sig.key in self._entries:
+            return True
+        if not self._capturable(sig, leaves):
+            return False
+        with capture_session():
+            return self._capture(sig, leaves) is not None
+
+    @property
+    def signatures(self) -> list[Signature]:
+        """Captured signatures, least recently used first."""
+        return [e.signature for e in self._entries.values()]
+
+    @property
+    def blocked(self) -> dict[Hashable, str]:
+        """Signatures that failed to capture, with the reason."""
+        return dict(self._blocked)
+
+    def stats(self, memory: bool = True) -> RunnerStats:
+        """A snapshot of the counters; ``memory`` adds byte counts (reads the allocator)."""
+        s = dataclasses.replace(self._stats)
+        s.entries = len(self._entries)
+        s.segments_per_entry = [e.graph.num_segments for e in self._entries.values()]
+        if memory:
+            s.static_bytes = sum(t.untyped_storage().nbytes() for e in self._entries.values() for t in e.static)
+            s.boundary_bytes = sum(e.graph.boundary_bytes() for e in self._entries.values())
+            s.pool_bytes = self.pool.resident_bytes() if self.pool is not None else 0
+        return s
+
+    def release(self) -> None:
+        """Drop every captured graph and forget failures (the pool keeps its blocks for reuse)."""
+        with self._lock:
+            if self._entries and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._entries.clear()
+            self._blocked.clear()
+            self._said.clear()
+
+    # ---------------------------------------------------------------------------------------
+    # Internals
+    # ---------------------------------------------------------------------------------------
+    def _say_once(self, key: Hashable, message: str, level: int = logging.INFO) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.log(level, message)
+
+    def _capturable(self, sig: Signature, leaves: list[torch.Tensor]) -> bool:
+        if sig.key in self._blocked:
+            return False
+        if not torch.cuda.is_available():
+            self._say_once("no-cuda", f"{self.name}: CUDA is not available; running eagerly (no graphs)")
+            return False
+        if not leaves or any(t.device.type != "cuda" for t in leaves):
+            self._say_once(("not-cuda", sig.key), f"{self.name}: call has no CUDA tensors or some on another device; running eagerly")
+            return False
+        if self.pool is not None and any(t.device != self.pool.device for t in leaves):
+            self._say_once(("device", sig.key), f"{self.name}: inputs are not on {self.pool.device}; running eagerly")
+            return False
+        return True
+
+    def _miss_reason(self, sig: Signature) -> str:
+        if not self._entries:
+            return "Nothing is captured yet: call warmup() first, or enable capture on first use."
+        best = min((describe_diff(sig, e.signature) for e in self._entries.values()), key=len)
+        shown = "; ".join(best[:4]) + (f"; and {len(best) - 4} more" if len(best) > 4 else "")
+        return f"Nearest captured signature differs in {shown}"
+
+    def _evict_lru(self) -> None:
+        key, entry = self._entries.popitem(last=False)
+        torch.cuda.current_stream(entry.static[0].device).synchronize()
+        del entry
+        self._stats.evictions += 1
+        logger.info("%s: evicted the least recently used graph (max_entries=%d)", self.name, self.max_entries)
+
+    def _capture(self, sig: Signature, leaves: list[torch.Tensor]) -> _Entry | None:
+        device = leaves[0].device
+        with self._lock:
+            if self.pool is None:
+                self.pool = GraphPool(device)
+            while len(self._entries) >= self.max_entries:
+                self._evict_lru()
+            pool = self.pool
+            target = self.fn
+            if self.debug:
+                target = bcg.eager_on_graph(self.fn, name=f"{self.name} (debug: whole call eager)", inline_nested=True)
+            t0 = time.perf_counter()
+            graph = bcg.BreakableCUDAGraph()
+            static: list[torch.Tensor] = []
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    # Allocated outside the pool, owned by the entry: graphs read them by address.
+                    static = [torch.empty_like(t) for t in leaves]
+                    for s, t in zip(static, leaves):
+                        s.copy_(t)
+                    args, kwargs = sig.rebuild(static)
+                    scope = self.capture_scope() if self.capture_scope is not None else contextlib.nullcontext([])
+                    with pool.lock, scope as keepalive:
+                        caller = torch.cuda.current_stream(device)
+                        pool.stream.wait_stream(caller)
+                        with torch.cuda.stream(pool.stream):
+                            for _ in range(self.warmup_runs):
+                                self.fn(*args, **kwargs)
+                        pool.stream.synchronize()
+                        with bcg.capture(graph, pool=pool.handle, stream=pool.stream):
+                            output = target(*args, **kwargs)
+                        caller.wait_stream(pool.stream)
+                        pool.stream.synchronize()
+                if graph.num_segments > self.max_segments:
+                    raise bcg.BreakError(f"{graph.num_segments} segments exceed max_segments={self.max_segments}")
+            except Exception as exc:  # never break generation: block this signature, run eagerly
+                graph.reset()
+                del static
+                reason = f"{type(exc).__name__}: {exc}".strip()
+                self._blocked[sig.key] = reason
+                self._stats.capture_failures += 1
+                if isinstance(exc, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+                logger.warning("%s: capture failed, this signature runs eagerly from now on: %s", self.name, reason)
+                return None
+            seconds = time.perf_counter() - t0
+            entry = _Entry(sig, static, graph, output, list(keepalive), seconds)
+            self._entries[sig.key] = entry
+            self._stats.captures += 1
+            self._stats.capture_seconds += seconds
+            logger.info(
+                "%s: captured a graph in %.2fs (%d segments, breaks: %s)",
+                self.name,
+                seconds,
+                graph.num_segments,
+                ", ".join(sorted(set(graph.break_names))) or "none",
+            )
+            return entry
+
+    def _replay(self, entry: _Entry, leaves: list[torch.Tensor]) -> Any:
+        pool = self.pool
+        assert pool is not None
+        with pool.lock:
+            stream = torch.cuda.current_stream(pool.device)
+            pool.order_after_last_replay(stream)
+            for s, t in zip(entry.static, leaves):
+                if s is not t:
+                    s.copy_(t)
+            entry.graph.replay()
+            out = _clone_output(entry.output)
+            pool.mark_replay_done(stream)
+        self._entries.move_to_end(entry.signature.key)
+        self._stats.replays += 1
+        return out
