@@ -97,6 +97,8 @@ def _clone_output(obj: Any) -> Any:
         return obj.clone()
     if type(obj) in (list, tuple):
         return type(obj)(_clone_output(o) for o in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple: clone, never alias the graph's output
+        return type(obj)(*(_clone_output(o) for o in obj))
     if type(obj) is dict:
         return {k: _clone_output(v) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):

@@ -1,0 +1,153 @@
+"""Recipes: what one family of denoisers needs to be captured, looked up by the denoiser's class.
+
+A recipe says which functions must run as eager breaks, how to normalise a call so that more
+calls share a graph (text padding), which caches a graph reads by address and must stay alive,
+and how to drive the pipeline during warm-up so that exactly the signatures real calls will hit
+get captured. Model-specific recipes live in the ``pipelines`` package and are found through the
+``bcg_diffusers.recipes`` entry-point group (or :func:`register_recipe`); this module holds only
+the interface, the registry and a generic recipe for denoisers nobody wrote one for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+from typing import Any, Callable, ClassVar, ContextManager, Iterator
+
+import torch
+
+__all__ = ["Recipe", "GenericRecipe", "register_recipe", "recipe_for", "version_supported"]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "bcg_diffusers.recipes"
+
+_registry: list[type["Recipe"]] = []
+_entry_points_loaded = False
+
+
+class Recipe:
+    """Base class of model recipes. Subclasses override what their model needs.
+
+    Attributes:
+        name: short name used in logs and reports.
+        denoiser_classes: class names (matched along the MRO) this recipe serves.
+        diffusers_versions: the diffusers range (PEP 440 specifier) the recipe was tested with;
+            outside it the denoiser runs eagerly with a warning.
+    """
+
+    name: ClassVar[str] = "generic"
+    denoiser_classes: ClassVar[tuple[str, ...]] = ()
+    diffusers_versions: ClassVar[str] = ""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    # -- installation ----------------------------------------------------------------------
+    def install(self, module: torch.nn.Module) -> Callable[[], None]:
+        """Mark this module's uncapturable functions as eager breaks; return the undo."""
+        return lambda: None
+
+    def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap the module's original forward (e.g. to accept what :meth:`prepare` adds)."""
+        return fn
+
+    # -- per call --------------------------------------------------------------------------
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Normalise a call before it reaches the runner (e.g. pad text to a bucket)."""
+        return args, kwargs
+
+    def capture_scope(self, module: torch.nn.Module) -> ContextManager[list]:
+        """Entered around warm-up and capture; objects put in the yielded list stay alive
+        as long as the graph does (caches the graph reads by address)."""
+        return contextlib.nullcontext([])
+
+    # -- warm-up ---------------------------------------------------------------------------
+    def default_prompt_lengths(self) -> tuple[int, ...]:
+        """Text lengths to capture when the user names neither prompts nor lengths."""
+        return (64,)
+
+    def prompt_lengths(self, pipe: Any, prompts: list[str]) -> list[int]:
+        """Encoded lengths of real prompts, as the denoiser will see them."""
+        raise NotImplementedError(f"the {self.name} recipe cannot measure prompt lengths; pass prompt_lengths")
+
+    def warmup_length(self, length: int) -> int:
+        """The text length a call of ``length`` tokens reaches the runner with."""
+        return length
+
+    def warmup_calls(
+        self,
+        pipe: Any,
+        *,
+        width: int,
+        height: int,
+        batch_size: int,
+        cfg: bool,
+        prompt_length: int,
+        negative_prompt_length: int,
+        num_inference_steps: int,
+    ) -> Iterator[dict[str, Any]]:
+        """Pipeline keyword arguments whose calls hit the signatures of one warm-up case."""
+        yield dict(
+            prompt=["a photograph"] * batch_size,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            output_type="latent",
+        )
+
+
+class GenericRecipe(Recipe):
+    """For any denoiser without a recipe: capture the whole forward, no breaks, no padding.
+
+    A forward that cannot be captured whole fails its capture and runs eagerly, with the reason
+    in the report.
+    """
+
+    name = "generic"
+
+
+def register_recipe(cls: type[Recipe]) -> type[Recipe]:
+    """Register a recipe class (usable as a decorator). Later registrations win."""
+    if not (isinstance(cls, type) and issubclass(cls, Recipe)):
+        raise TypeError(f"expected a Recipe subclass, got {cls!r}")
+    if cls not in _registry:
+        _registry.append(cls)
+    return cls
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            register_recipe(ep.load())
+        except Exception as exc:  # a broken plug-in must not take the library down
+            logger.warning("could not load recipe %s (%s): %s", ep.name, ep.value, exc)
+
+
+def recipe_for(module: torch.nn.Module) -> type[Recipe]:
+    """The recipe class serving ``module``'s class (nearest in its MRO), or GenericRecipe."""
+    _load_entry_points()
+    for klass in type(module).__mro__:
+        for recipe in reversed(_registry):
+            if klass.__name__ in recipe.denoiser_classes:
+                return recipe
+    return GenericRecipe
+
+
+def version_supported(recipe: type[Recipe]) -> tuple[bool, str]:
+    """Whether the installed diffusers is inside the recipe's tested range, and which it is."""
+    try:
+        installed = importlib.metadata.version("diffusers")
+    except importlib.metadata.PackageNotFoundError:
+        return False, "not installed"
+    if not recipe.diffusers_versions:
+        return True, installed
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(installed) in SpecifierSet(recipe.diffusers_versions), installed

@@ -1,0 +1,172 @@
+"""Recipe for Qwen-Image denoisers (diffusers' QwenImageTransformer2DModel).
+
+What the stock forward needs (diffusers 0.42):
+
+* ``compute_text_seq_len_from_mask`` builds a device tensor from a Python int whenever a text
+  mask is passed: a pageable host-to-device copy, illegal inside a capture. It becomes an eager
+  break (its outputs are a constant, a tiny tensor and the bool mask).
+* RoPE tables come from ``QwenEmbedRope``'s LRU caches, which graphs read by address: the ones a
+  capture touches are kept alive with the graph, whatever the cache evicts later.
+* Text embeddings are right-padded with zeros to a length bucket and masked, so prompts of
+  different lengths share a graph. Padding is exact in real arithmetic (padded keys are masked,
+  real text keeps its RoPE positions) but switches attention to its masked kernel, so padded
+  calls match eager to bf16 noise rather than bit for bit. ``text_buckets=None`` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+
+from accel.bcg import eager_on_graph
+from accel.recipe import Recipe
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TEXT_BUCKETS = (64, 128, 256, 512, 1024)
+# The pipeline drops its system-prompt template (34 tokens) and truncates to this by default.
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
+
+_patch_lock = threading.Lock()
+_patch_users: dict[str, int] = {}
+_patch_originals: dict[str, Callable[..., Any]] = {}
+
+
+def _mark_mask_helper(modname: str) -> Callable[[], None]:
+    """Mark the module-level mask helper eager; reference-counted across denoisers."""
+    mod = sys.modules[modname]
+    with _patch_lock:
+        if _patch_users.get(modname, 0) == 0:
+            original = mod.compute_text_seq_len_from_mask
+            _patch_originals[modname] = original
+            mod.compute_text_seq_len_from_mask = eager_on_graph(original, name="qwen-image text mask to length")
+        _patch_users[modname] = _patch_users.get(modname, 0) + 1
+
+    def undo() -> None:
+        with _patch_lock:
+            _patch_users[modname] -= 1
+            if _patch_users[modname] == 0:
+                mod.compute_text_seq_len_from_mask = _patch_originals.pop(modname)
+
+    return undo
+
+
+class QwenImageRecipe(Recipe):
+    """Eager break at the text-mask helper, RoPE caches pinned, text padded to buckets."""
+
+    name = "qwen-image"
+    denoiser_classes = ("QwenImageTransformer2DModel",)
+    diffusers_versions = ">=0.42,<0.43"
+
+    def __init__(self, text_buckets: tuple[int, ...] | None = DEFAULT_TEXT_BUCKETS, **options: Any) -> None:
+        super().__init__(**options)
+        if text_buckets is not None and any(b < 1 for b in text_buckets):
+            raise ValueError(f"text buckets must be positive, got {text_buckets}")
+        self.buckets: tuple[int, ...] = tuple(sorted(set(text_buckets or ())))
+        self._too_long_said = False
+
+    def install(self, module: torch.nn.Module) -> Callable[[], None]:
+        modname = type(module).__module__
+        if not hasattr(sys.modules.get(modname), "compute_text_seq_len_from_mask"):
+            return lambda: None
+        return _mark_mask_helper(modname)
+
+    def bucket(self, length: int) -> int | None:
+        """The bucket a text of ``length`` tokens is padded to (None: longer than all)."""
+        return next((b for b in self.buckets if b >= length), None)
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        text = kwargs.get("encoder_hidden_states")
+        if not self.buckets or args or not isinstance(text, torch.Tensor) or text.dim() != 3:
+            return args, kwargs
+        batch, length, width = text.shape
+        bucket = self.bucket(length)
+        if bucket is None:
+            if not self._too_long_said:
+                self._too_long_said = True
+                logger.info("qwen-image: a %d-token text is longer than the largest bucket %d; not padded",
+                            length, self.buckets[-1])
+            return args, kwargs
+        mask = kwargs.get("encoder_hidden_states_mask")
+        if mask is None:
+            mask = torch.ones(batch, length, dtype=torch.long, device=text.device)
+        if bucket > length:
+            text = torch.cat([text, text.new_zeros(batch, bucket - length, width)], dim=1)
+            mask = torch.cat([mask, mask.new_zeros(batch, bucket - length)], dim=1)
+        return args, {**kwargs, "encoder_hidden_states": text, "encoder_hidden_states_mask": mask}
+
+    @contextlib.contextmanager
+    def capture_scope(self, module: torch.nn.Module) -> Iterator[list]:
+        keep: list[Any] = []
+        rope = getattr(module, "pos_embed", None)
+        cached = getattr(rope, "_compute_video_freqs", None)
+        if cached is None:
+            yield keep
+            return
+
+        def recording(*a: Any, **k: Any) -> Any:
+            out = cached(*a, **k)
+            keep.append(out)
+            return out
+
+        rope._compute_video_freqs = recording
+        try:
+            yield keep
+        finally:
+            rope.__dict__.pop("_compute_video_freqs", None)
+            device_freqs = getattr(rope, "_get_device_freqs", None)
+            if device_freqs is not None:
+                for p in module.parameters():
+                    keep.append(device_freqs(p.device))
+                    break
+
+    # -- warm-up ---------------------------------------------------------------------------
+    def default_prompt_lengths(self) -> tuple[int, ...]:
+        return tuple(b for b in self.buckets if b <= 128)
+
+    def warmup_length(self, length: int) -> int:
+        return self.bucket(length) or length
+
+    def prompt_lengths(self, pipe: Any, prompts: list[str]) -> list[int]:
+        template = pipe.prompt_template_encode
+        drop = pipe.prompt_template_encode_start_idx
+        ids = pipe.tokenizer([template.format(p) for p in prompts]).input_ids
+        return [max(1, min(len(i) - drop, DEFAULT_MAX_SEQUENCE_LENGTH)) for i in ids]
+
+    def warmup_calls(
+        self,
+        pipe: Any,
+        *,
+        width: int,
+        height: int,
+        batch_size: int,
+        cfg: bool,
+        prompt_length: int,
+        negative_prompt_length: int,
+        num_inference_steps: int,
+    ) -> Iterator[dict[str, Any]]:
+        device = pipe._execution_device
+        encoder = getattr(pipe, "text_encoder", None)
+        dtype = encoder.dtype if encoder is not None else pipe.transformer.dtype
+        dim = pipe.transformer.config.joint_attention_dim
+        g = torch.Generator(device).manual_seed(0)
+
+        def embeds(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+            e = torch.randn(batch_size, length, dim, generator=g, device=device, dtype=dtype)
+            return e, torch.ones(batch_size, length, dtype=torch.long, device=device)
+
+        kwargs: dict[str, Any] = dict(
+            height=height, width=width, num_inference_steps=num_inference_steps, output_type="latent"
+        )
+        kwargs["prompt_embeds"], kwargs["prompt_embeds_mask"] = embeds(prompt_length)
+        if cfg:
+            kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"] = embeds(negative_prompt_length)
+            kwargs["true_cfg_scale"] = 4.0
+        else:
+            kwargs["true_cfg_scale"] = 1.0
+        yield kwargs

@@ -1,0 +1,160 @@
+"""Recipe for Z-Image denoisers (diffusers' ZImageTransformer2DModel).
+
+The stock forward has no host syncs in its basic (text-to-image) mode, so it needs no eager
+break. What it does need:
+
+* Its caption handling pads every caption to a multiple of 32 by repeating the last row, then
+  swaps the padded rows for a learned pad token that attention *does* see. Extra padding would
+  change the image, so captions are never padded past their native multiple of 32. But the
+  position of the pad rows is decided by Python ints inside the forward, so a graph captured
+  for a 37-token caption would serve only 37-token captions. The recipe pads captions to their
+  native multiple of 32 itself, exactly as the model would, and hands the model the pad rows as
+  a mask tensor (a graph input) instead of an int: every caption length in one multiple of 32
+  shares a graph, and the arithmetic is the stock model's, bit for bit.
+* Its RoPE tables live on a plain object outside the module tree; the ones a graph reads are
+  kept alive with the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+
+from accel.recipe import Recipe
+
+logger = logging.getLogger(__name__)
+
+SEQ_MULTIPLE = 32  # diffusers' SEQ_MULTI_OF for Z-Image
+MASKS_KWARG = "bcg_caption_pad_masks"
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
+
+# Pad masks of the call in flight, consumed caption by caption by the patched padding helper.
+_pending_masks: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar(
+    "zimage_caption_pad_masks", default=None
+)
+
+
+def _ceil(n: int) -> int:
+    return -(-n // SEQ_MULTIPLE) * SEQ_MULTIPLE
+
+
+class ZImageRecipe(Recipe):
+    """Captions padded to their native multiple of 32 with a mask input; RoPE tables pinned."""
+
+    name = "z-image"
+    denoiser_classes = ("ZImageTransformer2DModel",)
+    diffusers_versions = ">=0.42,<0.43"
+
+    def __init__(self, text_buckets: Any = None, **options: Any) -> None:
+        # Buckets wider than the native multiple of 32 would change the image (the pad token is
+        # attended), so a text_buckets option is accepted and deliberately not used.
+        super().__init__(**options)
+
+    def install(self, module: torch.nn.Module) -> Callable[[], None]:
+        original = getattr(module, "_pad_with_ids", None)
+        if original is None or not hasattr(module, "create_coordinate_grid"):
+            return lambda: None
+
+        def pad_with_ids(feat, pos_grid_size, pos_start, device, noise_mask_val=None):  # type: ignore[no-untyped-def]
+            masks = _pending_masks.get()
+            is_caption = tuple(pos_start) == (1, 0, 0) and tuple(pos_grid_size[1:]) == (1, 1)
+            if not masks or not is_caption or noise_mask_val is not None:
+                return original(feat, pos_grid_size, pos_start, device, noise_mask_val)
+            # The stock helper is called with the caption's padded length as its grid, so every
+            # row, pad rows included, keeps its grid position; only which rows are pad changes.
+            pad_mask = masks.pop(0)
+            pos_ids = module.create_coordinate_grid(size=pos_grid_size, start=pos_start, device=device).flatten(0, 2)
+            return feat, pos_ids, pad_mask, len(feat), None
+
+        module._pad_with_ids = pad_with_ids
+        return lambda: module.__dict__.pop("_pad_with_ids", None)
+
+    def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            masks = kwargs.pop(MASKS_KWARG, None)
+            token = _pending_masks.set(list(masks) if masks is not None else None)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _pending_masks.reset(token)
+
+        return forward
+
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if len(args) < 3 or kwargs.get("siglip_feats") is not None:
+            return args, kwargs
+        x, t, captions = args[0], args[1], args[2]
+        if not (isinstance(captions, list) and captions and all(isinstance(c, torch.Tensor) and c.dim() == 2 for c in captions)):
+            return args, kwargs  # omni mode (nested lists) or something new: leave it alone
+        padded, masks = [], []
+        for c in captions:
+            n = c.shape[0]
+            total = _ceil(n)
+            if total > n:
+                c = torch.cat([c, c[-1:].repeat(total - n, 1)], dim=0)
+            padded.append(c)
+            masks.append(torch.arange(total, device=c.device) >= n)
+        return (x, t, padded, *args[3:]), {**kwargs, MASKS_KWARG: masks}
+
+    @contextlib.contextmanager
+    def capture_scope(self, module: torch.nn.Module) -> Iterator[list]:
+        keep: list[Any] = []
+        try:
+            yield keep
+        finally:
+            rope = getattr(module, "rope_embedder", None)
+            if getattr(rope, "freqs_cis", None) is not None:
+                keep.append(list(rope.freqs_cis))
+
+    # -- warm-up ---------------------------------------------------------------------------
+    def default_prompt_lengths(self) -> tuple[int, ...]:
+        return (32, 64, 96, 128)
+
+    def warmup_length(self, length: int) -> int:
+        return _ceil(length)
+
+    def prompt_lengths(self, pipe: Any, prompts: list[str]) -> list[int]:
+        lengths = []
+        for p in prompts:
+            text = pipe.tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, enable_thinking=True
+            )
+            lengths.append(min(len(pipe.tokenizer(text).input_ids), DEFAULT_MAX_SEQUENCE_LENGTH))
+        return lengths
+
+    def warmup_calls(
+        self,
+        pipe: Any,
+        *,
+        width: int,
+        height: int,
+        batch_size: int,
+        cfg: bool,
+        prompt_length: int,
+        negative_prompt_length: int,
+        num_inference_steps: int,
+    ) -> Iterator[dict[str, Any]]:
+        device = pipe._execution_device
+        encoder = getattr(pipe, "text_encoder", None)
+        dtype = encoder.dtype if encoder is not None else pipe.transformer.dtype
+        dim = pipe.transformer.config.cap_feat_dim
+        g = torch.Generator(device).manual_seed(0)
+
+        def embeds(length: int) -> list[torch.Tensor]:
+            return [torch.randn(length, dim, generator=g, device=device, dtype=dtype) for _ in range(batch_size)]
+
+        kwargs: dict[str, Any] = dict(
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            output_type="latent",
+            prompt_embeds=embeds(prompt_length),
+            guidance_scale=4.0 if cfg else 0.0,
+        )
+        if cfg:
+            kwargs["negative_prompt_embeds"] = embeds(negative_prompt_length)
+        yield kwargs
