@@ -18,10 +18,14 @@ from .bcg import (
     eager_on_graph,
     is_capturing,
 )
+from .pipeline import PipelineAccelerator, WarmupReport, accelerate_pipeline
 from .pool import GraphPool
 from .runner import GraphRunner, RunnerStats
 
 __all__ = [
+    "PipelineAccelerator",
+    "WarmupReport",
+    "accelerate_pipeline",
     "BreakError",
     "BreakableCUDAGraph",
     "CopyBackError",

@@ -44,7 +44,14 @@ def _mark_mask_helper(modname: str) -> Callable[[], None]:
         if _patch_users.get(modname, 0) == 0:
             original = mod.compute_text_seq_len_from_mask
             _patch_originals[modname] = original
-            mod.compute_text_seq_len_from_mask = eager_on_graph(original, name="qwen-image text mask to length")
+            eager = eager_on_graph(original, name="qwen-image text mask to length")
+
+            def compute_text_seq_len_from_mask(encoder_hidden_states, encoder_hidden_states_mask):  # type: ignore[no-untyped-def]
+                # Without a mask the helper only reads a shape: no need to split the graph.
+                fn = original if encoder_hidden_states_mask is None else eager
+                return fn(encoder_hidden_states, encoder_hidden_states_mask)
+
+            mod.compute_text_seq_len_from_mask = compute_text_seq_len_from_mask
         _patch_users[modname] = _patch_users.get(modname, 0) + 1
 
     def undo() -> None:
