@@ -1,0 +1,225 @@
+"""accelerate_pipeline on tiny offline pipelines, on the CPU: walker, restore, errors, recipes."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+import accel.recipe as recipe_mod
+from accel import accelerate_pipeline
+from accel.pipeline import HOOK_NAME
+from accel.recipe import GenericRecipe, recipe_for
+from pipelines.builders import build_pipeline
+from pipelines.qwen_image import QwenImageRecipe
+from pipelines.z_image import ZImageRecipe
+
+MODELS = ["z-image", "qwen-image"]
+
+
+def _call(pipe, name: str, seed: int = 0, **extra) -> torch.Tensor:
+    settings = dict(negative_prompt="blurry", true_cfg_scale=4.0) if name == "qwen-image" else dict(
+        negative_prompt="blurry", guidance_scale=4.0
+    )
+    out = pipe(
+        prompt="a lighthouse on a cliff in a storm",
+        width=96,
+        height=64,
+        num_inference_steps=2,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="latent",
+        **{**settings, **extra},
+    )
+    return out.images
+
+
+@pytest.fixture(params=MODELS)
+def tiny(request):
+    pipe = build_pipeline(request.param, "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    return request.param, pipe
+
+
+def test_walker_finds_denoiser_and_recipe(tiny) -> None:
+    name, pipe = tiny
+    accelerate_pipeline(pipe)
+    assert list(pipe.accel.runners) == ["transformer"]
+    expected = QwenImageRecipe if name == "qwen-image" else ZImageRecipe
+    assert isinstance(pipe.accel.recipes["transformer"], expected)
+    assert getattr(pipe.scheduler.step, "__bcg_eager__", False)
+    # the module is still the module
+    assert pipe.transformer.config is not None and pipe.transformer.dtype == torch.float32
+
+
+def test_cpu_calls_equal_eager_exactly(tiny) -> None:
+    name, pipe = tiny
+    ref = _call(pipe, name)
+    accelerate_pipeline(pipe)
+    out = _call(pipe, name)
+    assert torch.equal(out, ref)
+    st = pipe.accel.stats()["transformer"]
+    assert st.eager_calls == (4 if name == "qwen-image" else 2) and st.captures == 0 and st.replays == 0
+
+
+def test_idempotent_and_restore_gives_back_the_original(tiny) -> None:
+    name, pipe = tiny
+    module = pipe.transformer
+    had_registry = hasattr(module, "_diffusers_hook")
+    had_forward = "forward" in module.__dict__
+    original_forward = module.forward
+    accelerate_pipeline(pipe)
+    first = pipe.accel
+    assert accelerate_pipeline(pipe) is pipe and pipe.accel is first
+    assert list(module._diffusers_hook.hooks) == [HOOK_NAME]
+    accelerate_pipeline(pipe, mode="debug")  # other options re-install, still one hook
+    assert pipe.accel is not first and list(module._diffusers_hook.hooks) == [HOOK_NAME]
+    restored = pipe.accel.restore()
+    assert restored is pipe and "accel" not in pipe.__dict__
+    assert module.forward == original_forward
+    assert ("forward" in module.__dict__) == had_forward
+    assert hasattr(module, "_diffusers_hook") == had_registry
+    assert "step" not in vars(pipe.scheduler)
+    ref = _call(pipe, name)
+    accelerate_pipeline(pipe)  # works again after a restore
+    assert torch.equal(_call(pipe, name), ref)
+
+
+def test_debug_and_eager_modes_equal_stock(tiny) -> None:
+    name, pipe = tiny
+    ref = _call(pipe, name)
+    for mode in ("debug", "eager"):
+        accelerate_pipeline(pipe, mode=mode)
+        assert pipe.accel.mode == mode
+        assert torch.equal(_call(pipe, name), ref), mode
+    assert pipe.accel.runners["transformer"].enabled is False  # eager mode never captures
+
+
+def test_warmup_on_cpu_captures_nothing_and_validates_input(tiny) -> None:
+    name, pipe = tiny
+    accelerate_pipeline(pipe)
+    report = pipe.accel.warmup([(64, 64), (128, 96)], progress=False)
+    assert [(r.width, r.height) for r in report.rows] == [(128, 96), (64, 64)]  # largest first
+    assert report.total_captures == 0 and "total" in str(report)
+    for bad in [(100, 64), (0, 64), (64,), "512x512"]:
+        with pytest.raises(ValueError):
+            pipe.accel.warmup([bad], progress=False)
+    with pytest.raises(ValueError, match="not both"):
+        pipe.accel.warmup((64, 64), prompts=["a"], prompt_lengths=[8])
+    with pytest.raises(ValueError):
+        pipe.accel.warmup((64, 64), batch_sizes=(0,))
+
+
+def test_bad_pipelines_and_options_are_refused() -> None:
+    with pytest.raises(TypeError, match="DiffusionPipeline"):
+        accelerate_pipeline(torch.nn.Linear(2, 2))
+
+    class NoDenoiser(DiffusionPipeline):
+        def __init__(self, vae):
+            super().__init__()
+            self.register_modules(vae=vae)
+
+    with pytest.raises(ValueError, match="no denoiser"):
+        accelerate_pipeline(NoDenoiser(torch.nn.Linear(2, 2)))
+    pipe = build_pipeline("z-image", "tiny")
+    with pytest.raises(ValueError, match="mode"):
+        accelerate_pipeline(pipe, mode="fast")
+    assert "accel" not in pipe.__dict__
+
+
+def test_unknown_diffusers_version_falls_back_to_eager(monkeypatch, caplog) -> None:
+    pipe = build_pipeline("z-image", "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    ref = _call(pipe, "z-image")
+    monkeypatch.setattr(ZImageRecipe, "diffusers_versions", "<0.1")
+    with caplog.at_level(logging.WARNING, logger="accel.pipeline"):
+        accelerate_pipeline(pipe)
+    assert "tested with diffusers <0.1" in caplog.text
+    assert pipe.accel.runners["transformer"].enabled is False
+    assert "_pad_with_ids" not in pipe.transformer.__dict__  # the recipe did not touch the model
+    assert torch.equal(_call(pipe, "z-image"), ref)
+
+
+def test_recipe_lookup_by_class_and_registry(monkeypatch) -> None:
+    pipe = build_pipeline("qwen-image", "tiny")
+    assert recipe_for(pipe.transformer) is QwenImageRecipe
+    assert recipe_for(torch.nn.Linear(2, 2)) is GenericRecipe
+
+    class MyDenoiser(torch.nn.Module):
+        pass
+
+    class MyRecipe(recipe_mod.Recipe):
+        name = "mine"
+        denoiser_classes = ("MyDenoiser",)
+
+    monkeypatch.setattr(recipe_mod, "_registry", list(recipe_mod._registry))
+    recipe_mod.register_recipe(MyRecipe)
+    assert recipe_for(MyDenoiser()) is MyRecipe
+    with pytest.raises(TypeError):
+        recipe_mod.register_recipe(object)  # type: ignore[arg-type]
+
+
+# --- padding equivalence of each recipe on a transformer forward ---------------------------
+@torch.no_grad()
+def test_zimage_caption_padding_is_bit_exact() -> None:
+    module = build_pipeline("z-image", "tiny").transformer
+    recipe = ZImageRecipe()
+    g = torch.Generator().manual_seed(0)
+    for lengths in [(37, 10), (32, 1), (64, 63), (5,)]:
+        x = [torch.randn(16, 1, 8, 12, generator=g) for _ in lengths]
+        t = torch.rand(len(lengths), generator=g)
+        caps = [torch.randn(n, module.config.cap_feat_dim, generator=g) for n in lengths]
+        ref = module(x, t, caps, return_dict=False)[0]
+        undo = recipe.install(module)
+        try:
+            args, kwargs = recipe.prepare((x, t, caps), {"return_dict": False})
+            assert [c.shape[0] for c in args[2]] == [-(-n // 32) * 32 for n in lengths]
+            out = recipe.wrap_forward(module.forward)(*args, **kwargs)[0]
+        finally:
+            undo()
+        for o, r in zip(out, ref):
+            assert torch.equal(o, r), lengths
+    assert "_pad_with_ids" not in module.__dict__
+
+
+@torch.no_grad()
+def test_zimage_lengths_in_one_multiple_of_32_share_a_signature() -> None:
+    from accel.signature import flatten
+
+    recipe = ZImageRecipe()
+    x, t = [torch.randn(16, 1, 8, 8)], torch.rand(1)
+    keys = {flatten(*recipe.prepare((x, t, [torch.randn(n, 32)]), {}))[0].key for n in (33, 40, 64)}
+    assert len(keys) == 1
+    assert flatten(*recipe.prepare((x, t, [torch.randn(65, 32)]), {}))[0].key not in keys
+
+
+@torch.no_grad()
+def test_qwen_text_buckets_pad_with_a_zero_mask_and_stay_close() -> None:
+    module = build_pipeline("qwen-image", "tiny").transformer
+    recipe = QwenImageRecipe()
+    g = torch.Generator().manual_seed(0)
+    undo = recipe.install(module)
+    try:
+        for length in (7, 64, 100):
+            kw = dict(
+                hidden_states=torch.randn(1, 4 * 6, 64, generator=g),
+                encoder_hidden_states=torch.randn(1, length, module.config.joint_attention_dim, generator=g),
+                encoder_hidden_states_mask=None,
+                timestep=torch.rand(1, generator=g),
+                img_shapes=[[(1, 4, 6)]],
+                return_dict=False,
+            )
+            ref = module(**kw)[0]
+            _, padded = recipe.prepare((), kw)
+            bucket = recipe.bucket(length)
+            assert padded["encoder_hidden_states"].shape[1] == bucket
+            mask = padded["encoder_hidden_states_mask"]
+            assert mask[0, :length].all() and not mask[0, length:].any()
+            out = module(**padded)[0]
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    finally:
+        undo()
+    assert QwenImageRecipe(text_buckets=None).prepare((), {"encoder_hidden_states": torch.zeros(1, 7, 4)})[1][
+        "encoder_hidden_states"
+    ].shape[1] == 7
