@@ -21,6 +21,7 @@ from . import bcg
 from .pool import GraphPool
 from .recipe import Recipe, recipe_for, version_supported
 from .runner import GraphRunner, RunnerStats, capture_session
+from .safety import RequestLock, offload_reason, unwrap_method, weights_fingerprint, wrap_method
 
 __all__ = ["accelerate_pipeline", "PipelineAccelerator", "WarmupReport", "WarmupRow", "MODES", "DENOISER_NAMES"]
 
@@ -102,6 +103,9 @@ class _Denoiser:
     undo_recipe: Any
     had_forward_attr: bool
     had_registry: bool
+    active: bool  # the recipe is installed and graphs may be used (not eager mode, known version)
+    fingerprint: int | None = None
+    offloaded: str | None = None
 
 
 def _module_device(module: torch.nn.Module) -> torch.device:
@@ -121,16 +125,23 @@ class PipelineAccelerator:
         capture_on_miss: bool,
         max_entries: int,
         max_segments: int,
+        memory_budget_mb: float | None,
         recipe_options: dict[str, Any],
     ) -> None:
         self.pipe = pipe
         self.mode = mode
         self.options = dict(
-            capture_on_miss=capture_on_miss, max_entries=max_entries, max_segments=max_segments, **recipe_options
+            capture_on_miss=capture_on_miss,
+            max_entries=max_entries,
+            max_segments=max_segments,
+            memory_budget_mb=memory_budget_mb,
+            **recipe_options,
         )
         self.pool: GraphPool | None = None
         self._denoisers: dict[str, _Denoiser] = {}
         self._scheduler_step: tuple[Any, bool] | None = None
+        self._wrapped: list[tuple[Any, str, Any]] = []
+        self.request_lock = RequestLock()
         HookRegistry, GraphHook = _hook_classes()
         try:
             for name in DENOISER_NAMES:
@@ -163,6 +174,7 @@ class PipelineAccelerator:
             max_segments=self.options["max_segments"],
             debug=self.mode == "debug",
             capture_scope=lambda: recipe.capture_scope(module),
+            memory_budget=None if self.options["memory_budget_mb"] is None else int(self.options["memory_budget_mb"] * 2**20),
         )
         undo = lambda: None  # noqa: E731
         if self.mode == "eager":
@@ -186,7 +198,9 @@ class PipelineAccelerator:
         registry.register_hook(hook, HOOK_NAME)
         original = hook.fn_ref.original_forward
         runner.fn = recipe.wrap_forward(original) if runner.enabled else original
-        self._denoisers[name] = _Denoiser(name, module, recipe, runner, undo, had_forward_attr, had_registry)
+        d = _Denoiser(name, module, recipe, runner, undo, had_forward_attr, had_registry, active=runner.enabled)
+        self._denoisers[name] = d
+        self._check(d)
         logger.info("%s: %s with the %s recipe, mode %s", name, type(module).__name__, recipe.name, self.mode)
 
     def _pool_for(self, module: torch.nn.Module) -> GraphPool | None:
@@ -208,6 +222,53 @@ class PipelineAccelerator:
         previous = vars(scheduler).get("step")  # an instance-level override, if someone set one
         scheduler.step = bcg.eager_on_graph(step, name="scheduler.step")
         self._scheduler_step = (scheduler, previous)
+        # A pipeline call starts by setting the scheduler's timesteps and ends by freeing model
+        # hooks: there, once per call, calls are serialised and weights and offload are checked.
+        if hasattr(scheduler, "set_timesteps"):
+            self._wrapped.append((scheduler, "set_timesteps", wrap_method(scheduler, "set_timesteps", before=self._begin_call)))
+        if hasattr(self.pipe, "maybe_free_model_hooks"):
+            self._wrapped.append(
+                (self.pipe, "maybe_free_model_hooks", wrap_method(self.pipe, "maybe_free_model_hooks", after=self.request_lock.end))
+            )
+
+    def _begin_call(self) -> None:
+        self.request_lock.begin()
+        for d in self._denoisers.values():
+            self._check(d)
+
+    def _check(self, d: _Denoiser) -> None:
+        """Stop graphs from replaying weights that moved or changed since they were captured."""
+        if not d.active:
+            return
+        reason = offload_reason(d.module)
+        if reason is not None:
+            if d.offloaded is None:
+                d.offloaded = reason
+                d.runner.release()
+                d.runner.enabled = False
+                logger.warning(
+                    "%s: %s move the weights between calls, so graphs would read stale memory; running "
+                    "eagerly while offloading is on",
+                    d.name,
+                    reason,
+                )
+            return
+        if d.offloaded is not None:
+            logger.info("%s: offloading is off again; graphs are used from the next warm-up", d.name)
+            d.offloaded = None
+            d.runner.enabled = True
+            d.fingerprint = None
+        fingerprint = weights_fingerprint(d.module)
+        if d.fingerprint is not None and fingerprint != d.fingerprint:
+            dropped = d.runner.invalidate()
+            if dropped:
+                logger.warning(
+                    "%s: weights changed since capture (LoRA, load_state_dict, a move or a cast); dropped %d "
+                    "graphs, each is captured again on its next call",
+                    d.name,
+                    dropped,
+                )
+        d.fingerprint = fingerprint
 
     def _uninstall(self) -> None:
         for d in reversed(list(self._denoisers.values())):
@@ -228,6 +289,9 @@ class PipelineAccelerator:
             else:
                 scheduler.step = previous
             self._scheduler_step = None
+        for obj, name, previous in reversed(self._wrapped):
+            unwrap_method(obj, name, previous)
+        self._wrapped.clear()
 
     # ---------------------------------------------------------------------------------------
     # Public surface
@@ -336,6 +400,8 @@ class PipelineAccelerator:
         finally:
             bar.close()
             self.pipe._progress_bar_config = progress_config
+        for d in self._denoisers.values():
+            self._check(d)
         report = WarmupReport(list(rows.values()))
         failures = {name: d.runner.blocked for name, d in self._denoisers.items() if d.runner.blocked}
         for name, blocked in failures.items():
@@ -372,10 +438,15 @@ class PipelineAccelerator:
         return "\n".join(lines)
 
     def release(self) -> None:
-        """Drop every captured graph (they are captured again by the next warm-up)."""
+        """Drop every captured graph and give the graph memory back to torch.
+
+        Graphs are captured again by the next warm-up (or on first use, if enabled).
+        """
         for d in self._denoisers.values():
             d.runner.release()
         if torch.cuda.is_available():
+            # The pool's memory returns to the device once no graph uses it.
+            torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
     def restore(self) -> Any:
@@ -437,6 +508,7 @@ def accelerate_pipeline(
     text_buckets: Sequence[int] | None | str = "default",
     max_entries: int = 32,
     max_segments: int = 512,
+    memory_budget_mb: float | None = None,
 ) -> Any:
     """Make ``pipe``'s denoising loop replay CUDA graphs; returns ``pipe`` with ``pipe.accel``.
 
@@ -449,6 +521,8 @@ def accelerate_pipeline(
             so prompts of different lengths share a graph; ``None`` disables padding.
         max_entries: graphs kept per denoiser (least recently used evicted beyond).
         max_segments: a capture with more segments than this runs eagerly instead.
+        memory_budget_mb: graph memory beyond which further captures are refused (they run
+            eagerly, with a message); None for no limit.
 
     Calling it again with the same options is harmless; other options re-install.
     """
@@ -463,7 +537,13 @@ def accelerate_pipeline(
         recipe_options["text_buckets"] = None if text_buckets is None else tuple(sorted(int(b) for b in text_buckets))
     existing = pipe.__dict__.get("accel")
     if isinstance(existing, PipelineAccelerator):
-        wanted = dict(capture_on_miss=capture_on_miss, max_entries=max_entries, max_segments=max_segments, **recipe_options)
+        wanted = dict(
+            capture_on_miss=capture_on_miss,
+            max_entries=max_entries,
+            max_segments=max_segments,
+            memory_budget_mb=memory_budget_mb,
+            **recipe_options,
+        )
         if existing.mode == mode and existing.options == wanted:
             return pipe
         existing.restore()
@@ -473,6 +553,7 @@ def accelerate_pipeline(
         capture_on_miss=capture_on_miss,
         max_entries=max_entries,
         max_segments=max_segments,
+        memory_budget_mb=memory_budget_mb,
         recipe_options=recipe_options,
     )
     # Set through __dict__: DiffusionPipeline.__setattr__ would try to register it as a component.

@@ -122,6 +122,8 @@ class GraphRunner:
         warmup_runs: eager runs on the capture stream before a capture (lazy caches, autotuning).
         capture_scope: a context-manager factory entered around warm-up and capture; the list it
             yields is kept alive with the entry (for caches a graph reads by address).
+        memory_budget: bytes of graph memory (the pool, static inputs, boundary buffers) beyond
+            which a capture is refused and its signature runs eagerly; None for no limit.
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class GraphRunner:
         debug: bool = False,
         warmup_runs: int = 2,
         capture_scope: CaptureScope | None = None,
+        memory_budget: int | None = None,
     ) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
@@ -148,7 +151,9 @@ class GraphRunner:
         self.debug = debug
         self.warmup_runs = warmup_runs
         self.capture_scope = capture_scope
+        self.memory_budget = memory_budget
         self.enabled = True
+        self._recapture: set[Hashable] = set()
         self._entries: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()
         self._blocked: dict[Hashable, str] = {}
         self._said: set[Hashable] = set()
@@ -169,7 +174,7 @@ class GraphRunner:
         if not self._capturable(sig, leaves):
             self._stats.eager_calls += 1
             return self.fn(*args, **kwargs)
-        if self._capturing or self.capture_on_miss:
+        if self._capturing or self.capture_on_miss or sig.key in self._recapture:
             entry = self._capture(sig, leaves)
             if entry is not None:
                 return self._replay(entry, leaves)
@@ -221,13 +226,23 @@ class GraphRunner:
         return s
 
     def release(self) -> None:
-        """Drop every captured graph and forget failures (the pool keeps its blocks for reuse)."""
+        """Drop every captured graph and forget failures and pending recaptures."""
         with self._lock:
             if self._entries and torch.cuda.is_available():
                 torch.cuda.synchronize()
             self._entries.clear()
             self._blocked.clear()
             self._said.clear()
+            self._recapture.clear()
+
+    def invalidate(self) -> int:
+        """Drop every graph because what they read changed (weights); each dropped signature is
+        captured again on its next call. Returns how many graphs were dropped."""
+        with self._lock:
+            dropped = list(self._entries)
+            self.release()
+            self._recapture.update(dropped)
+            return len(dropped)
 
     # ---------------------------------------------------------------------------------------
     # Internals
@@ -300,19 +315,28 @@ class GraphRunner:
                         pool.stream.synchronize()
                 if graph.num_segments > self.max_segments:
                     raise bcg.BreakError(f"{graph.num_segments} segments exceed max_segments={self.max_segments}")
+                if self.memory_budget is not None:
+                    held = self._graph_bytes(extra=[static], extra_graph=graph)
+                    if held > self.memory_budget:
+                        raise MemoryError(
+                            f"graph memory would be {held / 2**20:.0f} MiB, over the budget of "
+                            f"{self.memory_budget / 2**20:.0f} MiB"
+                        )
             except Exception as exc:  # never break generation: block this signature, run eagerly
                 graph.reset()
                 del static
+                self._recapture.discard(sig.key)
                 reason = f"{type(exc).__name__}: {exc}".strip()
                 self._blocked[sig.key] = reason
                 self._stats.capture_failures += 1
-                if isinstance(exc, torch.cuda.OutOfMemoryError):
+                if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
                     torch.cuda.empty_cache()
                 logger.warning("%s: capture failed, this signature runs eagerly from now on: %s", self.name, reason)
                 return None
             seconds = time.perf_counter() - t0
             entry = _Entry(sig, static, graph, output, list(keepalive), seconds)
             self._entries[sig.key] = entry
+            self._recapture.discard(sig.key)
             self._stats.captures += 1
             self._stats.capture_seconds += seconds
             logger.info(
@@ -323,6 +347,12 @@ class GraphRunner:
                 ", ".join(sorted(set(graph.break_names))) or "none",
             )
             return entry
+
+    def _graph_bytes(self, extra: list[list[torch.Tensor]] = (), extra_graph: bcg.BreakableCUDAGraph | None = None) -> int:
+        statics = [e.static for e in self._entries.values()] + list(extra)
+        graphs = [e.graph for e in self._entries.values()] + ([extra_graph] if extra_graph is not None else [])
+        pool = self.pool.resident_bytes() if self.pool is not None else 0
+        return pool + sum(t.untyped_storage().nbytes() for s in statics for t in s) + sum(g.boundary_bytes() for g in graphs)
 
     def _replay(self, entry: _Entry, leaves: list[torch.Tensor]) -> Any:
         pool = self.pool

@@ -1,0 +1,114 @@
+"""Checks that keep a graph from replaying something it was not captured for.
+
+A graph reads weights by address. Loading a LoRA, ``load_state_dict``, ``fuse_lora`` or moving
+or casting the pipeline rewrites or moves those weights; CPU offload moves them on every call.
+Replaying then reads stale or freed memory. These helpers tell when that happened. They run once
+per pipeline call, never per denoiser step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["weights_fingerprint", "offload_reason", "RequestLock", "wrap_method", "unwrap_method"]
+
+
+def weights_fingerprint(module: torch.nn.Module) -> int:
+    """A hash of every parameter's and buffer's identity, address, shape and in-place version."""
+    items = []
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors have no version counter
+            version = -1
+        items.append((id(t), t.data_ptr(), t.dtype, tuple(t.shape), version))
+    # PEFT's LoRA layers keep adapter scales and switches as Python values, which a graph bakes in.
+    for m in module.modules():
+        scaling = getattr(m, "scaling", None)
+        if isinstance(scaling, dict):
+            active = getattr(m, "active_adapters", ())
+            items.append((tuple(sorted(scaling.items())), tuple(active), bool(getattr(m, "disable_adapters", False))))
+    return hash(tuple(items))
+
+
+def offload_reason(module: torch.nn.Module) -> str | None:
+    """Why ``module``'s weights move between calls (CPU offload of any kind), or None."""
+    for m in module.modules():
+        if getattr(m, "_hf_hook", None) is not None:
+            return "accelerate offload hooks (enable_model_cpu_offload or enable_sequential_cpu_offload)"
+        registry = getattr(m, "_diffusers_hook", None)
+        if registry is not None and any("offload" in name for name in registry.hooks):
+            return "diffusers group offloading"
+    return None
+
+
+class RequestLock:
+    """Serialises whole pipeline calls across threads.
+
+    A diffusers pipeline keeps per-call state (the scheduler's step index, the guidance scale),
+    so two threads in one pipeline corrupt each other's images with or without graphs. The lock
+    is taken where a call starts (the scheduler's ``set_timesteps``) and given back where it
+    ends (``maybe_free_model_hooks``). A call that raised in between leaves the lock with its
+    thread, which may start again; other threads wait ``timeout`` seconds, then get a clear error.
+    """
+
+    def __init__(self, timeout: float = 600.0) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self.timeout = timeout
+
+    def begin(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:
+            return
+        if not self._lock.acquire(timeout=self.timeout):
+            raise RuntimeError(
+                "this accelerated pipeline has been busy in another thread for "
+                f"{self.timeout:.0f}s; diffusers pipelines cannot run concurrently: use one pipeline per "
+                "thread, or wait for the other call to finish"
+            )
+        self._owner = me
+
+    def end(self) -> None:
+        if self._owner == threading.get_ident():
+            self._owner = None
+            self._lock.release()
+
+    @property
+    def busy(self) -> bool:
+        return self._owner is not None
+
+
+def wrap_method(obj: Any, name: str, before: Any = None, after: Any = None) -> Any:
+    """Shadow ``obj.name`` with an instance attribute calling ``before``/``after`` around it.
+
+    Returns what to restore: the previous instance attribute, or None if there was none.
+    """
+    previous = vars(obj).get(name)
+    original = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if after is not None:
+                after()
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    # Through __dict__: a DiffusionPipeline's __setattr__ would treat it as a component.
+    obj.__dict__[name] = wrapper
+    return previous
+
+
+def unwrap_method(obj: Any, name: str, previous: Any) -> None:
+    """Undo :func:`wrap_method`."""
+    if previous is None:
+        obj.__dict__.pop(name, None)
+    else:
+        obj.__dict__[name] = previous
