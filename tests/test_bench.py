@@ -1,0 +1,131 @@
+"""scripts/bench.py in --smoke mode (tiny models on CPU): it runs end to end and its outputs have the
+promised shape. Speed itself is never asserted here; the GPU numbers come from running the script
+on the device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench.py"
+MODELS = ("z-image", "qwen-image")
+RESOLUTIONS = ("64x64", "96x64")
+VARIANTS = ("eager", "bcg", "graph", "compile", "compile-ro")
+ENV_KEYS = ("device", "device_name", "driver", "cuda", "torch", "diffusers", "transformers", "python")
+NUMBERS = ("step_ms", "host_ms", "step_min_ms", "seq_ms", "speedup_vs_eager", "capture_s", "compile_s",
+           "e2e_s", "e2e_per_step_ms", "e2e_speedup_vs_eager")
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"bench.py --smoke failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    results = json.loads((out / "results.json").read_text())
+    return out, results, proc.stdout
+
+
+def test_env_and_config(smoke) -> None:
+    _, results, _ = smoke
+    env = results["env"]
+    for key in ENV_KEYS:
+        assert key in env, f"env lacks {key}"
+    assert env["device"] == "cpu" and env["torch"] and env["diffusers"] and env["python"]
+    config = results["config"]
+    assert config["smoke"] is True and config["size"] == "tiny" and config["device"] == "cpu"
+    assert tuple(config["resolutions"]) == RESOLUTIONS
+    assert tuple(config["variants"]) == VARIANTS
+
+
+def test_every_variant_has_one_entry_per_model_and_resolution(smoke) -> None:
+    _, results, _ = smoke
+    cases = results["cases"]
+    keys = [(c["model"], c["resolution"], c["variant"]) for c in cases]
+    assert len(keys) == len(set(keys)), "duplicate entries"
+    assert set(keys) == {(m, r, v) for m in MODELS for r in RESOLUTIONS for v in VARIANTS}
+    for c in cases:
+        where = f"{c['model']} {c['resolution']} {c['variant']}"
+        assert c["status"] in ("ok", "skipped", "error"), where
+        if c["status"] != "ok":
+            assert isinstance(c["reason"], str) and c["reason"].strip(), f"{where}: no reason"
+            continue
+        assert c["step_ms"] > 0 and c["host_ms"] > 0, where
+        for key in NUMBERS:
+            value = c.get(key)
+            if value is not None:
+                assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, f"{where}: {key}={value}"
+
+
+def test_eager_and_bcg_ran_and_cuda_variants_say_why_not(smoke) -> None:
+    _, results, _ = smoke
+    by = {(c["model"], c["resolution"], c["variant"]): c for c in results["cases"]}
+    for m in MODELS:
+        for r in RESOLUTIONS:
+            for v in ("eager", "bcg"):
+                assert by[(m, r, v)]["status"] == "ok", f"{m} {r} {v}: {by[(m, r, v)]['reason']}"
+            assert by[(m, r, "bcg")]["speedup_vs_eager"] > 0
+            # On a CPU the runner runs the stock forward: the same numbers as eager.
+            assert by[(m, r, "bcg")]["out_max_abs_diff"] == 0.0
+            for v in ("graph", "compile-ro"):
+                assert by[(m, r, v)]["status"] == "skipped" and "CUDA" in by[(m, r, v)]["reason"]
+            assert by[(m, r, "compile")]["status"] == "skipped"
+
+
+def test_end_to_end_and_memory_series(smoke) -> None:
+    _, results, _ = smoke
+    by = {(c["model"], c["resolution"], c["variant"]): c for c in results["cases"]}
+    for m in MODELS:
+        eager, bcg = by[(m, RESOLUTIONS[0], "eager")], by[(m, RESOLUTIONS[0], "bcg")]
+        assert eager["e2e_s"] > 0 and bcg["e2e_s"] > 0 and bcg["e2e_speedup_vs_eager"] > 0
+        assert bcg["e2e_bit_equal"] is True  # no graphs on a CPU: bit for bit the stock pipeline
+        assert bcg["e2e_steps"] == (9 if m == "z-image" else 2)
+        assert by[(m, RESOLUTIONS[1], "eager")]["e2e_s"] is None  # smoke: end to end at the first size only
+        series = [s for s in results["memory_series"] if s["model"] == m]
+        assert [s["n_resolutions"] for s in series] == [1, 2]
+        assert all(s["graph_mb"] == 0 for s in series)  # no CUDA, no graphs
+
+
+def test_markdown_and_plots(smoke) -> None:
+    out, results, stdout = smoke
+    md = (out / "results.md").read_text()
+    assert "Device:" in md and "torch" in md and "## z-image" in md and "## qwen-image" in md
+    assert "| 64x64 |" in md and "skipped" in md
+    assert "64x64 eager" in stdout  # progress lines
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # CI installs only the test extra; the script says why it drew nothing
+        assert all(s.startswith("skipped") for s in results["plots"].values())
+        return
+    for name in ("step_time.png", "graph_memory.png"):
+        assert results["plots"][name] == "ok"
+        data = (out / name).read_bytes()
+        assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_resolution_parsing() -> None:
+    bench = _load_bench()
+    assert bench.parse_resolution("512") == (512, 512)
+    assert bench.parse_resolution("768x512") == (768, 512)  # width x height
+    for bad in ("100", "64x", "abc", "0"):
+        with pytest.raises(Exception):
+            bench.parse_resolution(bad)
+    args = bench.resolve_config(bench.build_parser().parse_args(["--out", "x", "--device", "cpu"]))
+    assert args.size == "tiny" and args.variants == ["eager", "bcg"] and args.dtype == "fp32"
