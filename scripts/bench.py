@@ -78,7 +78,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-VARIANTS = ("eager", "bcg", "graph", "compile", "compile-ro")
+VARIANTS = ("eager", "bcg", "bcg-exact", "graph", "compile", "compile-ro")
 STATUSES = ("ok", "skipped", "error")
 PROMPT = "a red fox standing in fresh snow at dawn, soft golden light, highly detailed photograph"
 NEGATIVE = "blurry, low quality, watermark"
@@ -479,12 +479,12 @@ def register_recipes() -> None:
         say(f"warning: could not register the recipes by hand ({err_text(exc)})")
 
 
-def accelerate(pipe: Any) -> Any:
+def accelerate(pipe: Any, **options: Any) -> Any:
     try:
         from accel import accelerate_pipeline
     except ImportError:
         from accel.pipeline import accelerate_pipeline
-    return accelerate_pipeline(pipe)
+    return accelerate_pipeline(pipe, **options)
 
 
 def denoiser_name(accel: Any) -> str:
@@ -641,9 +641,13 @@ class ModelBench:
         if e2e:
             self._e2e(row, ctx, wh, "eager")
 
-    def v_bcg(self, row: dict, ctx: dict, wh: tuple[int, int], e2e: bool) -> None:
+    def v_bcg_exact(self, row: dict, ctx: dict, wh: tuple[int, int], e2e: bool) -> None:
+        """bcg without text padding: one graph per exact text length (Qwen-Image: no mask)."""
+        self.v_bcg(row, ctx, wh, False, text_buckets=None)
+
+    def v_bcg(self, row: dict, ctx: dict, wh: tuple[int, int], e2e: bool, **options: Any) -> None:
         with MemWatch(self.clock) as mem:
-            accelerate(self.pipe)
+            accelerate(self.pipe, **options)
             accel = self.pipe.accel
             self.clock.sync()
             t0 = time.perf_counter()

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench.py"
 MODELS = ("z-image", "qwen-image")
 RESOLUTIONS = ("64x64", "96x64")
-VARIANTS = ("eager", "bcg", "graph", "compile", "compile-ro")
+VARIANTS = ("eager", "bcg", "bcg-exact", "graph", "compile", "compile-ro")
 ENV_KEYS = ("device", "device_name", "driver", "cuda", "torch", "diffusers", "transformers", "python")
 NUMBERS = ("step_ms", "host_ms", "step_min_ms", "seq_ms", "speedup_vs_eager", "capture_s", "compile_s",
            "e2e_s", "e2e_per_step_ms", "e2e_speedup_vs_eager")
@@ -79,7 +79,7 @@ def test_eager_and_bcg_ran_and_cuda_variants_say_why_not(smoke) -> None:
     by = {(c["model"], c["resolution"], c["variant"]): c for c in results["cases"]}
     for m in MODELS:
         for r in RESOLUTIONS:
-            for v in ("eager", "bcg"):
+            for v in ("eager", "bcg", "bcg-exact"):
                 assert by[(m, r, v)]["status"] == "ok", f"{m} {r} {v}: {by[(m, r, v)]['reason']}"
             assert by[(m, r, "bcg")]["speedup_vs_eager"] > 0
             # On a CPU the runner runs the stock forward: the same numbers as eager.
