@@ -304,6 +304,23 @@ class BreakableCUDAGraph:
         self.breaks.clear()
 
 
+def _reset_generator_capture_state() -> None:
+    """Finish an empty capture after one that could not end.
+
+    When the CUDA capture was invalidated (a sync slipped in), torch's capture_end raises before
+    it tells the CUDA random generators that capture is over; every later random op on the
+    device would then fail. Beginning and ending an empty capture resets them.
+    """
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin()
+            g.capture_end()
+        del g
+
+
 class _Capture:
     def __init__(self, graph: BreakableCUDAGraph, pool: Any, error_mode: str, device: torch.device) -> None:
         self.graph = graph
@@ -330,10 +347,14 @@ class _Capture:
 
     def abort(self) -> None:
         seg, self.open_segment = self.open_segment, None
-        if seg is not None:
-            with contextlib.suppress(Exception), warnings.catch_warnings():
+        if seg is None:
+            return
+        try:
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 seg.capture_end()
+        except Exception:
+            _reset_generator_capture_state()
 
     def run_break(
         self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inline_nested: bool

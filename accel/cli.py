@@ -466,7 +466,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.report:
         print(pipe.accel.report() if mode != "eager" else f"{procs.tag}mode eager: the pipeline was not accelerated")
     if procs.state is not None:
-        procs.state.wait_for_everyone()
+        # No barrier: processes share nothing but the folder, and a barrier would need a
+        # working collective backend for no benefit.
         procs.state.destroy_process_group()
     return 0
 

@@ -9,6 +9,8 @@ write the same blocks.
 from __future__ import annotations
 
 import threading
+import weakref
+from typing import Any
 
 import torch
 
@@ -31,8 +33,22 @@ class GraphPool:
             self.handle = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(device)
         self.lock = threading.RLock()
+        self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()
         self._last_stream: torch.cuda.Stream | None = None
         self._done = torch.cuda.Event()
+
+    def handle_for(self, graph: Any) -> Any:
+        """The pool handle to capture ``graph`` into, registering it as a user of the pool.
+
+        Torch frees a private pool once the last graph using it is gone, and a freed pool's
+        handle cannot take new captures. When no registered graph holds segments any more
+        (all were released, evicted, invalidated or failed), a fresh handle is taken.
+        """
+        if not any(g.num_segments for g in self._graphs):
+            with torch.cuda.device(self.device):
+                self.handle = torch.cuda.graph_pool_handle()
+        self._graphs.add(graph)
+        return self.handle
 
     def order_after_last_replay(self, stream: torch.cuda.Stream) -> None:
         """Make ``stream`` wait for the last replay if that ran on another stream (no host sync).

@@ -309,7 +309,7 @@ class GraphRunner:
                             for _ in range(self.warmup_runs):
                                 self.fn(*args, **kwargs)
                         pool.stream.synchronize()
-                        with bcg.capture(graph, pool=pool.handle, stream=pool.stream):
+                        with bcg.capture(graph, pool=pool.handle_for(graph), stream=pool.stream):
                             output = target(*args, **kwargs)
                         caller.wait_stream(pool.stream)
                         pool.stream.synchronize()

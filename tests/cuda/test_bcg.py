@@ -277,3 +277,27 @@ def test_pool_memory_does_not_grow_with_breaks() -> None:
     print(f"boundary buffers MiB by breaks: { {k: round(v / 2**20, 1) for k, v in boundary.items()} }")
     lo, hi = min(resident.values()), max(resident.values())
     assert hi <= 1.25 * lo, resident
+
+
+@torch.no_grad()
+def test_invalidated_capture_and_released_pool_leave_the_device_usable() -> None:
+    def syncing(x):
+        return x * x.sum().item()  # an unmarked sync invalidates the CUDA capture itself
+
+    x = torch.randn(8, device=DEV)
+    runner = GraphRunner(syncing, name="sync")
+    with runner.capturing():
+        out = runner(x)
+    assert torch.equal(out, syncing(x)) and runner.stats().capture_failures == 1
+    torch.randn(4, device=DEV)  # random ops still work after the failed capture
+
+    doubler = GraphRunner(lambda t: t * 2, name="double", pool=runner.pool)
+    for _ in range(3):  # capture, drop every graph of the pool, capture again into it
+        with doubler.capturing():
+            assert torch.equal(doubler(x), x * 2)
+        doubler.release()
+        torch.cuda.empty_cache()
+    with doubler.capturing():
+        doubler(x)
+    x2 = torch.randn(8, device=DEV)
+    assert torch.equal(doubler(x2), x2 * 2) and doubler.stats().replays >= 1
