@@ -76,8 +76,10 @@ class QwenImageRecipe(Recipe):
             raise ValueError(f"text buckets must be positive, got {text_buckets}")
         self.buckets: tuple[int, ...] = tuple(sorted(set(text_buckets or ())))
         self._too_long_said = False
+        self._per_sample_shapes = False
 
     def install(self, module: torch.nn.Module) -> Callable[[], None]:
+        self._per_sample_shapes = bool(getattr(module.config, "zero_cond_t", False))
         modname = type(module).__module__
         if not hasattr(sys.modules.get(modname), "compute_text_seq_len_from_mask"):
             return lambda: None
@@ -88,6 +90,11 @@ class QwenImageRecipe(Recipe):
         return next((b for b in self.buckets if b >= length), None)
 
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        shapes = kwargs.get("img_shapes")
+        if not self._per_sample_shapes and isinstance(shapes, list) and len(shapes) > 1 and shapes.count(shapes[0]) == len(shapes):
+            # RoPE reads only the first entry; the pipeline sizes the list by prompts, not
+            # images, so N prompts and one prompt times N images would otherwise not share.
+            kwargs = {**kwargs, "img_shapes": shapes[:1]}
         text = kwargs.get("encoder_hidden_states")
         if not self.buckets or args or not isinstance(text, torch.Tensor) or text.dim() != 3:
             return args, kwargs
