@@ -236,7 +236,7 @@ def _one_line(e: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Model defaults (the only model-specific knowledge here, keyed by pipeline class name)
+# Model defaults: each recipe knows its model's (accel.recipe.Recipe.generation_defaults)
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Preset:
@@ -247,16 +247,17 @@ class Preset:
     default_negative: str | None  # true CFG needs a negative prompt to run at all
 
 
-_PRESETS = {
-    "ZImagePipeline": Preset(9, 0.0, "guidance_scale", 0.0, None),  # Turbo-like: no CFG
-    "QwenImagePipeline": Preset(20, 4.0, "true_cfg_scale", 1.0, " "),
-}
-
-
 def preset_for(pipe: Any) -> Preset:
-    preset = _PRESETS.get(type(pipe).__name__)
-    if preset is not None:
-        return preset
+    from .pipeline import DENOISER_NAMES
+    from .recipe import recipe_for
+
+    for name in DENOISER_NAMES:
+        module = getattr(pipe, name, None)
+        if module is not None:
+            defaults = recipe_for(module)().generation_defaults()
+            if defaults:
+                return Preset(**defaults)
+            break
     params = inspect.signature(pipe.__call__).parameters
     if "true_cfg_scale" in params:
         return Preset(30, None, "true_cfg_scale", 1.0, " ")

@@ -63,6 +63,11 @@ class Recipe:
         as long as the graph does (caches the graph reads by address)."""
         return contextlib.nullcontext([])
 
+    def generation_defaults(self) -> dict[str, Any]:
+        """How the model is usually run, for front ends: ``steps``, ``guidance``,
+        ``guidance_kwarg``, ``cfg_above`` (guidance runs above it) and ``default_negative``."""
+        return {}
+
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:
         """Text lengths to capture when the user names neither prompts nor lengths."""
@@ -122,7 +127,14 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    if not found:
+        logger.warning(
+            "no recipes found (entry-point group %r is empty): is bcg-diffusers installed "
+            "(pip install -e .)? Denoisers get the generic recipe.",
+            ENTRY_POINT_GROUP,
+        )
+    for ep in found:
         try:
             register_recipe(ep.load())
         except Exception as exc:  # a broken plug-in must not take the library down

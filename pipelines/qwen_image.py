@@ -139,6 +139,10 @@ class QwenImageRecipe(Recipe):
                     keep.append(device_freqs(p.device))
                     break
 
+    def generation_defaults(self) -> dict[str, Any]:
+        # True CFG runs only with a negative prompt and a scale above 1.
+        return dict(steps=20, guidance=4.0, guidance_kwarg="true_cfg_scale", cfg_above=1.0, default_negative=" ")
+
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:
         return tuple(b for b in self.buckets if b <= 128)

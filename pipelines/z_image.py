@@ -110,6 +110,10 @@ class ZImageRecipe(Recipe):
             if getattr(rope, "freqs_cis", None) is not None:
                 keep.append(list(rope.freqs_cis))
 
+    def generation_defaults(self) -> dict[str, Any]:
+        # Turbo-like: few steps, no guidance (the pipeline runs CFG whenever guidance_scale > 0).
+        return dict(steps=9, guidance=0.0, guidance_kwarg="guidance_scale", cfg_above=0.0, default_negative=None)
+
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:
         return (32, 64, 96, 128)
