@@ -410,15 +410,21 @@ def capture(
     stream = stream if stream is not None else torch.cuda.Stream()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     cap = _Capture(graph, pool, capture_error_mode, stream.device)
-    with torch.cuda.stream(stream):
-        token = _ACTIVE.set(cap)
-        try:
-            cap.open()
-            yield graph
-            cap.close()
-        except BaseException:
-            cap.abort()
-            graph.reset()
-            raise
-        finally:
-            _ACTIVE.reset(token)
+    with torch.cuda.stream(stream), _active(cap):
+        yield graph
+
+
+@contextlib.contextmanager
+def _active(cap: _Capture) -> Iterator[None]:
+    """Make ``cap`` the thread's capture between its first and last segment."""
+    token = _ACTIVE.set(cap)
+    try:
+        cap.open()
+        yield
+        cap.close()
+    except BaseException:
+        cap.abort()
+        cap.graph.reset()
+        raise
+    finally:
+        _ACTIVE.reset(token)

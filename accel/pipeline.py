@@ -21,7 +21,7 @@ from . import bcg
 from .pool import GraphPool
 from .recipe import Recipe, recipe_for, version_supported
 from .runner import GraphRunner, RunnerStats, capture_session
-from .safety import RequestLock, offload_reason, unwrap_method, weights_fingerprint, wrap_method
+from .safety import RequestLock, offload_reason, shadow_method, unwrap_method, weights_fingerprint, wrap_method
 
 __all__ = ["accelerate_pipeline", "PipelineAccelerator", "WarmupReport", "WarmupRow", "MODES", "DENOISER_NAMES"]
 
@@ -122,25 +122,15 @@ class PipelineAccelerator:
         pipe: Any,
         *,
         mode: str,
-        capture_on_miss: bool,
-        max_entries: int,
-        max_segments: int,
-        memory_budget_mb: float | None,
+        runner_options: dict[str, Any],
         recipe_options: dict[str, Any],
     ) -> None:
         self.pipe = pipe
         self.mode = mode
-        self.options = dict(
-            capture_on_miss=capture_on_miss,
-            max_entries=max_entries,
-            max_segments=max_segments,
-            memory_budget_mb=memory_budget_mb,
-            **recipe_options,
-        )
+        self.options = {**runner_options, **recipe_options}
         self.pool: GraphPool | None = None
         self._denoisers: dict[str, _Denoiser] = {}
-        self._scheduler_step: tuple[Any, bool] | None = None
-        self._wrapped: list[tuple[Any, str, Any]] = []
+        self._shadowed: list[tuple[Any, str, Any]] = []
         self.request_lock = RequestLock()
         HookRegistry, GraphHook = _hook_classes()
         try:
@@ -153,7 +143,7 @@ class PipelineAccelerator:
                     f"{type(pipe).__name__} has no denoiser to accelerate (looked for components named "
                     f"{', '.join(DENOISER_NAMES)})"
                 )
-            self._wrap_scheduler_step()
+            self._wrap_pipeline_calls()
         except BaseException:
             self._uninstall()
             raise
@@ -211,25 +201,22 @@ class PipelineAccelerator:
             self.pool = GraphPool(device)
         return self.pool
 
-    def _wrap_scheduler_step(self) -> None:
+    def _wrap_pipeline_calls(self) -> None:
+        scheduler = getattr(self.pipe, "scheduler", None)
         # The scheduler indexes its sigmas with a Python int that advances every step: inside a
         # graph that would freeze one step. It runs outside the denoiser anyway; marking it eager
         # keeps it eager even if someone captures a larger region.
-        scheduler = getattr(self.pipe, "scheduler", None)
-        step = getattr(scheduler, "step", None)
-        if step is None:
-            return
-        previous = vars(scheduler).get("step")  # an instance-level override, if someone set one
-        scheduler.step = bcg.eager_on_graph(step, name="scheduler.step")
-        self._scheduler_step = (scheduler, previous)
+        if hasattr(scheduler, "step"):
+            make = lambda step: bcg.eager_on_graph(step, name="scheduler.step")  # noqa: E731
+            self._shadowed.append((scheduler, "step", shadow_method(scheduler, "step", make)))
         # A pipeline call starts by setting the scheduler's timesteps and ends by freeing model
         # hooks: there, once per call, calls are serialised and weights and offload are checked.
         if hasattr(scheduler, "set_timesteps"):
-            self._wrapped.append((scheduler, "set_timesteps", wrap_method(scheduler, "set_timesteps", before=self._begin_call)))
+            previous = wrap_method(scheduler, "set_timesteps", before=self._begin_call)
+            self._shadowed.append((scheduler, "set_timesteps", previous))
         if hasattr(self.pipe, "maybe_free_model_hooks"):
-            self._wrapped.append(
-                (self.pipe, "maybe_free_model_hooks", wrap_method(self.pipe, "maybe_free_model_hooks", after=self.request_lock.end))
-            )
+            previous = wrap_method(self.pipe, "maybe_free_model_hooks", after=self.request_lock.end)
+            self._shadowed.append((self.pipe, "maybe_free_model_hooks", previous))
 
     def _begin_call(self) -> None:
         self.request_lock.begin()
@@ -282,16 +269,9 @@ class PipelineAccelerator:
                 d.module.__dict__.pop("forward", None)
             d.undo_recipe()
         self._denoisers.clear()
-        if self._scheduler_step is not None:
-            scheduler, previous = self._scheduler_step
-            if previous is None:
-                scheduler.__dict__.pop("step", None)
-            else:
-                scheduler.step = previous
-            self._scheduler_step = None
-        for obj, name, previous in reversed(self._wrapped):
+        for obj, name, previous in reversed(self._shadowed):
             unwrap_method(obj, name, previous)
-        self._wrapped.clear()
+        self._shadowed.clear()
 
     # ---------------------------------------------------------------------------------------
     # Public surface
@@ -532,30 +512,21 @@ def accelerate_pipeline(
         raise TypeError(f"accelerate_pipeline expects a diffusers DiffusionPipeline, got {type(pipe).__name__}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    runner_options = dict(
+        capture_on_miss=capture_on_miss,
+        max_entries=max_entries,
+        max_segments=max_segments,
+        memory_budget_mb=memory_budget_mb,
+    )
     recipe_options: dict[str, Any] = {}
     if text_buckets != "default":
         recipe_options["text_buckets"] = None if text_buckets is None else tuple(sorted(int(b) for b in text_buckets))
     existing = pipe.__dict__.get("accel")
     if isinstance(existing, PipelineAccelerator):
-        wanted = dict(
-            capture_on_miss=capture_on_miss,
-            max_entries=max_entries,
-            max_segments=max_segments,
-            memory_budget_mb=memory_budget_mb,
-            **recipe_options,
-        )
-        if existing.mode == mode and existing.options == wanted:
+        if existing.mode == mode and existing.options == {**runner_options, **recipe_options}:
             return pipe
         existing.restore()
-    accel = PipelineAccelerator(
-        pipe,
-        mode=mode,
-        capture_on_miss=capture_on_miss,
-        max_entries=max_entries,
-        max_segments=max_segments,
-        memory_budget_mb=memory_budget_mb,
-        recipe_options=recipe_options,
-    )
+    accel = PipelineAccelerator(pipe, mode=mode, runner_options=runner_options, recipe_options=recipe_options)
     # Set through __dict__: DiffusionPipeline.__setattr__ would try to register it as a component.
     pipe.__dict__["accel"] = accel
     return pipe

@@ -60,8 +60,7 @@ class GraphPool:
 
     def mark_replay_done(self, stream: torch.cuda.Stream) -> None:
         """Record that the last replay's work (including the output copy) was issued on ``stream``."""
-        if self._last_stream is None or self._last_stream != stream:
-            self._last_stream = stream
+        self._last_stream = stream
         self._done.record(stream)
 
     def _segments(self) -> list[dict]:

@@ -81,6 +81,15 @@ class Recipe:
         """The text length a call of ``length`` tokens reaches the runner with."""
         return length
 
+    @staticmethod
+    def embedding_setup(pipe: Any) -> tuple[torch.device, torch.dtype, torch.Generator]:
+        """Device, dtype and a seeded generator for random text embeddings that look like the
+        pipeline's own (its text encoder's dtype, on its execution device)."""
+        device = pipe._execution_device
+        encoder = getattr(pipe, "text_encoder", None)
+        dtype = encoder.dtype if encoder is not None else pipe.transformer.dtype
+        return device, dtype, torch.Generator(device).manual_seed(0)
+
     def warmup_calls(
         self,
         pipe: Any,

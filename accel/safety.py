@@ -8,13 +8,14 @@ per pipeline call, never per denoiser step.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["weights_fingerprint", "offload_reason", "RequestLock", "wrap_method", "unwrap_method"]
+__all__ = ["weights_fingerprint", "offload_reason", "RequestLock", "shadow_method", "wrap_method", "unwrap_method"]
 
 
 def weights_fingerprint(module: torch.nn.Module) -> int:
@@ -83,31 +84,38 @@ class RequestLock:
         return self._owner is not None
 
 
-def wrap_method(obj: Any, name: str, before: Any = None, after: Any = None) -> Any:
-    """Shadow ``obj.name`` with an instance attribute calling ``before``/``after`` around it.
+def shadow_method(obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
+    """Shadow ``obj.name`` with an instance attribute ``make(original)``.
 
-    Returns what to restore: the previous instance attribute, or None if there was none.
+    Returns what :func:`unwrap_method` restores: the previous instance attribute, or None.
     """
     previous = vars(obj).get(name)
-    original = getattr(obj, name)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if before is not None:
-            before()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if after is not None:
-                after()
-
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     # Through __dict__: a DiffusionPipeline's __setattr__ would treat it as a component.
-    obj.__dict__[name] = wrapper
+    obj.__dict__[name] = make(getattr(obj, name))
     return previous
 
 
+def wrap_method(obj: Any, name: str, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> Any:
+    """Shadow ``obj.name`` with a wrapper calling ``before``/``after`` around it."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                before()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if after is not None:
+                    after()
+
+        return wrapper
+
+    return shadow_method(obj, name, make)
+
+
 def unwrap_method(obj: Any, name: str, previous: Any) -> None:
-    """Undo :func:`wrap_method`."""
+    """Undo :func:`shadow_method` or :func:`wrap_method`."""
     if previous is None:
         obj.__dict__.pop(name, None)
     else:

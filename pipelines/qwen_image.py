@@ -168,11 +168,8 @@ class QwenImageRecipe(Recipe):
         negative_prompt_length: int,
         num_inference_steps: int,
     ) -> Iterator[dict[str, Any]]:
-        device = pipe._execution_device
-        encoder = getattr(pipe, "text_encoder", None)
-        dtype = encoder.dtype if encoder is not None else pipe.transformer.dtype
+        device, dtype, g = self.embedding_setup(pipe)
         dim = pipe.transformer.config.joint_attention_dim
-        g = torch.Generator(device).manual_seed(0)
 
         def embeds(length: int) -> tuple[torch.Tensor, torch.Tensor]:
             e = torch.randn(batch_size, length, dim, generator=g, device=device, dtype=dtype)

@@ -142,11 +142,8 @@ class ZImageRecipe(Recipe):
         negative_prompt_length: int,
         num_inference_steps: int,
     ) -> Iterator[dict[str, Any]]:
-        device = pipe._execution_device
-        encoder = getattr(pipe, "text_encoder", None)
-        dtype = encoder.dtype if encoder is not None else pipe.transformer.dtype
+        device, dtype, g = self.embedding_setup(pipe)
         dim = pipe.transformer.config.cap_feat_dim
-        g = torch.Generator(device).manual_seed(0)
 
         def embeds(length: int) -> list[torch.Tensor]:
             return [torch.randn(length, dim, generator=g, device=device, dtype=dtype) for _ in range(batch_size)]

@@ -231,17 +231,8 @@ def fake_capture(monkeypatch: pytest.MonkeyPatch, log: list[str] | None = None) 
 
     monkeypatch.setattr(cap, "open", open_)
     monkeypatch.setattr(cap, "close", close_)
-    token = bcg._ACTIVE.set(cap)
-    try:
-        cap.open()
+    with bcg._active(cap):
         yield Fake(graph, cap, log)
-        cap.close()
-    except BaseException:
-        cap.abort()
-        graph.reset()
-        raise
-    finally:
-        bcg._ACTIVE.reset(token)
 
 
 def test_breaks_split_segments_and_replay_reruns_them(monkeypatch: pytest.MonkeyPatch) -> None:

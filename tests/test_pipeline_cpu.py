@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -223,3 +224,38 @@ def test_qwen_text_buckets_pad_with_a_zero_mask_and_stay_close() -> None:
     assert QwenImageRecipe(text_buckets=None).prepare((), {"encoder_hidden_states": torch.zeros(1, 7, 4)})[1][
         "encoder_hidden_states"
     ].shape[1] == 7
+
+
+@pytest.mark.parametrize("name", MODELS)
+@torch.no_grad()
+def test_warmup_calls_hit_the_signatures_of_real_calls(name: str) -> None:
+    """What warm-up captures must be exactly what real calls look like to the runner."""
+    from accel.signature import flatten
+
+    pipe = build_pipeline(name, "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    recipe = (QwenImageRecipe if name == "qwen-image" else ZImageRecipe)()
+    recipe.install(pipe.transformer)
+    seen: list = []
+    original = pipe.transformer.forward
+
+    def record(*args, **kwargs):
+        seen.append(flatten(*recipe.prepare(args, kwargs))[0].key)
+        return original(*args, **kwargs)
+
+    pipe.transformer.forward = record
+    prompt, negative = "a red fox in fresh snow at dawn", "blurry"
+    for cfg, batch in itertools.product((True, False), (1, 2)):
+        seen.clear()
+        guidance = dict(true_cfg_scale=4.0 if cfg else 1.0) if name == "qwen-image" else dict(guidance_scale=4.0 if cfg else 0.0)
+        pipe(prompt=prompt, negative_prompt=negative if cfg else None, width=96, height=64, num_inference_steps=2,
+             num_images_per_prompt=batch, output_type="latent", **guidance)
+        real = set(seen)
+        seen.clear()
+        length = recipe.warmup_length(recipe.prompt_lengths(pipe, [prompt])[0])
+        for kwargs in recipe.warmup_calls(
+            pipe, width=96, height=64, batch_size=batch, cfg=cfg, prompt_length=length,
+            negative_prompt_length=recipe.prompt_lengths(pipe, [negative])[0], num_inference_steps=2,
+        ):
+            pipe(**kwargs)
+        assert set(seen) == real, (cfg, batch)
