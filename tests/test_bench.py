@@ -71,7 +71,9 @@ def test_every_variant_has_one_entry_per_model_and_resolution(smoke) -> None:
         for key in NUMBERS:
             value = c.get(key)
             if value is not None:
-                assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, f"{where}: {key}={value}"
+                assert isinstance(value, (int, float)) and math.isfinite(value), f"{where}: {key}={value}"
+                # Without CUDA the warm-up captures nothing and can round to 0 s; nothing is negative.
+                assert value > 0 or (key in ("capture_s", "compile_s") and value == 0), f"{where}: {key}={value}"
 
 
 def test_eager_and_bcg_ran_and_cuda_variants_say_why_not(smoke) -> None:
