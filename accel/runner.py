@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import gc
 import logging
@@ -93,16 +94,27 @@ def capture_session() -> Iterator[None]:
 
 
 def _clone_output(obj: Any) -> Any:
+    """A copy of a graph's output with every tensor cloned: the graph's own output buffers are
+    rewritten by the next replay of any graph in the pool, so nothing returned may alias them."""
     if isinstance(obj, torch.Tensor):
         return obj.clone()
-    if type(obj) in (list, tuple):
+    if isinstance(obj, tuple):
+        items = [_clone_output(o) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
         return type(obj)(_clone_output(o) for o in obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple: clone, never alias the graph's output
-        return type(obj)(*(_clone_output(o) for o in obj))
-    if type(obj) is dict:
-        return {k: _clone_output(v) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _clone_output(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+        return dataclasses.replace(obj, **{f.name: _clone_output(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        new = copy.copy(obj)
+        for k, v in obj.items():
+            new[k] = _clone_output(v)
+        return new
+    if hasattr(obj, "__dict__") and not callable(obj) and not isinstance(obj, torch.nn.Module):
+        new = copy.copy(obj)
+        for k, v in vars(obj).items():
+            setattr(new, k, _clone_output(v))
+        return new
     return obj
 
 

@@ -172,3 +172,21 @@ def test_clone_output_of_a_diffusers_output() -> None:
     clone.sample.add_(1.0)
     assert torch.count_nonzero(src.sample) == 0
     assert torch.equal(clone["sample"], torch.ones(1, 4)) and clone[0] is clone.sample
+
+
+def test_clone_output_never_aliases_inside_dict_subclasses_and_plain_objects() -> None:
+    import collections
+
+    from accel.runner import _clone_output
+
+    class Holder:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+            self.tag = "x"
+
+    src = collections.OrderedDict(a=torch.ones(2), b=[Holder(torch.zeros(3))])
+    out = _clone_output(src)
+    assert type(out) is collections.OrderedDict and type(out["b"][0]) is Holder and out["b"][0].tag == "x"
+    out["a"].add_(1)
+    out["b"][0].t.add_(1)
+    assert torch.equal(src["a"], torch.ones(2)) and torch.equal(src["b"][0].t, torch.zeros(3))
