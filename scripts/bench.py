@@ -44,11 +44,14 @@ Qwen-Image ~4 min, most of it Qwen-Image's eager end-to-end runs: 20 steps x 2 c
 Each compile variant adds ~1-2 minutes per resolution and model.
 
 Outputs under ``--out``: results.json, results.md, step_time.png, graph_memory.png (rewritten
-after every case, so a run stopped early still leaves its numbers).
+after every case, so a run stopped early still leaves its numbers). Runs too long for one sitting
+(compile variants on both models take over half an hour) can be split by model and resolution and
+joined with ``--merge DIR ...``, which measures nothing and writes one report.
 
     python scripts/bench.py --out out/bench                       # GPU default set
     python scripts/bench.py --smoke --out /tmp/bench              # tiny models on CPU, seconds
     python scripts/bench.py --models z-image --resolutions 512 1024 --variants eager bcg compile-ro --out out/zc
+    python scripts/bench.py --merge out/zc out/qc --out out/compile   # one report from separate runs
 """
 
 from __future__ import annotations
@@ -138,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--series-count", type=int, default=3,
                    help="memory series: warm up this many of the largest resolutions cumulatively (0: off)")
     p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="measure nothing: merge the results.json of earlier runs (e.g. one per device call) into "
+                        "one report under --out. Each model and resolution must come from a single run, so every "
+                        "ratio stays one measured inside one process")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end pipeline runs")
@@ -885,9 +892,18 @@ def write_markdown(results: dict, path: Path) -> None:
              + (f", driver {env['driver']}, CUDA {env['cuda']}" if env["device"] == "cuda" else "") + ")  ")
     L.append(f"**Versions:** torch {env['torch']}, diffusers {env['diffusers']}, transformers {env['transformers']}, "
              f"python {env['python']}; bcg-diffusers {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}  ")
-    L.append(f"**Run:** {env['date']}; size {cfg['size']}, dtype {cfg['dtype']}, {cfg['repeats']} timed calls after "
+    when = "merged runs (below)" if results.get("runs") else env["date"]
+    L.append(f"**Run:** {when}; size {cfg['size']}, dtype {cfg['dtype']}, {cfg['repeats']} timed calls after "
              f"{cfg['warmup_calls']} warm-up, end to end: median of {cfg['e2e_runs']} runs after 1 warm-up"
              f"{' (smoke)' if cfg['smoke'] else ''}; total {results.get('elapsed_s', '-')} s")
+    if results.get("runs"):
+        L.append("")
+        L.append(f"Merged from {len(results['runs'])} runs, one process each; all variants of one model and "
+                 "resolution come from the same run:")
+        L.append("")
+        for i, run in enumerate(results["runs"]):
+            L.append(f"- run {i}: {run['date']}, {' '.join(run['models'])} at {' '.join(run['resolutions'])}, "
+                     f"variants {' '.join(run['variants'])}, {run.get('elapsed_s', '-')} s")
     L.append("")
     L.append("Step = one denoiser forward of step 0's first call, median; x = speed-up vs eager measured in the same "
              "process. Z-Image runs as Turbo (guidance 0, 9 steps); Qwen-Image with true CFG (2 calls per step, "
@@ -941,6 +957,26 @@ def write_markdown(results: dict, path: Path) -> None:
                          f"{_f(r['peak_over_base_mb'], '{:.1f}')} | {_f(r['activation_mb'], '{:.1f}')} | "
                          f"{_f(r['out_max_abs_diff'], '{:.3g}')} |")
         L.append("")
+
+        compiled = [v for v in ("compile", "compile-ro") if any(by.get((res, v), {}).get("compile_s") for res in resolutions)]
+        if compiled and "bcg" in variants:
+            L.append("### Setup cost: bcg capture vs torch.compile's first call, s")
+            L.append("")
+            L.append("| resolution | bcg capture | " + " | ".join(f"{v} first call | {v} / capture" for v in compiled) + " |")
+            L.append("|---|---|" + "---|---|" * len(compiled))
+            for res in resolutions:
+                cap = by.get((res, "bcg"), {}).get("capture_s")
+                cells = [_f(cap)]
+                for v in compiled:
+                    c = by.get((res, v), {}).get("compile_s")
+                    cells += [_f(c, "{:.1f}"), f"{c / cap:.0f}x" if c and cap else "-"]
+                L.append(f"| {res} | " + " | ".join(cells) + " |")
+            L.append("")
+            L.append("compile-ro runs right after compile at the same resolution in the same process and reuses the "
+                     "kernels built there, and later resolutions of a run reuse kernels of earlier ones, so these first "
+                     "calls, compile-ro's above all, are lower bounds of cold ones. bcg capture likewise follows "
+                     "earlier captures of the run.")
+            L.append("")
 
         e2e_rows = [r for r in mrows if r.get("e2e_s") is not None or r.get("e2e_error")]
         if e2e_rows:
@@ -1041,6 +1077,9 @@ def write_plots(results: dict, out: Path) -> dict[str, str]:
     except Exception as exc:
         status["step_time.png"] = f"error: {err_text(exc)}"
 
+    if not results.get("memory_series"):
+        status["graph_memory.png"] = "skipped: no memory series in these results (--series-count 0)"
+        return status
     try:
         fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
         for ax, model in zip(axes[0], models):
@@ -1070,8 +1109,60 @@ def write_plots(results: dict, out: Path) -> dict[str, str]:
     return status
 
 
+MERGE_SAME_ENV = ("device", "device_name", "driver", "torch", "diffusers", "transformers")
+MERGE_SAME_CONFIG = ("size", "dtype")
+
+
+def merge_results(parts: list[dict]) -> dict:
+    """One report from runs made in separate processes on one machine setup.
+
+    Refuses runs from different devices or versions, and a (model, resolution) measured in two runs:
+    its variants would then be compared across processes, and every ratio here is meant to be one
+    measured inside a single process.
+    """
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]
+    for i, part in enumerate(parts[1:], 1):
+        for key in MERGE_SAME_ENV:
+            if part["env"].get(key) != first["env"].get(key):
+                raise ValueError(f"run {i} differs in env {key}: {part['env'].get(key)!r} vs {first['env'].get(key)!r}")
+        for key in MERGE_SAME_CONFIG:
+            if part["config"].get(key) != first["config"].get(key):
+                raise ValueError(f"run {i} differs in config {key}: "
+                                 f"{part['config'].get(key)!r} vs {first['config'].get(key)!r}")
+    owner: dict[tuple[str, str], int] = {}
+    for i, part in enumerate(parts):
+        for key in dict.fromkeys((c["model"], c["resolution"]) for c in part["cases"]):
+            if key in owner:
+                raise ValueError(f"{key[0]} {key[1]} was measured in run {owner[key]} and in run {i}")
+            owner[key] = i
+
+    models = list(dict.fromkeys(m for p in parts for m in p["config"]["models"]))
+    cases = [dict(c, run=i) for i, p in enumerate(parts) for c in p["cases"]]
+    cases.sort(key=lambda c: (models.index(c["model"]), c["width"] * c["height"], c["width"], VARIANTS.index(c["variant"])))
+    config = dict(first["config"])
+    config.update(
+        models=models,
+        resolutions=sorted(dict.fromkeys(r for p in parts for r in p["config"]["resolutions"]),
+                           key=lambda r: (lambda wh: (wh[0] * wh[1], wh[0]))(parse_resolution(r))),
+        variants=[v for v in VARIANTS if any(v in p["config"]["variants"] for p in parts)],
+    )
+    runs = [{"date": p["env"]["date"], "elapsed_s": p.get("elapsed_s"), "models": p["config"]["models"],
+             "resolutions": p["config"]["resolutions"], "variants": p["config"]["variants"]} for p in parts]
+    info: dict[str, Any] = {}
+    for p in parts:
+        for model, m in p.get("models", {}).items():
+            info.setdefault(model, {k: v for k, v in m.items() if k == "describe"})
+    elapsed = [p.get("elapsed_s") for p in parts]
+    return {"env": dict(first["env"]), "config": config, "models": info, "cases": cases,
+            "memory_series": [s for p in parts for s in p.get("memory_series", [])], "runs": runs,
+            "elapsed_s": rnd(sum(elapsed), 1) if all(e is not None for e in elapsed) else None}
+
+
 def save(results: dict, out: Path, plots: bool) -> None:
-    results["elapsed_s"] = rnd(time.perf_counter() - T_START, 1)
+    if "runs" not in results:  # a merge keeps its runs' own times
+        results["elapsed_s"] = rnd(time.perf_counter() - T_START, 1)
     if plots:
         results["plots"] = write_plots(results, out)
     tmp = out / "results.json.tmp"
@@ -1084,7 +1175,19 @@ def save(results: dict, out: Path, plots: bool) -> None:
 # Main
 # ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    args = resolve_config(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if args.merge:
+        try:
+            parts = [json.loads((Path(d) / "results.json").read_text()) for d in args.merge]
+            merged = merge_results(parts)
+        except (OSError, ValueError, KeyError) as exc:
+            raise SystemExit(f"--merge: {err_text(exc)}") from None
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        save(merged, out, plots=True)
+        say(f"merged {len(parts)} runs, {len(merged['cases'])} cases into {out / 'results.json'}")
+        return 0
+    args = resolve_config(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("diffusers", "transformers"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -131,3 +131,53 @@ def test_resolution_parsing() -> None:
             bench.parse_resolution(bad)
     args = bench.resolve_config(bench.build_parser().parse_args(["--out", "x", "--device", "cpu"]))
     assert args.size == "tiny" and args.variants == ["eager", "bcg"] and args.dtype == "fp32"
+
+
+def _write(folder: Path, results: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(results))
+    return folder
+
+
+def _split(results: dict, resolutions: tuple[str, ...]) -> dict:
+    part = json.loads(json.dumps(results))
+    part["cases"] = [c for c in part["cases"] if c["resolution"] in resolutions]
+    part["config"]["resolutions"] = list(resolutions)
+    part["memory_series"] = []
+    return part
+
+
+def test_merge_joins_runs_made_in_separate_processes(smoke, tmp_path) -> None:
+    _, results, _ = smoke
+    bench = _load_bench()
+    a = _write(tmp_path / "a", _split(results, RESOLUTIONS[1:]))
+    b = _write(tmp_path / "b", _split(results, RESOLUTIONS[:1]))
+    out = tmp_path / "merged"
+    assert bench.main(["--merge", str(a), str(b), "--out", str(out)]) == 0
+    merged = json.loads((out / "results.json").read_text())
+    key = lambda c: (c["model"], c["resolution"], c["variant"])  # noqa: E731
+    assert sorted(map(key, merged["cases"])) == sorted(map(key, results["cases"]))
+    # Sorted by model, then area: the run that measured 64x64 came second but is listed first.
+    first = [c for c in merged["cases"] if c["model"] == MODELS[0]]
+    assert first[0]["resolution"] == RESOLUTIONS[0] and first[0]["run"] == 1
+    assert {c["run"] for c in merged["cases"] if c["resolution"] == RESOLUTIONS[1]} == {0}
+    assert merged["config"]["resolutions"] == list(RESOLUTIONS)
+    assert len(merged["runs"]) == 2
+    md = (out / "results.md").read_text()
+    assert "Merged from 2 runs" in md and "| 64x64 |" in md and "| 96x64 |" in md
+
+
+def test_merge_refuses_ratios_across_processes_or_machines(smoke, tmp_path) -> None:
+    _, results, _ = smoke
+    bench = _load_bench()
+    a = _write(tmp_path / "a", _split(results, RESOLUTIONS))
+    b = _write(tmp_path / "b", _split(results, RESOLUTIONS[:1]))
+    with pytest.raises(SystemExit, match="measured in run 0 and in run 1"):
+        bench.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m1")])
+    other = _split(results, RESOLUTIONS[1:])
+    other["env"]["torch"] = "0.0.0"
+    c = _write(tmp_path / "c", other)
+    d = _write(tmp_path / "d", _split(results, RESOLUTIONS[:1]))
+    with pytest.raises(SystemExit, match="torch"):
+        bench.main(["--merge", str(d), str(c), "--out", str(tmp_path / "m2")])
+    assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
