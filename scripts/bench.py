@@ -893,9 +893,11 @@ def write_markdown(results: dict, path: Path) -> None:
     L.append(f"**Versions:** torch {env['torch']}, diffusers {env['diffusers']}, transformers {env['transformers']}, "
              f"python {env['python']}; bcg-diffusers {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}  ")
     when = "merged runs (below)" if results.get("runs") else env["date"]
+    e2e = (f", end to end: median of {cfg['e2e_runs']} runs after 1 warm-up" if cfg.get("e2e_resolutions")
+           else ", no end-to-end runs")
     L.append(f"**Run:** {when}; size {cfg['size']}, dtype {cfg['dtype']}, {cfg['repeats']} timed calls after "
-             f"{cfg['warmup_calls']} warm-up, end to end: median of {cfg['e2e_runs']} runs after 1 warm-up"
-             f"{' (smoke)' if cfg['smoke'] else ''}; total {results.get('elapsed_s', '-')} s")
+             f"{cfg['warmup_calls']} warm-up{e2e}{' (smoke)' if cfg['smoke'] else ''}; "
+             f"total {results.get('elapsed_s', '-')} s")
     if results.get("runs"):
         L.append("")
         L.append(f"Merged from {len(results['runs'])} runs, one process each; all variants of one model and "
@@ -1147,6 +1149,7 @@ def merge_results(parts: list[dict]) -> dict:
         resolutions=sorted(dict.fromkeys(r for p in parts for r in p["config"]["resolutions"]),
                            key=lambda r: (lambda wh: (wh[0] * wh[1], wh[0]))(parse_resolution(r))),
         variants=[v for v in VARIANTS if any(v in p["config"]["variants"] for p in parts)],
+        e2e_resolutions=list(dict.fromkeys(r for p in parts for r in p["config"].get("e2e_resolutions", []))),
     )
     runs = [{"date": p["env"]["date"], "elapsed_s": p.get("elapsed_s"), "models": p["config"]["models"],
              "resolutions": p["config"]["resolutions"], "variants": p["config"]["variants"]} for p in parts]
