@@ -41,7 +41,8 @@ shapes before reports less (``--no-compile-cache`` for cold numbers everywhere).
 Default GPU set (full-size random-weight models, bf16, both models, 256 512 768 1024 768x512,
 eager bcg graph, end to end at 512 and 1024): about 6 minutes on one H200 (Z-Image ~1.5 min,
 Qwen-Image ~4 min, most of it Qwen-Image's eager end-to-end runs: 20 steps x 2 calls at ~0.2 s).
-Each compile variant adds ~1-2 minutes per resolution and model.
+Each compile variant adds its compile time per resolution and model (on the H200: 37-65 s for
+Z-Image, 124-145 s for Qwen-Image).
 
 Outputs under ``--out``: results.json, results.md, step_time.png, graph_memory.png (rewritten
 after every case, so a run stopped early still leaves its numbers). Runs too long for one sitting
@@ -1115,6 +1116,10 @@ MERGE_SAME_ENV = ("device", "device_name", "driver", "torch", "diffusers", "tran
 MERGE_SAME_CONFIG = ("size", "dtype")
 
 
+def _by_area(wh: tuple[int, int]) -> tuple[int, int]:
+    return wh[0] * wh[1], wh[0]
+
+
 def merge_results(parts: list[dict]) -> dict:
     """One report from runs made in separate processes on one machine setup.
 
@@ -1142,12 +1147,12 @@ def merge_results(parts: list[dict]) -> dict:
 
     models = list(dict.fromkeys(m for p in parts for m in p["config"]["models"]))
     cases = [dict(c, run=i) for i, p in enumerate(parts) for c in p["cases"]]
-    cases.sort(key=lambda c: (models.index(c["model"]), c["width"] * c["height"], c["width"], VARIANTS.index(c["variant"])))
+    cases.sort(key=lambda c: (models.index(c["model"]), _by_area((c["width"], c["height"])), VARIANTS.index(c["variant"])))
     config = dict(first["config"])
     config.update(
         models=models,
         resolutions=sorted(dict.fromkeys(r for p in parts for r in p["config"]["resolutions"]),
-                           key=lambda r: (lambda wh: (wh[0] * wh[1], wh[0]))(parse_resolution(r))),
+                           key=lambda r: _by_area(parse_resolution(r))),
         variants=[v for v in VARIANTS if any(v in p["config"]["variants"] for p in parts)],
         e2e_resolutions=list(dict.fromkeys(r for p in parts for r in p["config"].get("e2e_resolutions", []))),
     )
