@@ -5,7 +5,8 @@
     pipe.accel.warmup([(512, 512), (1024, 1024)])
 
 The graph core (:mod:`accel.bcg`) and the runner (:mod:`accel.runner`) work on any callable;
-:mod:`accel.pipeline` applies them to diffusers pipelines through model recipes.
+:mod:`accel.pipeline` applies them to diffusers pipelines through model recipes
+(:mod:`accel.hook`, :mod:`accel.guard`, :mod:`accel.warmup`; options in :mod:`accel.options`).
 """
 
 from .bcg import (
@@ -18,11 +19,15 @@ from .bcg import (
     eager_on_graph,
     is_capturing,
 )
-from .pipeline import PipelineAccelerator, WarmupReport, accelerate_pipeline
+from .options import AcceleratorOptions, GenerationDefaults
+from .pipeline import PipelineAccelerator, accelerate_pipeline
 from .pool import GraphPool
 from .runner import GraphRunner, RunnerStats
+from .warmup import WarmupReport
 
 __all__ = [
+    "AcceleratorOptions",
+    "GenerationDefaults",
     "PipelineAccelerator",
     "WarmupReport",
     "accelerate_pipeline",

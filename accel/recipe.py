@@ -17,6 +17,8 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator
 
 import torch
 
+from .options import GenerationDefaults
+
 __all__ = ["Recipe", "GenericRecipe", "register_recipe", "recipe_for", "version_supported"]
 
 logger = logging.getLogger(__name__)
@@ -35,14 +37,14 @@ class Recipe:
         denoiser_classes: class names (matched along the MRO) this recipe serves.
         diffusers_versions: the diffusers range (PEP 440 specifier) the recipe was tested with;
             outside it the denoiser runs eagerly with a warning.
+        pads_text: the recipe takes a ``text_buckets`` argument (``None`` for no padding).
     """
 
     name: ClassVar[str] = "generic"
     denoiser_classes: ClassVar[tuple[str, ...]] = ()
     diffusers_versions: ClassVar[str] = ""
-
-    def __init__(self, **options: Any) -> None:
-        self.options = options
+    # Whether the recipe pads text to buckets: only then is it built with ``text_buckets=``.
+    pads_text: ClassVar[bool] = False
 
     # -- installation ----------------------------------------------------------------------
     def install(self, module: torch.nn.Module) -> Callable[[], None]:
@@ -63,10 +65,9 @@ class Recipe:
         as long as the graph does (caches the graph reads by address)."""
         return contextlib.nullcontext([])
 
-    def generation_defaults(self) -> dict[str, Any]:
-        """How the model is usually run, for front ends: ``steps``, ``guidance``,
-        ``guidance_kwarg``, ``cfg_above`` (guidance runs above it) and ``default_negative``."""
-        return {}
+    def generation_defaults(self) -> GenerationDefaults | None:
+        """How the model is usually run, for front ends; None where the recipe does not know."""
+        return None
 
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from accel.bcg import eager_on_graph
+from accel.options import GenerationDefaults
 from accel.recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,9 @@ class QwenImageRecipe(Recipe):
     denoiser_classes = ("QwenImageTransformer2DModel",)
     diffusers_versions = ">=0.42,<0.43"
 
-    def __init__(self, text_buckets: tuple[int, ...] | None = DEFAULT_TEXT_BUCKETS, **options: Any) -> None:
-        super().__init__(**options)
+    pads_text = True
+
+    def __init__(self, text_buckets: tuple[int, ...] | None = DEFAULT_TEXT_BUCKETS) -> None:
         if text_buckets is not None and any(b < 1 for b in text_buckets):
             raise ValueError(f"text buckets must be positive, got {text_buckets}")
         self.buckets: tuple[int, ...] = tuple(sorted(set(text_buckets or ())))
@@ -139,9 +141,9 @@ class QwenImageRecipe(Recipe):
                     keep.append(device_freqs(p.device))
                     break
 
-    def generation_defaults(self) -> dict[str, Any]:
+    def generation_defaults(self) -> GenerationDefaults:
         # True CFG runs only with a negative prompt and a scale above 1.
-        return dict(steps=20, guidance=4.0, guidance_kwarg="true_cfg_scale", cfg_above=1.0, default_negative=" ")
+        return GenerationDefaults(steps=20, guidance=4.0, guidance_kwarg="true_cfg_scale", cfg_above=1.0, default_negative=" ")
 
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:

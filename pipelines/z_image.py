@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from accel.options import GenerationDefaults
 from accel.recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,6 @@ class ZImageRecipe(Recipe):
     name = "z-image"
     denoiser_classes = ("ZImageTransformer2DModel",)
     diffusers_versions = ">=0.42,<0.43"
-
-    def __init__(self, text_buckets: Any = None, **options: Any) -> None:
-        # Buckets wider than the native multiple of 32 would change the image (the pad token is
-        # attended), so a text_buckets option is accepted and deliberately not used.
-        super().__init__(**options)
 
     def install(self, module: torch.nn.Module) -> Callable[[], None]:
         original = getattr(module, "_pad_with_ids", None)
@@ -110,9 +106,9 @@ class ZImageRecipe(Recipe):
             if getattr(rope, "freqs_cis", None) is not None:
                 keep.append(list(rope.freqs_cis))
 
-    def generation_defaults(self) -> dict[str, Any]:
+    def generation_defaults(self) -> GenerationDefaults:
         # Turbo-like: few steps, no guidance (the pipeline runs CFG whenever guidance_scale > 0).
-        return dict(steps=9, guidance=0.0, guidance_kwarg="guidance_scale", cfg_above=0.0, default_negative=None)
+        return GenerationDefaults(steps=9, guidance=0.0, guidance_kwarg="guidance_scale", cfg_above=0.0, default_negative=None)
 
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:

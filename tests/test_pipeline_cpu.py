@@ -102,7 +102,7 @@ def test_warmup_on_cpu_captures_nothing_and_validates_input(tiny) -> None:
     accelerate_pipeline(pipe)
     report = pipe.accel.warmup([(64, 64), (128, 96)], progress=False)
     assert [(r.width, r.height) for r in report.rows] == [(128, 96), (64, 64)]  # largest first
-    assert report.total_captures == 0 and "total" in str(report)
+    assert report.total_captures == 0 and "CUDA is not available" in str(report) == f"nothing captured: {report.skipped}"
     for bad in [(100, 64), (0, 64), (64,), "512x512"]:
         with pytest.raises(ValueError):
             pipe.accel.warmup([bad], progress=False)
@@ -259,3 +259,44 @@ def test_warmup_calls_hit_the_signatures_of_real_calls(name: str) -> None:
         ):
             pipe(**kwargs)
         assert set(seen) == real, (cfg, batch)
+
+
+def test_api_arguments_are_validated_in_one_clear_line() -> None:
+    pipe = build_pipeline("z-image", "tiny")
+    for bad, match in [
+        (dict(memory_budget_mb=-1), "memory_budget_mb must be a positive number"),
+        (dict(memory_budget_mb=float("nan")), "memory_budget_mb"),
+        (dict(max_entries=0), "max_entries must be a positive integer"),
+        (dict(capture_on_miss="yes"), "capture_on_miss must be True or False"),
+        (dict(text_buckets="64"), "text_buckets must be a sequence"),
+        (dict(text_buckets=[64, 0]), "every text bucket must be a positive integer"),
+        (dict(mode="fast"), "mode must be one of bcg, debug, eager"),
+        (dict(compile="no"), "compile must be True or False"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            accelerate_pipeline(pipe, **bad)
+        assert "accel" not in vars(pipe)
+    accelerate_pipeline(pipe)
+    for bad, match in [
+        (dict(cfg="maybe"), "cfg must be True, False or a list of them"),
+        (dict(batch_sizes=[1.5]), "batch_sizes must be a list of positive integers"),
+        (dict(prompt_lengths=[True]), "prompt_lengths must be a list of positive integers"),
+        (dict(num_inference_steps=1), "num_inference_steps must be an integer of at least 2"),
+        (dict(prompts=[3]), "prompts must be a list of strings"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            pipe.accel.warmup((64, 64), progress=False, **bad)
+    for bad in ["512x512", (512.5, 512), (True, 16), [(64,)], 64]:
+        with pytest.raises(ValueError, match="resolution"):
+            pipe.accel.warmup(bad, progress=False)
+
+
+def test_restore_twice_is_harmless_and_a_restored_accelerator_says_so(tiny) -> None:
+    _, pipe = tiny
+    accelerate_pipeline(pipe)
+    accel = pipe.accel
+    assert accel.restore() is pipe
+    assert accel.restore() is pipe  # a bare AttributeError before
+    assert "restored" in accel.report()
+    with pytest.raises(RuntimeError, match="restored"):
+        accel.warmup((64, 64), progress=False)

@@ -1,0 +1,253 @@
+"""The diffusers hook that puts a graph runner into one denoiser module.
+
+``apply_graph_runner(module, options)`` registers a :class:`GraphHook` in the module's diffusers
+``HookRegistry`` (the way diffusers applies its own caches), so the module stays the module:
+``.config``, ``.dtype``, ``cache_context`` and other hooks keep working. The hook owns its
+recipe's lifecycle: :meth:`GraphHook.initialize_hook` installs the recipe (eager breaks, patched
+helpers, compiled blocks) and :meth:`GraphHook.deinitalize_hook` undoes it, so removing the hook
+gives the module back exactly as it was.
+
+One module has one hook, and so one runner and one set of graphs, whichever pipelines call it:
+pipelines built from another's components (``SomePipeline(**pipe.components)``,
+``DiffusionPipeline.from_pipe``) share it. Each pipeline that uses the hook is counted as a user;
+the last one to let go removes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+
+from . import compile as compile_mod
+from .options import RECIPE_DEFAULT, AcceleratorOptions
+from .pool import GraphPool
+from .recipe import Recipe, recipe_for, version_supported
+from .runner import GraphRunner
+from .safety import offload_reason, weights_fingerprint
+
+__all__ = [
+    "HOOK_NAME",
+    "GraphHook",
+    "apply_graph_runner",
+    "graph_hook_of",
+    "module_device",
+    "release_graph_runner",
+    "shared_pool",
+]
+
+logger = logging.getLogger(__name__)
+
+HOOK_NAME = "bcg_graph_runner"
+
+# One pool per device for the whole process: only one graph replays at a time (the pool's lock),
+# so every denoiser of every pipeline can overlay its intermediates in the same memory.
+_pools: dict[torch.device, GraphPool] = {}
+
+
+def shared_pool(device: torch.device) -> GraphPool:
+    """The process's graph pool on ``device`` (a CUDA device)."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    pool = _pools.get(device)
+    if pool is None:
+        pool = _pools[device] = GraphPool(device)
+    return pool
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of the module's first parameter (CPU for a module without parameters)."""
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class GraphHook(ModelHook):
+    """Routes a denoiser's forward through its recipe's call normalisation and a GraphRunner.
+
+    Attributes:
+        recipe: the model family's recipe.
+        runner: the module's :class:`GraphRunner` (one per module).
+        options: the options the hook was applied with (every user must agree on them).
+        active: graphs may be used (not eager mode, a tested diffusers version, no offload).
+        inactive_reason: why graphs are off, for reports (None while active).
+        compiled: the repeated blocks were compiled by this hook.
+    """
+
+    def __init__(self, recipe: Recipe, options: AcceleratorOptions, name: str) -> None:
+        super().__init__()
+        self.recipe = recipe
+        self.options = options
+        self.name = name
+        self.runner = GraphRunner(
+            self._recipe_forward,
+            name=name,
+            capture_on_miss=options.capture_on_miss,
+            max_entries=options.max_entries,
+            max_segments=options.max_segments,
+            debug=options.mode == "debug",
+            memory_budget=options.memory_budget_bytes,
+        )
+        self.active = False
+        self.inactive_reason: str | None = None
+        self.compiled = False
+        self.users: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._module_ref: weakref.ref[torch.nn.Module] | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._forward: Callable[..., Any] | None = None
+        self._fingerprint: int | None = None
+        self._offloaded: str | None = None
+        # What removing the hook must undo beyond the registry's own bookkeeping.
+        self._drop_registry = False
+        self._drop_forward_attr = False
+
+    # -- lifecycle (called by diffusers' HookRegistry) ---------------------------------------
+    def initialize_hook(self, module: torch.nn.Module) -> torch.nn.Module:
+        self._module_ref = weakref.ref(module)
+        self.runner.capture_scope = lambda: self.recipe.capture_scope(module)
+        ok, installed = version_supported(type(self.recipe))
+        if self.options.mode == "eager":
+            self._deactivate("mode eager")
+        elif not ok:
+            self._deactivate(f"the {self.recipe.name} recipe was tested with diffusers {self.recipe.diffusers_versions}, this is {installed}")
+            logger.warning("%s: %s; running %s eagerly", self.name, self.inactive_reason, type(module).__name__)
+        else:
+            self.active = True
+            self._undo.append(self.recipe.install(module))
+            if self.options.compile:
+                undo = compile_mod.compile_repeated_blocks(module, self.name, self.options.compile_cache_dir)
+                if undo is not None:
+                    self.compiled = True
+                    self._undo.append(undo)
+        self.check()
+        return module
+
+    def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
+        self.runner.release()
+        while self._undo:
+            self._undo.pop()()
+        return module
+
+    # -- per call ----------------------------------------------------------------------------
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # Normalising calls (padding) only serves graph sharing: where nothing can be captured
+        # the stock call runs untouched, so CPU results equal eager exactly.
+        if self.active and module_device(module).type == "cuda":
+            args, kwargs = self.recipe.prepare(args, kwargs)
+        return self.runner(*args, **kwargs)
+
+    def _recipe_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._forward is None:
+            original = self.fn_ref.original_forward
+            self._forward = self.recipe.wrap_forward(original) if self.active else original
+        return self._forward(*args, **kwargs)
+
+    def _deactivate(self, reason: str) -> None:
+        self.active = False
+        self.runner.enabled = False
+        self.inactive_reason = reason
+
+    def check(self) -> None:
+        """Stop graphs from replaying weights that moved or changed since they were captured.
+
+        Runs once per pipeline call (and after a warm-up), never per step.
+        """
+        module = self._module_ref() if self._module_ref is not None else None
+        if module is None or not (self.active or self._offloaded):
+            return
+        reason = offload_reason(module)
+        if reason is not None:
+            if self._offloaded is None:
+                self._offloaded = reason
+                self.runner.release()
+                self._deactivate(f"{reason} move the weights between calls")
+                logger.warning(
+                    "%s: %s move the weights between calls, so graphs would read stale memory; running "
+                    "eagerly while offloading is on",
+                    self.name,
+                    reason,
+                )
+            return
+        if self._offloaded is not None:
+            logger.info("%s: offloading is off again; graphs are used from the next warm-up", self.name)
+            self._offloaded = None
+            self.active = True
+            self.runner.enabled = True
+            self.inactive_reason = None
+            self._fingerprint = None
+        fingerprint = weights_fingerprint(module)
+        if self._fingerprint is not None and fingerprint != self._fingerprint:
+            dropped = self.runner.invalidate()
+            if dropped:
+                logger.warning(
+                    "%s: weights changed since capture (LoRA, load_state_dict, a move or a cast); dropped %d "
+                    "graphs, each is captured again on its next call",
+                    self.name,
+                    dropped,
+                )
+        self._fingerprint = fingerprint
+
+
+def graph_hook_of(module: torch.nn.Module) -> GraphHook | None:
+    """The module's :class:`GraphHook`, if it has one."""
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.get_hook(HOOK_NAME) if registry is not None else None
+    return hook if isinstance(hook, GraphHook) else None
+
+
+def apply_graph_runner(module: torch.nn.Module, options: AcceleratorOptions, *, name: str, user: Any) -> GraphHook:
+    """Give ``module`` a graph runner (or join the one it has) on behalf of ``user``.
+
+    A module already accelerated with other options is refused: its graphs were made for those.
+    Call :func:`release_graph_runner` with the same ``user`` to let go.
+    """
+    hook = graph_hook_of(module)
+    if hook is not None:
+        if hook.options != options:
+            diff = ", ".join(
+                f"{f}={getattr(options, f)!r} (in use: {getattr(hook.options, f)!r})"
+                for f in options.__dataclass_fields__
+                if getattr(options, f) != getattr(hook.options, f)
+            )
+            raise ValueError(
+                f"{name} ({type(module).__name__}) is already accelerated by another pipeline with other options: "
+                f"{diff}; call restore() on that pipeline first or pass the same options"
+            )
+        hook.users.add(user)
+        return hook
+    recipe_cls = recipe_for(module)
+    if recipe_cls.pads_text and options.text_buckets is not RECIPE_DEFAULT:
+        recipe = recipe_cls(text_buckets=options.text_buckets)
+    else:
+        recipe = recipe_cls()
+    hook = GraphHook(recipe, options, name)
+    device = module_device(module)
+    if device.type == "cuda" and torch.cuda.is_available():
+        hook.runner.pool = shared_pool(device)
+    hook._drop_registry = not hasattr(module, "_diffusers_hook")
+    hook._drop_forward_attr = "forward" not in module.__dict__
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    registry.register_hook(hook, HOOK_NAME)
+    hook.users.add(user)
+    logger.info("%s: %s with the %s recipe, mode %s", name, type(module).__name__, recipe.name, options.mode)
+    return hook
+
+
+def release_graph_runner(module: torch.nn.Module, user: Any) -> bool:
+    """Let go of ``module``'s runner for ``user``; the last user removes the hook. True if removed."""
+    hook = graph_hook_of(module)
+    if hook is None:
+        return False
+    hook.users.discard(user)
+    if len(hook.users):
+        return False
+    registry = module._diffusers_hook
+    registry.remove_hook(HOOK_NAME, recurse=False)
+    if hook._drop_registry and not registry.hooks:
+        del module._diffusers_hook
+    if hook._drop_forward_attr:
+        module.__dict__.pop("forward", None)
+    return True
