@@ -16,7 +16,8 @@ the last of them.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import bcg
 from .safety import RequestLock, shadow_method, unwrap_method, wrap_method
@@ -42,7 +43,9 @@ class CallGuard:
             make = lambda step: bcg.eager_on_graph(step, name="scheduler.step")  # noqa: E731
             self._shadowed.append((scheduler, "step", shadow_method(scheduler, "step", make)))
         if hasattr(scheduler, "set_timesteps"):
-            self._shadowed.append((scheduler, "set_timesteps", wrap_method(scheduler, "set_timesteps", before=self.begin)))
+            self._shadowed.append(
+                (scheduler, "set_timesteps", wrap_method(scheduler, "set_timesteps", before=self.begin))
+            )
 
     @classmethod
     def attach(cls, pipe: Any, user: Any, check: Callable[[], None]) -> CallGuard | None:
@@ -60,7 +63,9 @@ class CallGuard:
         guard._checks[id(user)] = check
         ends: list[tuple[Any, str, Any]] = []
         if hasattr(pipe, "maybe_free_model_hooks"):
-            ends.append((pipe, "maybe_free_model_hooks", wrap_method(pipe, "maybe_free_model_hooks", after=guard.lock.end)))
+            ends.append(
+                (pipe, "maybe_free_model_hooks", wrap_method(pipe, "maybe_free_model_hooks", after=guard.lock.end))
+            )
         guard._users[id(user)] = ends
         return guard
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -112,7 +113,9 @@ class GraphHook(ModelHook):
         if self.options.mode == "eager":
             self._deactivate("mode eager")
         elif not ok:
-            self._deactivate(f"the {self.recipe.name} recipe was tested with diffusers {self.recipe.diffusers_versions}, this is {installed}")
+            self._deactivate(
+                f"the {self.recipe.name} recipe was tested with diffusers {self.recipe.diffusers_versions}, this is {installed}"
+            )
             logger.warning("%s: %s; running %s eagerly", self.name, self.inactive_reason, type(module).__name__)
         else:
             self.active = True

@@ -14,16 +14,17 @@ import enum
 import math
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Sequence, get_args
+from typing import Literal, get_args
 
 __all__ = [
-    "AcceleratorOptions",
-    "GenerationDefaults",
     "MODES",
-    "Mode",
     "RECIPE_DEFAULT",
     "RESOLUTION_MULTIPLE",
+    "AcceleratorOptions",
+    "GenerationDefaults",
+    "Mode",
     "RecipeDefault",
     "check_resolution",
     "default_compile_cache_dir",
@@ -109,7 +110,7 @@ class AcceleratorOptions:
 
     mode: Mode = "bcg"
     capture_on_miss: bool = False
-    text_buckets: tuple[int, ...] | None | RecipeDefault = RECIPE_DEFAULT
+    text_buckets: tuple[int, ...] | RecipeDefault | None = RECIPE_DEFAULT
     max_entries: int = 32
     max_segments: int = 512
     memory_budget_mb: float | None = None
@@ -125,9 +126,10 @@ class AcceleratorOptions:
         _positive_int("max_entries", self.max_entries)
         _positive_int("max_segments", self.max_segments)
         budget = self.memory_budget_mb
-        if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
-                raise ValueError(f"memory_budget_mb must be a positive number of MiB or None, got {budget!r}")
+        if budget is not None and not (
+            isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget > 0
+        ):
+            raise ValueError(f"memory_budget_mb must be a positive number of MiB or None, got {budget!r}")
         buckets = self.text_buckets
         if buckets is not None and buckets is not RECIPE_DEFAULT:
             if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence):

@@ -20,6 +20,7 @@ import torch
 from .guard import CallGuard
 from .hook import HOOK_NAME, GraphHook, apply_graph_runner, module_device, release_graph_runner, shared_pool
 from .options import MODES, RECIPE_DEFAULT, RESOLUTION_MULTIPLE, AcceleratorOptions, RecipeDefault
+from .pool import GraphPool
 from .recipe import Recipe
 from .runner import GraphRunner, RunnerStats
 from .safety import RequestLock
@@ -117,6 +118,12 @@ class PipelineAccelerator:
     @property
     def recipes(self) -> dict[str, Recipe]:
         return {name: h.recipe for name, h in self._hooks.items()}
+
+    @property
+    def pool(self) -> GraphPool | None:
+        """The graph memory pool this pipeline's graphs live in (one per device, shared by every
+        accelerated pipeline: only one graph replays at a time); None before any CUDA use."""
+        return next((h.runner.pool for h in self._hooks.values() if h.runner.pool is not None), None)
 
     @property
     def request_lock(self) -> RequestLock | None:
@@ -268,7 +275,7 @@ def accelerate_pipeline(
     *,
     mode: str = "bcg",
     capture_on_miss: bool = False,
-    text_buckets: Sequence[int] | None | RecipeDefault = RECIPE_DEFAULT,
+    text_buckets: Sequence[int] | RecipeDefault | None = RECIPE_DEFAULT,
     max_entries: int = 32,
     max_segments: int = 512,
     memory_budget_mb: float | None = None,

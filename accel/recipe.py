@@ -13,19 +13,21 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
-from typing import Any, Callable, ClassVar, ContextManager, Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
 
 import torch
 
 from .options import GenerationDefaults
 
-__all__ = ["Recipe", "GenericRecipe", "register_recipe", "recipe_for", "version_supported"]
+__all__ = ["GenericRecipe", "Recipe", "recipe_for", "register_recipe", "version_supported"]
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bcg_diffusers.recipes"
 
-_registry: list[type["Recipe"]] = []
+_registry: list[type[Recipe]] = []
 _entry_points_loaded = False
 
 
@@ -60,7 +62,7 @@ class Recipe:
         """Normalise a call before it reaches the runner (e.g. pad text to a bucket)."""
         return args, kwargs
 
-    def capture_scope(self, module: torch.nn.Module) -> ContextManager[list]:
+    def capture_scope(self, module: torch.nn.Module) -> AbstractContextManager[list]:
         """Entered around warm-up and capture; objects put in the yielded list stay alive
         as long as the graph does (caches the graph reads by address)."""
         return contextlib.nullcontext([])

@@ -80,9 +80,7 @@ class WarmupReport:
         for r in self.rows:
             line = f"{r.width:>5}x{r.height:<6} {r.seconds:9.2f} {r.captures:6d} {r.resident_bytes / 2**20:10.1f}"
             lines.append(line + (f" {r.compile_seconds:9.2f}" if compiled else ""))
-        total = (
-            f"{'total':>12} {self.total_seconds:9.2f} {self.total_captures:6d} {self.total_resident_bytes / 2**20:10.1f}"
-        )
+        total = f"{'total':>12} {self.total_seconds:9.2f} {self.total_captures:6d} {self.total_resident_bytes / 2**20:10.1f}"
         lines.append(total + (f" {self.total_compile_seconds:9.2f}" if compiled else ""))
         if compiled:
             lines.append(f"inductor compiled {self.compiled_graphs} graph(s)")

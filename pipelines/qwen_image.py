@@ -19,7 +19,8 @@ import contextlib
 import logging
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -93,7 +94,12 @@ class QwenImageRecipe(Recipe):
 
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         shapes = kwargs.get("img_shapes")
-        if not self._per_sample_shapes and isinstance(shapes, list) and len(shapes) > 1 and shapes.count(shapes[0]) == len(shapes):
+        if (
+            not self._per_sample_shapes
+            and isinstance(shapes, list)
+            and len(shapes) > 1
+            and shapes.count(shapes[0]) == len(shapes)
+        ):
             # RoPE reads only the first entry; the pipeline sizes the list by prompts, not
             # images, so N prompts and one prompt times N images would otherwise not share.
             kwargs = {**kwargs, "img_shapes": shapes[:1]}
@@ -105,8 +111,11 @@ class QwenImageRecipe(Recipe):
         if bucket is None:
             if not self._too_long_said:
                 self._too_long_said = True
-                logger.info("qwen-image: a %d-token text is longer than the largest bucket %d; not padded",
-                            length, self.buckets[-1])
+                logger.info(
+                    "qwen-image: a %d-token text is longer than the largest bucket %d; not padded",
+                    length,
+                    self.buckets[-1],
+                )
             return args, kwargs
         mask = kwargs.get("encoder_hidden_states_mask")
         if mask is None:
@@ -143,7 +152,9 @@ class QwenImageRecipe(Recipe):
 
     def generation_defaults(self) -> GenerationDefaults:
         # True CFG runs only with a negative prompt and a scale above 1.
-        return GenerationDefaults(steps=20, guidance=4.0, guidance_kwarg="true_cfg_scale", cfg_above=1.0, default_negative=" ")
+        return GenerationDefaults(
+            steps=20, guidance=4.0, guidance_kwarg="true_cfg_scale", cfg_above=1.0, default_negative=" "
+        )
 
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:

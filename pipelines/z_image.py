@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -84,7 +85,11 @@ class ZImageRecipe(Recipe):
         if len(args) < 3 or kwargs.get("siglip_feats") is not None:
             return args, kwargs
         x, t, captions = args[0], args[1], args[2]
-        if not (isinstance(captions, list) and captions and all(isinstance(c, torch.Tensor) and c.dim() == 2 for c in captions)):
+        if not (
+            isinstance(captions, list)
+            and captions
+            and all(isinstance(c, torch.Tensor) and c.dim() == 2 for c in captions)
+        ):
             return args, kwargs  # omni mode (nested lists) or something new: leave it alone
         padded, masks = [], []
         for c in captions:
@@ -108,7 +113,9 @@ class ZImageRecipe(Recipe):
 
     def generation_defaults(self) -> GenerationDefaults:
         # Turbo-like: few steps, no guidance (the pipeline runs CFG whenever guidance_scale > 0).
-        return GenerationDefaults(steps=9, guidance=0.0, guidance_kwarg="guidance_scale", cfg_above=0.0, default_negative=None)
+        return GenerationDefaults(
+            steps=9, guidance=0.0, guidance_kwarg="guidance_scale", cfg_above=0.0, default_negative=None
+        )
 
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:

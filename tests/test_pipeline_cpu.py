@@ -21,8 +21,10 @@ MODELS = ["z-image", "qwen-image"]
 
 
 def _call(pipe, name: str, seed: int = 0, **extra) -> torch.Tensor:
-    settings = dict(negative_prompt="blurry", true_cfg_scale=4.0) if name == "qwen-image" else dict(
-        negative_prompt="blurry", guidance_scale=4.0
+    settings = (
+        dict(negative_prompt="blurry", true_cfg_scale=4.0)
+        if name == "qwen-image"
+        else dict(negative_prompt="blurry", guidance_scale=4.0)
     )
     out = pipe(
         prompt="a lighthouse on a cliff in a storm",
@@ -102,7 +104,9 @@ def test_warmup_on_cpu_captures_nothing_and_validates_input(tiny) -> None:
     accelerate_pipeline(pipe)
     report = pipe.accel.warmup([(64, 64), (128, 96)], progress=False)
     assert [(r.width, r.height) for r in report.rows] == [(128, 96), (64, 64)]  # largest first
-    assert report.total_captures == 0 and "CUDA is not available" in str(report) == f"nothing captured: {report.skipped}"
+    assert (
+        report.total_captures == 0 and "CUDA is not available" in str(report) == f"nothing captured: {report.skipped}"
+    )
     for bad in [(100, 64), (0, 64), (64,), "512x512"]:
         with pytest.raises(ValueError):
             pipe.accel.warmup([bad], progress=False)
@@ -221,9 +225,12 @@ def test_qwen_text_buckets_pad_with_a_zero_mask_and_stay_close() -> None:
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     finally:
         undo()
-    assert QwenImageRecipe(text_buckets=None).prepare((), {"encoder_hidden_states": torch.zeros(1, 7, 4)})[1][
-        "encoder_hidden_states"
-    ].shape[1] == 7
+    assert (
+        QwenImageRecipe(text_buckets=None)
+        .prepare((), {"encoder_hidden_states": torch.zeros(1, 7, 4)})[1]["encoder_hidden_states"]
+        .shape[1]
+        == 7
+    )
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -247,15 +254,33 @@ def test_warmup_calls_hit_the_signatures_of_real_calls(name: str) -> None:
     prompt, negative = "a red fox in fresh snow at dawn", "blurry"
     for cfg, batch in itertools.product((True, False), (1, 2)):
         seen.clear()
-        guidance = dict(true_cfg_scale=4.0 if cfg else 1.0) if name == "qwen-image" else dict(guidance_scale=4.0 if cfg else 0.0)
-        pipe(prompt=prompt, negative_prompt=negative if cfg else None, width=96, height=64, num_inference_steps=2,
-             num_images_per_prompt=batch, output_type="latent", **guidance)
+        guidance = (
+            dict(true_cfg_scale=4.0 if cfg else 1.0)
+            if name == "qwen-image"
+            else dict(guidance_scale=4.0 if cfg else 0.0)
+        )
+        pipe(
+            prompt=prompt,
+            negative_prompt=negative if cfg else None,
+            width=96,
+            height=64,
+            num_inference_steps=2,
+            num_images_per_prompt=batch,
+            output_type="latent",
+            **guidance,
+        )
         real = set(seen)
         seen.clear()
         length = recipe.warmup_length(recipe.prompt_lengths(pipe, [prompt])[0])
         for kwargs in recipe.warmup_calls(
-            pipe, width=96, height=64, batch_size=batch, cfg=cfg, prompt_length=length,
-            negative_prompt_length=recipe.prompt_lengths(pipe, [negative])[0], num_inference_steps=2,
+            pipe,
+            width=96,
+            height=64,
+            batch_size=batch,
+            cfg=cfg,
+            prompt_length=length,
+            negative_prompt_length=recipe.prompt_lengths(pipe, [negative])[0],
+            num_inference_steps=2,
         ):
             pipe(**kwargs)
         assert set(seen) == real, (cfg, batch)

@@ -69,7 +69,7 @@ def test_weight_change_drops_graphs_at_the_next_call(monkeypatch, caplog) -> Non
     assert calls == []
     with torch.no_grad():
         pipe.transformer.cap_pad_token.mul_(1.0)
-    with caplog.at_level(logging.WARNING, logger="accel.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="accel"):
         _call(pipe)
     assert calls == [1] and "weights changed" in caplog.text and "dropped 3 graphs" in caplog.text
     _call(pipe)
@@ -83,7 +83,7 @@ def test_offload_switches_graphs_off_and_back_on(caplog) -> None:
     accelerate_pipeline(pipe)
     runner = pipe.accel.runners["transformer"]
     add_hook_to_module(pipe.transformer, AccelerateHook())
-    with caplog.at_level(logging.WARNING, logger="accel.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="accel"):
         out = _call(pipe)
     assert torch.equal(out, ref) and runner.enabled is False and "offload" in caplog.text
     remove_hook_from_module(pipe.transformer)

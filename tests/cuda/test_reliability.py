@@ -25,7 +25,9 @@ def _pipe(name: str = "z-image"):
 
 
 def _call(pipe, name="z-image", *, prompt="a lighthouse in a storm", wh=(128, 128), seed=0, cfg=True, batch=1):
-    guidance = dict(true_cfg_scale=4.0 if cfg else 1.0) if name == "qwen-image" else dict(guidance_scale=4.0 if cfg else 0.0)
+    guidance = (
+        dict(true_cfg_scale=4.0 if cfg else 1.0) if name == "qwen-image" else dict(guidance_scale=4.0 if cfg else 0.0)
+    )
     return pipe(
         prompt=prompt,
         negative_prompt="blurry" if cfg else None,
@@ -60,7 +62,7 @@ def test_lora_and_state_dict_changes_are_never_replayed_stale(caplog) -> None:
     pipe.transformer.add_adapter(
         peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
     )
-    with caplog.at_level("WARNING", logger="accel.pipeline"):
+    with caplog.at_level("WARNING", logger="accel"):
         with_lora = _call(pipe)
     assert "weights changed" in caplog.text
     assert not torch.equal(with_lora, before)  # the LoRA does change the image
@@ -87,7 +89,7 @@ def test_model_cpu_offload_runs_eagerly_and_correctly(caplog) -> None:
     accelerate_pipeline(pipe)
     pipe.accel.warmup((128, 128), prompts=["a lighthouse in a storm"], negative_prompt="blurry", progress=False)
     pipe.enable_model_cpu_offload()
-    with caplog.at_level("WARNING", logger="accel.pipeline"):
+    with caplog.at_level("WARNING", logger="accel"):
         out = _call(pipe)
     assert "offload" in caplog.text
     assert pipe.accel.runners["transformer"].enabled is False
