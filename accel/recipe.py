@@ -80,8 +80,9 @@ class Recipe:
         """Encoded lengths of real prompts, as the denoiser will see them."""
         raise NotImplementedError(f"the {self.name} recipe cannot measure prompt lengths; pass prompt_lengths")
 
-    def warmup_length(self, length: int) -> int:
-        """The text length a call of ``length`` tokens reaches the runner with."""
+    def warmup_length(self, length: int, width: int, height: int) -> int:
+        """The text length a call of ``length`` tokens at ``width`` x ``height`` reaches the
+        runner with."""
         return length
 
     @staticmethod

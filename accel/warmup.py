@@ -89,24 +89,12 @@ class WarmupReport:
 
 @dataclasses.dataclass(frozen=True)
 class WarmupPlan:
-    """Every case to capture: (width, height, batch, cfg, text length), largest first."""
+    """Every case to capture as (width, height, batch, cfg, text length), largest first."""
 
     resolutions: tuple[tuple[int, int], ...]
-    batch_sizes: tuple[int, ...]
-    cfgs: tuple[bool, ...]
-    lengths: tuple[int, ...]
+    cases: tuple[tuple[int, int, int, bool, int], ...]
     negative_length: int
     num_inference_steps: int
-
-    @property
-    def cases(self) -> list[tuple[int, int, int, bool, int]]:
-        return [
-            (w, h, b, c, n)
-            for (w, h) in self.resolutions
-            for b in self.batch_sizes
-            for c in self.cfgs
-            for n in self.lengths
-        ]
 
 
 def normalise_resolutions(resolutions: Any) -> list[tuple[int, int]]:
@@ -183,8 +171,14 @@ def plan_warmup(
         negative_length = recipe.prompt_lengths(pipe, [negative_prompt or ""])[0]
     except NotImplementedError:
         negative_length = min(lengths)
-    lengths = sorted({recipe.warmup_length(n) for n in lengths}, reverse=True)
-    return WarmupPlan(tuple(res), tuple(sizes), cfgs, tuple(lengths), negative_length, num_inference_steps)
+    cases = tuple(
+        (w, h, b, c, n)
+        for (w, h) in res
+        for b in sizes
+        for c in cfgs
+        for n in sorted({recipe.warmup_length(n, w, h) for n in lengths}, reverse=True)
+    )
+    return WarmupPlan(tuple(res), cases, negative_length, num_inference_steps)
 
 
 def _calls(recipe: Recipe, pipe: Any, plan: WarmupPlan, case: tuple[int, int, int, bool, int]) -> Iterable[dict]:

@@ -121,7 +121,7 @@ class ZImageRecipe(Recipe):
     def default_prompt_lengths(self) -> tuple[int, ...]:
         return (32, 64, 96, 128)
 
-    def warmup_length(self, length: int) -> int:
+    def warmup_length(self, length: int, width: int, height: int) -> int:
         return _ceil(length)
 
     def prompt_lengths(self, pipe: Any, prompts: list[str]) -> list[int]:

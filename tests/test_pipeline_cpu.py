@@ -271,7 +271,7 @@ def test_warmup_calls_hit_the_signatures_of_real_calls(name: str) -> None:
         )
         real = set(seen)
         seen.clear()
-        length = recipe.warmup_length(recipe.prompt_lengths(pipe, [prompt])[0])
+        length = recipe.warmup_length(recipe.prompt_lengths(pipe, [prompt])[0], 96, 64)
         for kwargs in recipe.warmup_calls(
             pipe,
             width=96,
@@ -325,3 +325,19 @@ def test_restore_twice_is_harmless_and_a_restored_accelerator_says_so(tiny) -> N
     assert "restored" in accel.report()
     with pytest.raises(RuntimeError, match="restored"):
         accel.warmup((64, 64), progress=False)
+
+
+def test_qwen_pads_text_only_where_the_forward_is_launch_bound() -> None:
+    from pipelines.qwen_image import BUCKET_MAX_IMAGE_TOKENS
+
+    recipe = QwenImageRecipe()
+    text = torch.randn(1, 40, 8)
+
+    def padded_length(image_tokens: int) -> int:
+        kwargs = dict(hidden_states=torch.randn(1, image_tokens, 64), encoder_hidden_states=text)
+        return recipe.prepare((), kwargs)[1]["encoder_hidden_states"].shape[1]
+
+    assert padded_length(32 * 32) == 64  # 512x512: bucketed
+    assert padded_length(BUCKET_MAX_IMAGE_TOKENS) == 64
+    assert padded_length(64 * 64) == 40  # 1024x1024: exact length, the stock kernel
+    assert recipe.warmup_length(40, 512, 512) == 64 and recipe.warmup_length(40, 1024, 1024) == 40
