@@ -18,7 +18,8 @@ Contract (see the project's design notes):
   address. On replay the function runs again with the same argument objects, whose storage the
   previous segment has just rewritten, and its fresh output is copied into the boundary buffer.
 * Copy-back is strict: a different structure, shape, dtype or constant raises
-  :class:`CopyBackError` naming the break and the field.
+  :class:`CopyBackError` naming the break and the field. Outputs are walked by :mod:`accel.tree`
+  (tensors, tuples, lists, dicts, namedtuples, dataclasses, model outputs, plain objects).
 * Replay is a flat walk over segments and breaks on the current stream, with no host sync.
 * Segments are recorded, not run, during capture: a break then sees stale inputs. Never use the
   capture pass's output; replay to get real values.
@@ -34,9 +35,12 @@ import dataclasses
 import functools
 import logging
 import warnings
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
+
+from . import tree
 
 __all__ = [
     "BreakError",
@@ -66,7 +70,7 @@ class CopyBackError(BreakError):
     """A break's replay output does not match the boundary buffer recorded at capture."""
 
 
-_ACTIVE: contextvars.ContextVar["_Capture | None"] = contextvars.ContextVar("bcg_active_capture", default=None)
+_ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("bcg_active_capture", default=None)
 
 
 def is_capturing() -> bool:
@@ -100,66 +104,89 @@ def eager_on_graph(fn: F | None = None, *, name: str | None = None, inline_neste
 
 
 @eager_on_graph(name="break_graph")
-def _split() -> None:
+def _empty_break() -> None:
     return None
 
 
 def break_graph() -> None:
     """Force a segment boundary here (a no-op outside a capture)."""
-    _split()
+    _empty_break()
 
 
 # --------------------------------------------------------------------------------------------
 # Copy-back
 # --------------------------------------------------------------------------------------------
-def _is_dataclass_instance(obj: Any) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+def _same_constant(captured: Any, replayed: Any) -> bool:
+    if captured is replayed:
+        return True
+    try:
+        return bool(captured == replayed)
+    except Exception:  # e.g. an array's elementwise ==: not a constant we can vouch for
+        return False
 
 
-def copy_back(dst: Any, src: Any, where: str, path: str = "output") -> None:
-    """Copy ``src`` into ``dst`` in place, raising :class:`CopyBackError` on any mismatch."""
-
-    def fail(why: str) -> None:
-        raise CopyBackError(f"break {where!r}: {path}: {why}")
-
-    if isinstance(dst, torch.Tensor):
-        if not isinstance(src, torch.Tensor):
-            fail(f"expected a tensor, got {type(src).__name__}")
-        if src.shape != dst.shape or src.dtype != dst.dtype or src.device != dst.device:
-            fail(
-                f"captured {tuple(dst.shape)} {dst.dtype} on {dst.device}, "
-                f"replay gave {tuple(src.shape)} {src.dtype} on {src.device}"
+def _leaf_mismatch(captured: Any, replayed: Any) -> str | None:
+    """Why ``replayed`` cannot be copied into the captured leaf, or None if it can."""
+    if isinstance(captured, torch.Tensor):
+        if not isinstance(replayed, torch.Tensor):
+            return f"expected a tensor, got {type(replayed).__name__}"
+        if replayed.shape != captured.shape or replayed.dtype != captured.dtype or replayed.device != captured.device:
+            return (
+                f"captured {tuple(captured.shape)} {captured.dtype} on {captured.device}, "
+                f"replay gave {tuple(replayed.shape)} {replayed.dtype} on {replayed.device}"
             )
-        if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
-            dst.copy_(src)
-        return
-    if type(src) is not type(dst):
-        fail(f"captured a {type(dst).__name__}, replay gave a {type(src).__name__}")
-    if isinstance(dst, dict):
-        if list(dst.keys()) != list(src.keys()):
-            fail(f"keys changed from {list(dst.keys())} to {list(src.keys())}")
-        for k in dst:
-            copy_back(dst[k], src[k], where, f"{path}[{k!r}]")
-        return
-    if isinstance(dst, (list, tuple)):
-        if len(dst) != len(src):
-            fail(f"length changed from {len(dst)} to {len(src)}")
-        for i, (d, s) in enumerate(zip(dst, src)):
-            copy_back(d, s, where, f"{path}[{i}]")
-        return
-    if _is_dataclass_instance(dst):
-        for f in dataclasses.fields(dst):
-            copy_back(getattr(dst, f.name), getattr(src, f.name), where, f"{path}.{f.name}")
-        return
-    if hasattr(dst, "__dict__") and not callable(dst):
-        if set(vars(dst)) != set(vars(src)):
-            fail(f"attributes changed from {sorted(vars(dst))} to {sorted(vars(src))}")
-        for k, v in vars(dst).items():
-            copy_back(v, vars(src)[k], where, f"{path}.{k}")
-        return
+        return None
+    if type(replayed) is not type(captured):
+        return f"captured a {type(captured).__name__}, replay gave a {type(replayed).__name__}"
     # A constant: the segments after this break were recorded with the captured value baked in.
-    if dst is not src and dst != src:
-        fail(f"constant changed from {dst!r} to {src!r}")
+    if not _same_constant(captured, replayed):
+        return f"constant changed from {captured!r} to {replayed!r}"
+    return None
+
+
+def _structure_mismatch(dst: tree.Flat, leaves: list[Any], spec: tree.TreeSpec, root: str) -> str:
+    """``path: why`` for the first place where a replay output's structure left the buffer's."""
+    for step in tree.align(dst.spec, spec, root):
+        if step.leaves:
+            continue
+        captured = dst.leaves[step.a_leaf] if step.a.is_leaf() else None
+        if step.a.is_leaf() and isinstance(captured, torch.Tensor):
+            got = type(leaves[step.b_leaf]).__name__ if step.b.is_leaf() else tree.type_name(step.b)
+            return f"{step.path}: expected a tensor, got {got}"
+        if step.a.is_leaf() or step.b.is_leaf() or tree.node_type(step.a) is not tree.node_type(step.b):
+            was = type(captured).__name__ if step.a.is_leaf() else tree.type_name(step.a)
+            now = type(leaves[step.b_leaf]).__name__ if step.b.is_leaf() else tree.type_name(step.b)
+            return f"{step.path}: captured a {was}, replay gave a {now}"
+        return f"{step.path}: {tree.describe_change(step.a, step.b)}"
+    return f"{root}: structure changed"  # unreachable while align and spec_key agree
+
+
+def _copy_into(dst: tree.Flat, src: Any, break_name: str, root: str = "output") -> None:
+    """Copy ``src`` into the flattened boundary buffer ``dst`` in place; strict (see the contract).
+
+    Replay calls this once per break: the buffer was flattened at capture, only ``src`` is walked.
+    """
+    if dst.key is None and isinstance(src, torch.Tensor):
+        leaves = [src]  # a bare leaf captured, a tensor back (the common case): no spec to build
+    else:
+        leaves, key = tree.flatten_key(src)
+        if key != dst.key:
+            why = _structure_mismatch(dst, leaves, tree.flatten(src)[1], root)
+            raise CopyBackError(f"break {break_name!r}: {why}")
+    for i, (d, s) in enumerate(zip(dst.leaves, leaves)):
+        why = _leaf_mismatch(d, s)
+        if why is not None:
+            raise CopyBackError(f"break {break_name!r}: {root}{tree.leaf_paths(dst.spec)[i]}: {why}")
+        if isinstance(d, torch.Tensor) and (s.data_ptr() != d.data_ptr() or s.stride() != d.stride()):
+            d.copy_(s)
+
+
+def copy_back(dst: Any, src: Any, break_name: str, path: str = "output") -> None:
+    """Copy ``src`` into ``dst`` in place, raising :class:`CopyBackError` on any mismatch.
+
+    The message names the break and the field, e.g. ``break 'x': output[1]['pair'][0]: ...``.
+    """
+    _copy_into(tree.Flat(dst), src, break_name, path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,16 +236,18 @@ def _weak_view(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _weaken(obj: Any, pool_map: _PoolMap) -> Any:
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is torch.Tensor and pool_map.owns(obj):
-            return _weak_view(obj)
+def _views_of_pool_tensors(obj: Any, pool_map: _PoolMap) -> Any:
+    """``obj`` with every tensor the graph pool owns replaced by a non-owning view of it.
+
+    Walks ``obj`` as arguments are walked (:mod:`accel.tree`): containers, namedtuples and
+    dataclasses are rebuilt around the views; plain objects are passed on as they are, so a
+    tensor inside one stays strongly held. ``obj`` itself comes back when nothing was replaced.
+    """
+    leaves, spec = tree.flatten(obj, into_objects=False)
+    views = [_weak_view(x) if type(x) is torch.Tensor and pool_map.owns(x) else x for x in leaves]
+    if all(v is x for v, x in zip(views, leaves)):
         return obj
-    if type(obj) in (list, tuple):
-        return type(obj)(_weaken(o, pool_map) for o in obj)
-    if type(obj) is dict:
-        return {k: _weaken(v, pool_map) for k, v in obj.items()}
-    return obj
+    return tree.unflatten(views, spec)
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,14 +255,21 @@ def _weaken(obj: Any, pool_map: _PoolMap) -> Any:
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Break:
+    """One eager break: the call to repeat at replay and the boundary buffer its output goes to."""
+
     fn: Callable[..., Any]
     name: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     buffer: Any
     inline_nested: bool
+    flat_buffer: tree.Flat = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.flat_buffer = tree.Flat(self.buffer)
 
     def __call__(self) -> None:
+        """Run the break again and copy its output into the boundary buffer."""
         if self.inline_nested:
             token = _ACTIVE.set(None)
             try:
@@ -242,24 +278,7 @@ class _Break:
                 _ACTIVE.reset(token)
         else:
             out = self.fn(*self.args, **self.kwargs)
-        copy_back(self.buffer, out, self.name)
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif _is_dataclass_instance(obj):
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name))
-    elif hasattr(obj, "__dict__") and not callable(obj):
-        for v in vars(obj).values():
-            yield from _tensors(v)
+        _copy_into(self.flat_buffer, out, self.name)
 
 
 class BreakableCUDAGraph:
@@ -285,7 +304,7 @@ class BreakableCUDAGraph:
         """Bytes held by boundary buffers (outside the pool)."""
         seen: dict[int, int] = {}
         for b in self.breaks:
-            for t in _tensors(b.buffer):
+            for t in b.flat_buffer.tensors:
                 st = t.untyped_storage()
                 seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())
@@ -377,8 +396,8 @@ class _Capture:
             _Break(
                 fn=fn,
                 name=name,
-                args=_weaken(args, self.pool_map),
-                kwargs=_weaken(kwargs, self.pool_map),
+                args=_views_of_pool_tensors(args, self.pool_map),
+                kwargs=_views_of_pool_tensors(kwargs, self.pool_map),
                 buffer=out,
                 inline_nested=inline_nested,
             )
@@ -410,13 +429,16 @@ def capture(
     stream = stream if stream is not None else torch.cuda.Stream()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
     cap = _Capture(graph, pool, capture_error_mode, stream.device)
-    with torch.cuda.stream(stream), _active(cap):
+    with torch.cuda.stream(stream), _run_capture(cap):
         yield graph
 
 
 @contextlib.contextmanager
-def _active(cap: _Capture) -> Iterator[None]:
-    """Make ``cap`` the thread's capture between its first and last segment."""
+def _run_capture(cap: _Capture) -> Iterator[None]:
+    """Make ``cap`` the thread's capture: open its first segment, run the block, close its last.
+
+    On any error the open segment is abandoned, the graph reset, and the error propagates.
+    """
     token = _ACTIVE.set(cap)
     try:
         cap.open()

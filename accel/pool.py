@@ -34,8 +34,8 @@ class GraphPool:
             self.stream = torch.cuda.Stream(device)
         self.lock = threading.RLock()
         self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._last_stream: torch.cuda.Stream | None = None
-        self._done = torch.cuda.Event()
+        self._last_replay_stream: torch.cuda.Stream | None = None
+        self._last_replay_done = torch.cuda.Event()
 
     def handle_for(self, graph: Any) -> Any:
         """The pool handle to capture ``graph`` into, registering it as a user of the pool.
@@ -55,15 +55,16 @@ class GraphPool:
 
         Call with :attr:`lock` held, before a replay.
         """
-        if self._last_stream is not None and self._last_stream != stream:
-            stream.wait_event(self._done)
+        if self._last_replay_stream is not None and self._last_replay_stream != stream:
+            stream.wait_event(self._last_replay_done)
 
     def mark_replay_done(self, stream: torch.cuda.Stream) -> None:
         """Record that the last replay's work (including the output copy) was issued on ``stream``."""
-        self._last_stream = stream
-        self._done.record(stream)
+        self._last_replay_stream = stream
+        self._last_replay_done.record(stream)
 
-    def _segments(self) -> list[dict]:
+    def _allocator_segments(self) -> list[dict]:
+        """The caching allocator's segments (not graph segments) that belong to this pool."""
         pool = tuple(self.handle)
         return [
             s
@@ -73,11 +74,7 @@ class GraphPool:
 
     def resident_bytes(self) -> int:
         """Device memory the pool holds (reserved segments), whether or not a graph uses it now."""
-        return sum(s["total_size"] for s in self._segments())
-
-    def allocated_bytes(self) -> int:
-        """Bytes of the pool that live tensors (graph outputs, pinned caches) still occupy."""
-        return sum(s["allocated_size"] for s in self._segments())
+        return sum(s["total_size"] for s in self._allocator_segments())
 
     def __repr__(self) -> str:
         return f"GraphPool(device={self.device}, handle={tuple(self.handle)})"

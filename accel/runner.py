@@ -12,25 +12,35 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import gc
 import logging
 import threading
 import time
-from typing import Any, Callable, ContextManager, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 import torch
 
-from . import bcg
+from . import bcg, tree
 from .pool import GraphPool
 from .signature import Signature, describe_diff, flatten
 
-__all__ = ["GraphRunner", "RunnerStats", "capture_session"]
+__all__ = ["GraphMemoryBudgetError", "GraphRunner", "RunnerStats", "capture_session"]
 
 logger = logging.getLogger(__name__)
 
-CaptureScope = Callable[[], ContextManager[list]]
+CaptureScope = Callable[[], contextlib.AbstractContextManager[list]]
+
+
+class GraphMemoryBudgetError(RuntimeError):
+    """A capture was refused because graph memory would exceed the runner's ``memory_budget``.
+
+    A RuntimeError, not a :class:`MemoryError` (nothing ran out of memory: a limit the caller set
+    was reached) and not a :class:`~accel.bcg.BreakError` (those come from the breakable-graph
+    core; the budget is the runner's policy). The runner catches it like any capture failure:
+    the signature is blocked and runs eagerly, and :attr:`GraphRunner.blocked` keeps the reason.
+    """
 
 
 @dataclasses.dataclass
@@ -56,16 +66,31 @@ class RunnerStats:
 
 @dataclasses.dataclass
 class _Entry:
+    """One captured signature.
+
+    ``output`` is what the capture returned: buffers in the pool that every replay rewrites.
+    ``flat_output`` is the same value flattened once, so a replay's copy of it is one rebuild.
+    """
+
     signature: Signature
-    static: list[torch.Tensor]
+    static_inputs: list[torch.Tensor]
     graph: bcg.BreakableCUDAGraph
     output: Any
+    flat_output: tree.Flat
     keepalive: list[Any]
     capture_seconds: float
 
+    def copy_output(self) -> Any:
+        """The output with every tensor cloned: the graph's output buffers are rewritten by the
+        next replay of any graph in the pool, so nothing returned may alias them."""
+        return self.flat_output.clone()
 
-_session_lock = threading.Lock()
+
+# Capture sessions of all threads together: the first to open takes the collector's state and
+# turns it off, the last to close restores it, whatever order they close in.
+_session_lock = threading.RLock()  # re-entrant: a finaliser run by gc.collect() may open a session
 _session_depth = 0
+_gc_was_enabled = False
 
 
 @contextlib.contextmanager
@@ -73,49 +98,37 @@ def capture_session() -> Iterator[None]:
     """Collect garbage once and keep the collector off while graphs are captured.
 
     A collection in the middle of a capture can run finalisers that touch CUDA; collecting once
-    per session rather than per segment keeps capture fast. Re-entrant.
+    per session rather than per segment keeps capture fast. Re-entrant, and shared by threads:
+    the collector is back to its state before the first session only when the last one closes.
     """
-    global _session_depth
-    with _session_lock:
-        _session_depth += 1
-        first = _session_depth == 1
-        was_enabled = gc.isenabled()
-    if first:
-        gc.collect()
-        gc.disable()
+    _open_session()
     try:
         yield
     finally:
-        with _session_lock:
-            _session_depth -= 1
-            last = _session_depth == 0
-        if last and was_enabled:
+        _close_session()
+
+
+def _open_session() -> None:
+    global _session_depth, _gc_was_enabled
+    with _session_lock:
+        _session_depth += 1
+        if _session_depth > 1:
+            return
+        _gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            gc.collect()  # under the lock: no other thread starts capturing while finalisers run
+        except BaseException:
+            _close_session()
+            raise
+
+
+def _close_session() -> None:
+    global _session_depth
+    with _session_lock:
+        _session_depth -= 1
+        if _session_depth == 0 and _gc_was_enabled:
             gc.enable()
-
-
-def _clone_output(obj: Any) -> Any:
-    """A copy of a graph's output with every tensor cloned: the graph's own output buffers are
-    rewritten by the next replay of any graph in the pool, so nothing returned may alias them."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, tuple):
-        items = [_clone_output(o) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return type(obj)(_clone_output(o) for o in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _clone_output(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init})
-    if isinstance(obj, dict):
-        new = copy.copy(obj)
-        for k, v in obj.items():
-            new[k] = _clone_output(v)
-        return new
-    if hasattr(obj, "__dict__") and not callable(obj) and not isinstance(obj, torch.nn.Module):
-        new = copy.copy(obj)
-        for k, v in vars(obj).items():
-            setattr(new, k, _clone_output(v))
-        return new
-    return obj
 
 
 class GraphRunner:
@@ -127,7 +140,8 @@ class GraphRunner:
         pool: a :class:`GraphPool` to share with other runners; one is made on first capture
             otherwise.
         capture_on_miss: capture a new signature on first use instead of running it eagerly.
-        max_entries: captured signatures kept; the least recently used is evicted beyond it.
+        max_entries: captured signatures kept; once a new capture succeeds beyond it, the least
+            recently used is evicted.
         max_segments: a capture with more segments than this is refused (runs eagerly).
         debug: capture the whole call as one eager break, so the model runs eagerly through the
             same static buffers, replay walk and copies; tells capture bugs from model bugs.
@@ -192,7 +206,10 @@ class GraphRunner:
                 return self._replay(entry, leaves)
         else:
             self._stats.misses += 1
-            self._say_once(sig.key, f"{self.name}: no graph for this call; running eagerly. {self._miss_reason(sig)}")
+            if sig.key not in self._said:  # the reason compares against every entry: only when said
+                self._say_once(
+                    sig.key, f"{self.name}: no graph for this call; running eagerly. {self._miss_reason(sig)}"
+                )
         self._stats.eager_calls += 1
         return self.fn(*args, **kwargs)
 
@@ -232,7 +249,7 @@ class GraphRunner:
         s.entries = len(self._entries)
         s.segments_per_entry = [e.graph.num_segments for e in self._entries.values()]
         if memory:
-            s.static_bytes = sum(t.untyped_storage().nbytes() for e in self._entries.values() for t in e.static)
+            s.static_bytes = sum(t.untyped_storage().nbytes() for e in self._entries.values() for t in e.static_inputs)
             s.boundary_bytes = sum(e.graph.boundary_bytes() for e in self._entries.values())
             s.pool_bytes = self.pool.resident_bytes() if self.pool is not None else 0
         return s
@@ -271,7 +288,10 @@ class GraphRunner:
             self._say_once("no-cuda", f"{self.name}: CUDA is not available; running eagerly (no graphs)")
             return False
         if not leaves or any(t.device.type != "cuda" for t in leaves):
-            self._say_once(("not-cuda", sig.key), f"{self.name}: call has no CUDA tensors or some on another device; running eagerly")
+            self._say_once(
+                ("not-cuda", sig.key),
+                f"{self.name}: call has no CUDA tensors or some on another device; running eagerly",
+            )
             return False
         if self.pool is not None and any(t.device != self.pool.device for t in leaves):
             self._say_once(("device", sig.key), f"{self.name}: inputs are not on {self.pool.device}; running eagerly")
@@ -286,33 +306,40 @@ class GraphRunner:
         return f"Nearest captured signature differs in {shown}"
 
     def _evict_lru(self) -> None:
-        key, entry = self._entries.popitem(last=False)
-        torch.cuda.current_stream(entry.static[0].device).synchronize()
+        _key, entry = self._entries.popitem(last=False)
+        # A replay of it may still be running on the device.
+        torch.cuda.current_stream(entry.static_inputs[0].device).synchronize()
         del entry
         self._stats.evictions += 1
         logger.info("%s: evicted the least recently used graph (max_entries=%d)", self.name, self.max_entries)
 
+    def _evictions_to_admit_one(self) -> int:
+        return max(0, len(self._entries) + 1 - self.max_entries)
+
     def _capture(self, sig: Signature, leaves: list[torch.Tensor]) -> _Entry | None:
+        """Warm up and capture this signature; on success evict to make room and keep the entry.
+
+        Nothing is evicted before the capture succeeded: a failed capture must not cost a good
+        graph. On failure the signature is blocked (it runs eagerly) and None comes back.
+        """
         device = leaves[0].device
         with self._lock:
             if self.pool is None:
                 self.pool = GraphPool(device)
-            while len(self._entries) >= self.max_entries:
-                self._evict_lru()
             pool = self.pool
             target = self.fn
             if self.debug:
                 target = bcg.eager_on_graph(self.fn, name=f"{self.name} (debug: whole call eager)", inline_nested=True)
             t0 = time.perf_counter()
             graph = bcg.BreakableCUDAGraph()
-            static: list[torch.Tensor] = []
+            static_inputs: list[torch.Tensor] = []
             try:
                 with torch.inference_mode(False), torch.no_grad():
                     # Allocated outside the pool, owned by the entry: graphs read them by address.
-                    static = [torch.empty_like(t) for t in leaves]
-                    for s, t in zip(static, leaves):
+                    static_inputs = [torch.empty_like(t) for t in leaves]
+                    for s, t in zip(static_inputs, leaves):
                         s.copy_(t)
-                    args, kwargs = sig.rebuild(static)
+                    args, kwargs = sig.rebuild(static_inputs)
                     scope = self.capture_scope() if self.capture_scope is not None else contextlib.nullcontext([])
                     with pool.lock, scope as keepalive:
                         caller = torch.cuda.current_stream(device)
@@ -328,25 +355,30 @@ class GraphRunner:
                 if graph.num_segments > self.max_segments:
                     raise bcg.BreakError(f"{graph.num_segments} segments exceed max_segments={self.max_segments}")
                 if self.memory_budget is not None:
-                    held = self._graph_bytes(extra=[static], extra_graph=graph)
+                    # The entries evicted to make room for this one do not count.
+                    kept = list(self._entries.values())[self._evictions_to_admit_one() :]
+                    held = self._graph_memory(kept, static_inputs, graph)
                     if held > self.memory_budget:
-                        raise MemoryError(
+                        raise GraphMemoryBudgetError(
                             f"graph memory would be {held / 2**20:.0f} MiB, over the budget of "
                             f"{self.memory_budget / 2**20:.0f} MiB"
                         )
+                flat_output = tree.Flat(output)
             except Exception as exc:  # never break generation: block this signature, run eagerly
                 graph.reset()
-                del static
+                del static_inputs
                 self._recapture.discard(sig.key)
                 reason = f"{type(exc).__name__}: {exc}".strip()
                 self._blocked[sig.key] = reason
                 self._stats.capture_failures += 1
-                if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)):
+                if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError, GraphMemoryBudgetError)):
                     torch.cuda.empty_cache()
                 logger.warning("%s: capture failed, this signature runs eagerly from now on: %s", self.name, reason)
                 return None
             seconds = time.perf_counter() - t0
-            entry = _Entry(sig, static, graph, output, list(keepalive), seconds)
+            for _ in range(self._evictions_to_admit_one()):
+                self._evict_lru()
+            entry = _Entry(sig, static_inputs, graph, output, flat_output, list(keepalive), seconds)
             self._entries[sig.key] = entry
             self._recapture.discard(sig.key)
             self._stats.captures += 1
@@ -360,11 +392,15 @@ class GraphRunner:
             )
             return entry
 
-    def _graph_bytes(self, extra: list[list[torch.Tensor]] = (), extra_graph: bcg.BreakableCUDAGraph | None = None) -> int:
-        statics = [e.static for e in self._entries.values()] + list(extra)
-        graphs = [e.graph for e in self._entries.values()] + ([extra_graph] if extra_graph is not None else [])
+    def _graph_memory(
+        self, entries: list[_Entry], static_inputs: list[torch.Tensor], graph: bcg.BreakableCUDAGraph
+    ) -> int:
+        """Bytes of graph memory with ``entries`` and a new capture (its static inputs and graph):
+        the whole pool, plus static inputs and boundary buffers, which live outside it."""
         pool = self.pool.resident_bytes() if self.pool is not None else 0
-        return pool + sum(t.untyped_storage().nbytes() for s in statics for t in s) + sum(g.boundary_bytes() for g in graphs)
+        inputs = [t for e in entries for t in e.static_inputs] + list(static_inputs)
+        graphs = [e.graph for e in entries] + [graph]
+        return pool + sum(t.untyped_storage().nbytes() for t in inputs) + sum(g.boundary_bytes() for g in graphs)
 
     def _replay(self, entry: _Entry, leaves: list[torch.Tensor]) -> Any:
         pool = self.pool
@@ -372,11 +408,11 @@ class GraphRunner:
         with pool.lock:
             stream = torch.cuda.current_stream(pool.device)
             pool.order_after_last_replay(stream)
-            for s, t in zip(entry.static, leaves):
+            for s, t in zip(entry.static_inputs, leaves):
                 if s is not t:
                     s.copy_(t)
             entry.graph.replay()
-            out = _clone_output(entry.output)
+            out = entry.copy_output()
             pool.mark_replay_done(stream)
         self._entries.move_to_end(entry.signature.key)
         self._stats.replays += 1

@@ -1,133 +1,140 @@
 """Call signatures: what must match for a captured graph to serve a call.
 
-A signature is the call's structure (positional and keyword arguments, nested lists, tuples and
-dicts), the (shape, dtype, device) of every tensor leaf, and the value of every literal constant.
-Two calls with equal signatures can share one graph: tensor values are copied into static
-buffers, everything else was baked into the graph at capture.
+A signature is the call's structure (positional and keyword arguments and every container in
+them, as :mod:`accel.tree` sees arguments) and a key per leaf: a tensor by (shape, dtype,
+device), a literal constant by (type, value), anything else by identity. Two calls with equal
+signatures can share one graph: tensor values are copied into static buffers, everything else
+was baked into the graph at capture.
 
-Objects that are neither tensors, containers nor literals (a module, a callback) are matched by
-identity, so a graph never serves a call with a different object.
+Literals are matched with their type, so ``True``, ``1`` and ``1.0`` never share a graph.
+Objects matched by identity (a module, a callback, a plain object) are held by the signature, so
+their ids cannot be reused by other objects while a graph keyed on them exists.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any, Hashable
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["Signature", "flatten", "describe_diff"]
+from . import tree
 
-_LITERALS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+__all__ = ["Signature", "describe_diff", "flatten"]
+
+# Matched by value: immutable, so a graph that baked one in serves any equal one (torch.Size too).
+_LITERALS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, torch.Size)
+_BY_IDENTITY = "identity"  # first item of an identity leaf key; tensor and literal keys start with a type
 
 
 @dataclass(frozen=True)
 class Signature:
     """A hashable call signature plus what is needed to rebuild the call around new tensors.
 
-    ``key`` is the hashable description; ``objects`` holds the identity-matched objects strongly
-    (a graph baked them in), in the order :meth:`rebuild` consumes them.
+    ``key`` is ``(spec key, leaf keys)``; ``objects`` holds the identity-matched objects strongly
+    (a graph baked them in). ``spec`` and ``template`` (the call's leaves with ``None`` in place
+    of every tensor, so the caller's tensors are not kept alive) serve :meth:`rebuild`.
     """
 
     key: Hashable
     objects: tuple[Any, ...]
+    spec: tree.TreeSpec = field(compare=False, repr=False)
+    template: tuple[Any, ...] = field(compare=False, repr=False)
+    tensor_at: tuple[int, ...] = field(compare=False, repr=False)
 
-    def rebuild(self, leaves: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Rebuild ``(args, kwargs)`` from this signature with ``leaves`` as the tensors."""
-        tensors = iter(leaves)
-        objects = iter(self.objects)
+    @property
+    def leaf_keys(self) -> tuple[Hashable, ...]:
+        return self.key[1]  # type: ignore[index]
 
-        def build(node: tuple) -> Any:
-            kind = node[0]
-            if kind == "T":
-                return next(tensors)
-            if kind == "C":
-                return node[2]
-            if kind == "O":
-                return next(objects)
-            if kind == "L":
-                return [build(c) for c in node[1]]
-            if kind == "U":
-                return tuple(build(c) for c in node[1])
-            if kind == "D":
-                return {k: build(c) for k, c in zip(node[1], node[2])}
-            raise AssertionError(f"unknown signature node {kind!r}")
-
-        args_node, kwargs_node = self.key  # type: ignore[misc]
-        return build(args_node), build(kwargs_node)
-
-
-def _node(obj: Any, leaves: list[torch.Tensor], objects: list[Any]) -> tuple:
-    if isinstance(obj, torch.Tensor):
-        leaves.append(obj)
-        return ("T", tuple(obj.shape), obj.dtype, obj.device)
-    if isinstance(obj, _LITERALS):
-        # type() is part of the key: True == 1 == 1.0 must not share a graph.
-        return ("C", type(obj).__name__, obj)
-    t = type(obj)
-    if t is list:
-        return ("L", tuple(_node(o, leaves, objects) for o in obj))
-    if t is tuple:
-        return ("U", tuple(_node(o, leaves, objects) for o in obj))
-    if t is dict:
-        keys = tuple(obj.keys())
-        return ("D", keys, tuple(_node(obj[k], leaves, objects) for k in keys))
-    objects.append(obj)
-    return ("O", f"{t.__module__}.{t.__qualname__}", id(obj))
+    def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Rebuild ``(args, kwargs)`` from this signature with ``tensors`` as the tensor leaves."""
+        leaves = list(self.template)
+        for i, t in zip(self.tensor_at, tensors):
+            leaves[i] = t
+        args, kwargs = tree.unflatten(leaves, self.spec)
+        return args, kwargs
 
 
 def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Signature, list[torch.Tensor]]:
-    """Signature of a call and its tensor leaves, in a fixed order."""
-    leaves: list[torch.Tensor] = []
+    """Signature of a call and its tensor leaves, in a fixed order (keywords sorted by name)."""
+    leaves, structure, spec = tree.structure((tuple(args), dict(sorted(kwargs.items()))), into_objects=False)
+    keys: list[Hashable] = []
+    tensors: list[torch.Tensor] = []
+    tensor_at: list[int] = []
     objects: list[Any] = []
-    args_node = _node(tuple(args), leaves, objects)
-    kwargs_node = _node(dict(sorted(kwargs.items())), leaves, objects)
-    return Signature((args_node, kwargs_node), tuple(objects)), leaves
+    template = list(leaves)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            keys.append((torch.Tensor, tuple(leaf.shape), leaf.dtype, leaf.device))
+            tensors.append(leaf)
+            tensor_at.append(i)
+            template[i] = None
+        elif isinstance(leaf, _LITERALS):
+            keys.append((type(leaf), leaf))
+        else:
+            keys.append((_BY_IDENTITY, type(leaf), id(leaf)))
+            objects.append(leaf)
+    key = (structure, tuple(keys))
+    return Signature(key, tuple(objects), spec, tuple(template), tuple(tensor_at)), tensors
 
 
-def _describe(node: tuple) -> str:
-    kind = node[0]
-    if kind == "T":
-        return f"tensor{list(node[1])} {str(node[2]).replace('torch.', '')} on {node[3]}"
-    if kind == "C":
-        return repr(node[2])
-    if kind == "O":
-        return f"<{node[1]} object>"
-    if kind == "L":
-        return f"list of {len(node[1])}"
-    if kind == "U":
-        return f"tuple of {len(node[1])}"
-    if kind == "D":
-        return f"dict with keys {list(node[1])}"
-    return repr(node)
+# --------------------------------------------------------------------------------------------
+# Explaining a miss
+# --------------------------------------------------------------------------------------------
+def _describe_leaf(key: Hashable) -> str:
+    head, *rest = key  # type: ignore[misc]
+    if head is torch.Tensor:
+        shape, dtype, device = rest
+        return f"tensor{list(shape)} {str(dtype).replace('torch.', '')} on {device}"
+    if head == _BY_IDENTITY:
+        cls = rest[0]
+        return f"<{cls.__module__}.{cls.__qualname__} object>"
+    return repr(rest[0])
 
 
-def _diffs(a: tuple, b: tuple, path: str, out: list[str]) -> None:
-    if a == b:
-        return
-    if a[0] != b[0] or a[0] in ("T", "C", "O"):
-        out.append(f"{path}: {_describe(a)} vs {_describe(b)}")
-        return
-    if a[0] in ("L", "U"):
-        if len(a[1]) != len(b[1]):
-            out.append(f"{path}: {_describe(a)} vs {_describe(b)}")
-            return
-        for i, (x, y) in enumerate(zip(a[1], b[1])):
-            _diffs(x, y, f"{path}[{i}]", out)
-        return
-    # dicts
-    if a[1] != b[1]:
-        missing = sorted(set(map(str, a[1])) ^ set(map(str, b[1])))
-        out.append(f"{path}: keys differ ({', '.join(missing) or 'order'})")
-        return
-    for k, x, y in zip(a[1], a[2], b[2]):
-        _diffs(x, y, k if path == "kwargs" else f"{path}[{k!r}]", out)
+def _describe(sig: Signature, spec: tree.TreeSpec, first_leaf: int) -> str:
+    return _describe_leaf(sig.leaf_keys[first_leaf]) if spec.is_leaf() else tree.describe(spec)
+
+
+def _diffs(call: Signature, captured: Signature, a: Any, b: Any, path: str, ia: int, ib: int, out: list[str]) -> None:
+    for step in tree.align(a, b, path, ia, ib):
+        if step.leaves:
+            ka, kb = call.leaf_keys[step.a_leaf], captured.leaf_keys[step.b_leaf]
+            if ka != kb:
+                out.append(f"{step.path}: {_describe_leaf(ka)} vs {_describe_leaf(kb)}")
+            continue
+        keys_a, keys_b = tree.mapping_keys(step.a), tree.mapping_keys(step.b)
+        if keys_a is not None and keys_b is not None and keys_a != keys_b:
+            differ = sorted(set(map(str, keys_a)) ^ set(map(str, keys_b)))
+            out.append(f"{step.path}: keys differ ({', '.join(differ) or 'order'})")
+        else:
+            a_text = _describe(call, step.a, step.a_leaf)
+            b_text = _describe(captured, step.b, step.b_leaf)
+            out.append(f"{step.path}: {a_text} vs {b_text}")
 
 
 def describe_diff(call: Signature, captured: Signature) -> list[str]:
-    """Human-readable fields in which ``call`` differs from ``captured`` (call value first)."""
+    """Human-readable fields in which ``call`` differs from ``captured`` (call value first).
+
+    Positional arguments are named ``args[i]``, keyword arguments by their name, e.g.
+    ``encoder_hidden_states: tensor[1, 64, 3584] bfloat16 on cuda:0 vs tensor[1, 128, 3584] ...``.
+    """
     out: list[str] = []
-    _diffs(call.key[0], captured.key[0], "args", out)  # type: ignore[index]
-    _diffs(call.key[1], captured.key[1], "kwargs", out)  # type: ignore[index]
+    if call.key == captured.key:
+        return out
+    (_, args_a), (_, kwargs_a) = tree.named_children(call.spec)
+    (_, args_b), (_, kwargs_b) = tree.named_children(captured.spec)
+    _diffs(call, captured, args_a, args_b, "args", 0, 0, out)
+    ia, ib = args_a.num_leaves, args_b.num_leaves
+    names_a, names_b = tree.mapping_keys(kwargs_a), tree.mapping_keys(kwargs_b)
+    if names_a != names_b:
+        differ = sorted(set(names_a or ()) ^ set(names_b or ()))
+        out.append(f"kwargs: keys differ ({', '.join(differ) or 'order'})")
+        return out
+    for name, (_, ca), (_, cb) in zip(names_a or (), tree.named_children(kwargs_a), tree.named_children(kwargs_b)):
+        _diffs(call, captured, ca, cb, name, ia, ib, out)
+        ia += ca.num_leaves
+        ib += cb.num_leaves
     return out

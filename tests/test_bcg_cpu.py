@@ -11,12 +11,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
-from accel import bcg
+from accel import bcg, tree
 from accel.bcg import (
     BreakableCUDAGraph,
     BreakError,
@@ -128,7 +129,7 @@ def test_copy_back_containers_dataclasses_and_objects() -> None:
         Plain(t(0, 0), 5),
         Pair(t(0), 2.5),
     )
-    keep = [x for x in bcg._tensors(dst)]
+    keep = [x for x in tree.tensors(dst)]
     ptrs = [x.data_ptr() for x in keep]
     src = (
         t(1, 2),
@@ -139,11 +140,11 @@ def test_copy_back_containers_dataclasses_and_objects() -> None:
         Pair(t(11), 2.5),
     )
     copy_back(dst, src, "brk")
-    got = torch.cat([x.flatten() for x in bcg._tensors(dst)])
+    got = torch.cat([x.flatten() for x in tree.tensors(dst)])
     assert got.tolist() == [float(i) for i in range(1, 12)]
     # every buffer was written in place, none replaced
-    assert [x.data_ptr() for x in bcg._tensors(dst)] == ptrs
-    assert all(a is b for a, b in zip(bcg._tensors(dst), keep))
+    assert [x.data_ptr() for x in tree.tensors(dst)] == ptrs
+    assert all(a is b for a, b in zip(tree.tensors(dst), keep))
 
 
 def _src_variants() -> list[tuple[str, Any, Any, str]]:
@@ -231,7 +232,7 @@ def fake_capture(monkeypatch: pytest.MonkeyPatch, log: list[str] | None = None) 
 
     monkeypatch.setattr(cap, "open", open_)
     monkeypatch.setattr(cap, "close", close_)
-    with bcg._active(cap):
+    with bcg._run_capture(cap):
         yield Fake(graph, cap, log)
 
 
@@ -359,9 +360,11 @@ def test_nested_break_raises(monkeypatch: pytest.MonkeyPatch) -> None:
         return inner(x) * 2
 
     x = torch.zeros(2)
-    with pytest.raises(NestedBreakError, match=r"'inner'.*inside another eager break") as info:
-        with fake_capture(monkeypatch) as fake:
-            outer(x)
+    with (
+        pytest.raises(NestedBreakError, match=r"'inner'.*inside another eager break") as info,
+        fake_capture(monkeypatch) as fake,
+    ):
+        outer(x)
     assert isinstance(info.value, BreakError)
     # the failed capture is reset, and marking works as a plain call again
     assert fake.graph.segments == [] and fake.graph.breaks == []
@@ -397,14 +400,15 @@ def test_inline_nested_runs_inner_marked_calls_plainly(monkeypatch: pytest.Monke
 
 
 def test_capture_refuses_when_already_capturing_or_graph_is_full(monkeypatch: pytest.MonkeyPatch) -> None:
-    with fake_capture(monkeypatch):
-        with pytest.raises(BreakError, match="already active"):
-            with bcg.capture(BreakableCUDAGraph()):
-                pass
+    with (
+        fake_capture(monkeypatch),
+        pytest.raises(BreakError, match="already active"),
+        bcg.capture(BreakableCUDAGraph()),
+    ):
+        pass
     graph = BreakableCUDAGraph()
     graph.segments.append(DummySegment(0, []))
-    with pytest.raises(BreakError, match="already holds a capture"):
-        with bcg.capture(graph):
-            pass
+    with pytest.raises(BreakError, match="already holds a capture"), bcg.capture(graph):
+        pass
     graph.reset()
     assert graph.segments == [] and graph.breaks == []

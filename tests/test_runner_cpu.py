@@ -1,18 +1,26 @@
-"""The graph runner without CUDA: everything runs eagerly, correctly, and is counted."""
+"""The graph runner without CUDA: everything runs eagerly, correctly, and is counted.
+
+The capture bookkeeping (eviction, blocking, the memory budget) is driven with the CUDA parts
+faked: see :func:`fake_cuda`.
+"""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gc
 import logging
-from typing import Any, Iterator
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
-from accel import GraphRunner, RunnerStats
-from accel.runner import _clone_output, capture_session
+from accel import GraphRunner, RunnerStats, bcg, tree
+from accel import runner as runner_mod
+from accel.runner import GraphMemoryBudgetError, capture_session
 
 
 @pytest.fixture(autouse=True)
@@ -104,9 +112,8 @@ def test_capture_session_disables_gc_and_restores_it() -> None:
         assert not gc.isenabled()  # the inner session ending does not re-enable it
     assert gc.isenabled()
 
-    with pytest.raises(RuntimeError, match="boom"):
-        with capture_session():
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), capture_session():
+        raise RuntimeError("boom")
     assert gc.isenabled()
 
     gc.disable()  # a caller that keeps gc off keeps it off
@@ -135,9 +142,12 @@ Pair = collections.namedtuple("Pair", "a b")
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    from accel.bcg import _tensors as walk
+    return tree.tensors(obj)
 
-    return list(walk(obj))
+
+def _clone_output(obj: Any) -> Any:
+    """What a replay returns for a captured output ``obj`` (flattened once at capture)."""
+    return tree.Flat(obj).clone()
 
 
 def test_clone_output_copies_every_tensor() -> None:
@@ -175,10 +185,6 @@ def test_clone_output_of_a_diffusers_output() -> None:
 
 
 def test_clone_output_never_aliases_inside_dict_subclasses_and_plain_objects() -> None:
-    import collections
-
-    from accel.runner import _clone_output
-
     class Holder:
         def __init__(self, t: torch.Tensor) -> None:
             self.t = t
@@ -190,3 +196,198 @@ def test_clone_output_never_aliases_inside_dict_subclasses_and_plain_objects() -
     out["a"].add_(1)
     out["b"][0].t.add_(1)
     assert torch.equal(src["a"], torch.ones(2)) and torch.equal(src["b"][0].t, torch.zeros(3))
+
+
+# --------------------------------------------------------------------------------------------
+# Capture sessions across threads
+# --------------------------------------------------------------------------------------------
+def test_overlapping_sessions_of_two_threads_leave_gc_enabled() -> None:
+    """The first session to open takes gc's state; the last to close restores it, even when the
+    first closes first (it used to leave gc off for the whole process)."""
+    gc.enable()
+    first_open, second_open, first_closed = threading.Event(), threading.Event(), threading.Event()
+    seen: list[bool] = []
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            with capture_session():
+                first_open.set()
+                assert second_open.wait(10)
+            first_closed.set()
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    def second() -> None:
+        try:
+            assert first_open.wait(10)
+            with capture_session():
+                second_open.set()
+                assert first_closed.wait(10)
+                seen.append(gc.isenabled())  # still capturing here: gc stays off
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert not errors, errors
+    assert seen == [False]
+    assert gc.isenabled()
+
+
+# --------------------------------------------------------------------------------------------
+# Capture bookkeeping with the CUDA parts faked
+# --------------------------------------------------------------------------------------------
+class FakeStream:
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakePool:
+    """Stands in for GraphPool: a lock, a stream, and a resident size the test sets."""
+
+    resident = 0
+
+    def __init__(self, device: Any = None) -> None:
+        self.device = torch.device("cpu")
+        self.lock = threading.RLock()
+        self.stream = FakeStream()
+
+    def handle_for(self, graph: Any) -> None:
+        return None
+
+    def resident_bytes(self) -> int:
+        return FakePool.resident
+
+    def order_after_last_replay(self, stream: Any) -> None:
+        pass
+
+    def mark_replay_done(self, stream: Any) -> None:
+        pass
+
+
+class DummySegment:
+    def replay(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class FakeCuda:
+    fail_next_capture: bool = False
+    captures: int = 0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    """CUDA as far as GraphRunner._capture and _replay can tell, on CPU tensors.
+
+    Segments are dummies that replay nothing, so runners under test use ``debug=True``: the whole
+    call is one eager break, which replays for real through the static inputs, the break's
+    copy-back into its boundary buffer and the output copy. ``fail_next_capture`` makes the next
+    capture raise.
+    """
+    state = FakeCuda()
+
+    @contextlib.contextmanager
+    def capture(graph: bcg.BreakableCUDAGraph, **_: Any) -> Iterator[bcg.BreakableCUDAGraph]:
+        if state.fail_next_capture:
+            state.fail_next_capture = False
+            raise RuntimeError("simulated capture failure")
+        state.captures += 1
+        cap = bcg._Capture(graph, pool=None, error_mode="thread_local", device=torch.device("cpu"))
+
+        def open_() -> None:
+            cap.open_segment = DummySegment()
+
+        def close_() -> None:
+            seg, cap.open_segment = cap.open_segment, None
+            if seg is not None:
+                graph.segments.append(seg)
+
+        cap.open, cap.close = open_, close_  # type: ignore[method-assign]
+        with bcg._run_capture(cap):
+            yield graph
+
+    FakePool.resident = 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(runner_mod, "GraphPool", FakePool)
+    monkeypatch.setattr(bcg, "capture", capture)
+    # The inputs are CPU tensors: skip only the device checks, keep the blocked-signature one.
+    monkeypatch.setattr(GraphRunner, "_capturable", lambda self, sig, leaves: sig.key not in self._blocked)
+    return state
+
+
+def _scale(x: torch.Tensor, *, by: float = 2.0) -> torch.Tensor:
+    return x * by
+
+
+def test_fake_cuda_captures_and_replays_correctly(fake_cuda: FakeCuda) -> None:
+    runner = GraphRunner(_scale, name="toy", debug=True)
+    with runner.capturing():
+        runner(torch.ones(2, 3))
+    assert fake_cuda.captures == 1 and runner.stats().entries == 1
+    x = torch.randn(2, 3)
+    out = runner(x)
+    assert torch.equal(out, x * 2.0)
+    assert runner.stats().replays == 2  # the capture call replays too
+
+
+def test_failed_capture_does_not_evict_a_good_graph(fake_cuda: FakeCuda) -> None:
+    """A capture used to evict the least recently used entry before it knew it would succeed."""
+    runner = GraphRunner(_scale, name="lru", max_entries=1, capture_on_miss=True, debug=True)
+    a = torch.randn(2, 3)
+    assert torch.equal(runner(a), a * 2.0)
+    (kept,) = runner.signatures
+
+    fake_cuda.fail_next_capture = True
+    b = torch.randn(4, 3)
+    assert torch.equal(runner(b), b * 2.0)  # ran eagerly
+    st = runner.stats()
+    assert (st.capture_failures, st.evictions, st.entries) == (1, 0, 1)
+    assert runner.signatures == [kept] and len(runner.blocked) == 1
+
+    a2 = torch.randn(2, 3)
+    assert torch.equal(runner(a2), a2 * 2.0)  # the good graph still replays
+    assert runner.stats().replays == 2 and runner.stats().eager_calls == 1
+
+    # a capture that succeeds evicts the old entry, never itself
+    c = torch.randn(5, 3)
+    assert torch.equal(runner(c), c * 2.0)
+    st = runner.stats()
+    assert (st.captures, st.evictions, st.entries) == (2, 1, 1)
+    assert runner.signatures[0].key != kept.key
+    assert torch.equal(runner(c), c * 2.0) and runner.stats().replays == 4
+
+
+def test_memory_budget_refusal_is_a_graph_memory_budget_error(fake_cuda: FakeCuda) -> None:
+    assert issubclass(GraphMemoryBudgetError, RuntimeError) and not issubclass(GraphMemoryBudgetError, MemoryError)
+    assert "GraphMemoryBudgetError" in runner_mod.__all__
+    FakePool.resident = 3 * 2**20
+    runner = GraphRunner(_scale, name="budget", capture_on_miss=True, debug=True, memory_budget=2**20)
+    x = torch.randn(2, 3)
+    assert torch.equal(runner(x), x * 2.0)
+    (reason,) = runner.blocked.values()
+    assert reason == "GraphMemoryBudgetError: graph memory would be 3 MiB, over the budget of 1 MiB"
+    st = runner.stats()
+    assert (st.captures, st.capture_failures, st.entries, st.eager_calls) == (0, 1, 0, 1)
+
+
+def test_memory_budget_does_not_count_the_entry_a_capture_evicts(fake_cuda: FakeCuda) -> None:
+    # one entry: 24 bytes of static input and 24 of boundary buffer (debug: the output)
+    runner = GraphRunner(_scale, name="budget", max_entries=1, capture_on_miss=True, debug=True, memory_budget=60)
+    x = torch.randn(2, 3)
+    runner(x, by=2.0)
+    runner(x, by=3.0)  # another signature: 48 bytes with the first evicted, 96 without
+    st = runner.stats()
+    assert (st.captures, st.evictions, st.capture_failures, st.entries) == (2, 1, 0, 1)
+    assert torch.equal(runner(x, by=3.0), x * 3.0)

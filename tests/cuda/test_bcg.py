@@ -47,9 +47,9 @@ def _poison(runner: GraphRunner) -> None:
 
 
 def _tensors(obj):
-    from accel.bcg import _tensors as walk
+    from accel.tree import tensors
 
-    return list(walk(obj))
+    return tensors(obj)
 
 
 @torch.no_grad()
