@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench.py"
 MODELS = ("z-image", "qwen-image")
 RESOLUTIONS = ("64x64", "96x64")
-VARIANTS = ("eager", "bcg", "bcg-exact", "graph", "compile", "compile-ro")
+VARIANTS = ("eager", "bcg", "bcg-exact", "graph", "compile", "compile-ro", "compile-regional", "bcg+compile")
 ENV_KEYS = ("device", "device_name", "driver", "cuda", "torch", "diffusers", "transformers", "python")
-NUMBERS = ("step_ms", "host_ms", "step_min_ms", "seq_ms", "speedup_vs_eager", "capture_s", "compile_s",
-           "e2e_s", "e2e_per_step_ms", "e2e_speedup_vs_eager")
+NUMBERS = (
+    "step_ms",
+    "host_ms",
+    "step_min_ms",
+    "seq_ms",
+    "speedup_vs_eager",
+    "capture_s",
+    "compile_s",
+    "e2e_s",
+    "e2e_per_step_ms",
+    "e2e_speedup_vs_eager",
+)
 
 
 def _load_bench():
@@ -36,7 +47,10 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"bench.py --smoke failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     results = json.loads((out / "results.json").read_text())
@@ -50,6 +64,7 @@ def test_env_and_config(smoke) -> None:
         assert key in env, f"env lacks {key}"
     assert env["device"] == "cpu" and env["torch"] and env["diffusers"] and env["python"]
     config = results["config"]
+    assert config["compile_cache"] is None and config["compile_cache_state"] == "cold"  # a fresh folder
     assert config["smoke"] is True and config["size"] == "tiny" and config["device"] == "cpu"
     assert tuple(config["resolutions"]) == RESOLUTIONS
     assert tuple(config["variants"]) == VARIANTS
@@ -88,7 +103,9 @@ def test_eager_and_bcg_ran_and_cuda_variants_say_why_not(smoke) -> None:
             assert by[(m, r, "bcg")]["out_max_abs_diff"] == 0.0
             for v in ("graph", "compile-ro"):
                 assert by[(m, r, v)]["status"] == "skipped" and "CUDA" in by[(m, r, v)]["reason"]
-            assert by[(m, r, "compile")]["status"] == "skipped"
+            for v in ("compile", "compile-regional"):
+                assert by[(m, r, v)]["status"] == "skipped" and "smoke" in by[(m, r, v)]["reason"]
+            assert by[(m, r, "bcg+compile")]["status"] == "skipped" and "CUDA" in by[(m, r, "bcg+compile")]["reason"]
 
 
 def test_end_to_end_and_memory_series(smoke) -> None:
@@ -127,7 +144,7 @@ def test_resolution_parsing() -> None:
     assert bench.parse_resolution("512") == (512, 512)
     assert bench.parse_resolution("768x512") == (768, 512)  # width x height
     for bad in ("100", "64x", "abc", "0"):
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017
             bench.parse_resolution(bad)
     args = bench.resolve_config(bench.build_parser().parse_args(["--out", "x", "--device", "cpu"]))
     assert args.size == "tiny" and args.variants == ["eager", "bcg"] and args.dtype == "fp32"
@@ -181,3 +198,114 @@ def test_merge_refuses_ratios_across_processes_or_machines(smoke, tmp_path) -> N
     with pytest.raises(SystemExit, match="torch"):
         bench.main(["--merge", str(d), str(c), "--out", str(tmp_path / "m2")])
     assert not (tmp_path / "m1").exists() and not (tmp_path / "m2").exists()
+
+
+def test_rows_keep_the_results_json_format() -> None:
+    """Typed rows write exactly the keys, in the order, of the dict rows they replaced."""
+    _load_bench()
+    from benchkit.rows import CaseRow, SeriesPoint
+
+    for path in (ROOT / "samples" / "bench" / "results.json", ROOT / "samples" / "bench" / "compile" / "results.json"):
+        results = json.loads(path.read_text())
+        for case in results["cases"]:
+            assert json.dumps(CaseRow.from_dict(case).to_dict()) == json.dumps(case)
+        for point in results["memory_series"]:
+            assert SeriesPoint.from_dict(point).to_dict() == point
+    row = CaseRow.new("z-image", (96, 64), "bcg")
+    assert list(row.to_dict())[:5] == ["model", "resolution", "width", "height", "variant"]
+    assert len(row.to_dict()) == CaseRow.ALWAYS and "captures" not in row.to_dict()
+
+
+def test_variants_come_from_the_registry() -> None:
+    _load_bench()
+    from benchkit.registry import REGISTRY
+
+    assert tuple(REGISTRY) == VARIANTS and all(callable(f) for f in REGISTRY.values())
+
+
+def test_compile_cache_state(tmp_path, monkeypatch) -> None:
+    bench = _load_bench()
+    from benchkit.cli import setup_compile_cache
+
+    for name in (
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+        "BCG_COMPILE_CACHE",
+        "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
+    ):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    folder = tmp_path / "cache"
+    args = bench.build_parser().parse_args(["--out", "x", "--compile-cache", str(folder)])
+    cold = setup_compile_cache(args)
+    assert cold.state == "cold" and not cold.temporary and folder.is_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.environ["BCG_COMPILE_CACHE"] == str(folder)
+    assert os.environ["TRITON_CACHE_DIR"].startswith(str(folder))
+    (folder / "fxgraph").mkdir()
+    assert setup_compile_cache(args).state == "warm"
+    with pytest.raises(SystemExit, match="exclude"):
+        bench.resolve_config(
+            bench.build_parser().parse_args(
+                ["--out", "x", "--device", "cpu", "--compile-cache", str(folder), "--no-compile-cache"]
+            )
+        )
+
+
+def _with_compile_rows(results: dict, state: str, scale: float) -> dict:
+    """The smoke results as if compile-regional and bcg+compile had run, with a compile cache ``state``."""
+    part = _split(results, RESOLUTIONS)
+    part["config"]["compile_cache_state"] = state
+    part["memory_series"] = results["memory_series"]
+    for c in part["cases"]:
+        if c["variant"] == "compile-regional":
+            c.update(status="ok", reason=None, step_ms=1.0, host_ms=1.0, speedup_vs_eager=2.0, compile_s=10.0 * scale)
+        elif c["variant"] == "bcg+compile":
+            c.update(
+                status="ok",
+                reason=None,
+                step_ms=0.5,
+                host_ms=0.1,
+                speedup_vs_eager=4.0,
+                compile_s=20.0 * scale,
+                capture_s=0.25,
+                out_max_abs_diff=0.0,
+                out_max_abs_diff_vs_regional=0.0,
+            )
+    return part
+
+
+def test_merge_joins_a_cold_and_a_warm_run_of_the_same_cases(smoke, tmp_path) -> None:
+    _, results, _ = smoke
+    bench = _load_bench()
+    warm = _write(tmp_path / "warm", _with_compile_rows(results, "warm", 0.1))
+    cold = _write(tmp_path / "cold", _with_compile_rows(results, "cold", 1.0))
+    out = tmp_path / "merged"
+    assert bench.main(["--merge", str(warm), str(cold), "--out", str(out)]) == 0
+    merged = json.loads((out / "results.json").read_text())
+    assert len(merged["cases"]) == 2 * len(results["cases"])  # both runs kept
+    assert [r["compile_cache"] for r in merged["runs"]] == ["warm", "cold"]
+    assert merged["config"]["compile_cache_state"] == "mixed"
+    # One memory series per model: the warm repeat adds setup seconds, not a second series.
+    assert len(merged["memory_series"]) == len(results["memory_series"])
+    md = (out / "results.md").read_text()
+    assert "compile-regional first call, cold | compile-regional first call, warm" in md
+    assert "bcg+compile compile, cold | bcg+compile compile, warm" in md
+    assert "| 10.0 | 1.0 |" in md and "| 20.0 | 2.0 |" in md  # cold beside warm
+    assert "### Regional compile, without and with graphs" in md
+    # The main tables show the cold run (run 1), every ratio from inside it.
+    step_rows = [line for line in md.splitlines() if line.startswith("| 64x64 | ") and "skipped" in line]
+    assert len(step_rows) == len(MODELS)
+    assert "compile cache warm" in md and "compile cache cold" in md
+
+
+def test_merge_refuses_two_runs_of_the_same_cases_in_one_cache_state(smoke, tmp_path) -> None:
+    _, results, _ = smoke
+    bench = _load_bench()
+    a = _write(tmp_path / "a", _with_compile_rows(results, "cold", 1.0))
+    b = _write(tmp_path / "b", _with_compile_rows(results, "cold", 1.0))
+    with pytest.raises(SystemExit, match="measured in run 0 and in run 1, both with a cold compile cache"):
+        bench.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m1")])
+    unknown = _with_compile_rows(results, "warm", 0.1)
+    del unknown["config"]["compile_cache_state"]  # a run from before the state was recorded
+    c = _write(tmp_path / "c", unknown)
+    with pytest.raises(SystemExit, match="measured in run 0 and in run 1"):
+        bench.main(["--merge", str(a), str(c), "--out", str(tmp_path / "m2")])

@@ -1,0 +1,116 @@
+"""The pipeline side: recipes, ``accelerate_pipeline``, and step 0's recorded denoiser call."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from accel import tree
+
+from .rows import err_text
+from .settings import SEED, pipe_kwargs, say
+
+
+def register_recipes() -> None:
+    """Recipes are found through entry points once the project is installed; a plain checkout
+    (PYTHONPATH) has none, so register them by hand. Harmless when installed."""
+    try:
+        from accel.recipe import register_recipe
+        from pipelines.qwen_image import QwenImageRecipe
+        from pipelines.z_image import ZImageRecipe
+
+        register_recipe(QwenImageRecipe)
+        register_recipe(ZImageRecipe)
+    except Exception as exc:
+        say(f"warning: could not register the recipes by hand ({err_text(exc)})")
+
+
+def accelerate(pipe: Any, **options: Any) -> Any:
+    from accel import accelerate_pipeline
+
+    return accelerate_pipeline(pipe, **options)
+
+
+def denoiser_name(accel: Any) -> str:
+    names = list(accel.runners)
+    return "transformer" if "transformer" in names else names[0]
+
+
+def describe_call(args: tuple, kwargs: dict) -> str:
+    def d(o: Any) -> str:
+        if isinstance(o, torch.Tensor):
+            return "x".join(map(str, o.shape)) or "scalar"
+        if isinstance(o, (list, tuple)) and o and all(isinstance(t, torch.Tensor) for t in o):
+            return "[" + ", ".join(d(t) for t in o) + "]"
+        return type(o).__name__ if o is not None else "None"
+
+    parts = [d(a) for a in args] + [
+        f"{k}={d(v)}" for k, v in kwargs.items() if isinstance(v, (torch.Tensor, list, tuple))
+    ]
+    return ", ".join(parts)
+
+
+def text_tokens(model: str, args: tuple, kwargs: dict) -> int | None:
+    if model == "qwen-image":
+        t = kwargs.get("encoder_hidden_states")
+        return int(t.shape[1]) if isinstance(t, torch.Tensor) else None
+    if len(args) >= 3 and isinstance(args[2], list) and args[2] and isinstance(args[2][0], torch.Tensor):
+        return int(args[2][0].shape[0])
+    return None
+
+
+class _Stop(Exception):
+    pass
+
+
+def record_step0_calls(
+    pipe: Any, model: str, wh: tuple[int, int], args: argparse.Namespace, device: torch.device
+) -> list[tuple[tuple, dict]]:
+    """Every ``pipe.transformer`` call of step 0 of a real pipeline run, arguments cloned."""
+    calls: list[tuple[tuple, dict]] = []
+
+    def pre_hook(module: Any, a: tuple, k: dict) -> None:
+        calls.append((tree.clone(a), tree.clone(k)))
+
+    def stop(pipe_: Any, i: int, t: Any, cb_kwargs: dict) -> dict:
+        raise _Stop
+
+    handle = pipe.transformer.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe(
+                **pipe_kwargs(model, wh, args),
+                generator=torch.Generator(device).manual_seed(SEED),
+                output_type="latent",
+                callback_on_step_end=stop,
+            )
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not calls:
+        raise RuntimeError("the pipeline made no transformer call in step 0")
+    return calls
+
+
+def compiled_blocks(module: torch.nn.Module) -> list[str]:
+    """Names of the submodules of ``module`` that run compiled (``nn.Module.compile``, or a forward
+    replaced by a ``torch.compile`` wrapper)."""
+    names = []
+    for name, sub in module.named_modules():
+        forward = sub.__dict__.get("forward")
+        if getattr(sub, "_compiled_call_impl", None) is not None or hasattr(forward, "_torchdynamo_orig_callable"):
+            names.append(name or "(root)")
+    return names
+
+
+def uncompile(module: torch.nn.Module) -> int:
+    """Undo ``nn.Module.compile`` on ``module`` and its submodules; returns how many were compiled."""
+    n = 0
+    for sub in module.modules():
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            sub._compiled_call_impl = None
+            n += 1
+    return n

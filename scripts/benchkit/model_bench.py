@@ -1,0 +1,224 @@
+"""One model: for each resolution every variant on the same recorded denoiser call (a case), end to end,
+and the memory-vs-captured-resolutions series."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .calls import accelerate, denoiser_name, describe_call, record_step0_calls, text_tokens
+from .measure import Clock, free_memory, max_abs_diff
+from .rows import CaseRow, SeriesPoint, err_text, rnd, summary
+from .settings import NEGATIVE, PROMPT, SEED, MiB, calls_per_step, pipe_kwargs, res_name, say, steps_of, uses_cfg
+
+
+@dataclasses.dataclass
+class Case:
+    """One (model, resolution): the benchmarked call and what variants leave for the later ones."""
+
+    wh: tuple[int, int]
+    args: tuple
+    kwargs: dict
+    e2e: bool  # end to end at this resolution
+    ref: Any = None  # eager's output (tensors, cloned)
+    e2e_latents: torch.Tensor | None = None  # eager's final latents end to end
+    regional_out: Any = None  # compile-regional's output (tensors, cloned)
+
+
+Variant = Callable[["ModelBench", CaseRow, Case], None]
+
+
+class ModelBench:
+    def __init__(
+        self, pipe: Any, model: str, args: argparse.Namespace, device: torch.device, variants: Mapping[str, Variant]
+    ) -> None:
+        self.pipe = pipe
+        self.model = model
+        self.args = args
+        self.device = device
+        self.variants = variants
+        self.clock = Clock(device)
+        self.cfg = uses_cfg(model)
+        self.activation_mb: dict[tuple[int, int], float] = {}
+        self.calls: dict[tuple[int, int], tuple[tuple, dict]] = {}
+
+    # -- one case ------------------------------------------------------------------------------
+    def run_case(self, wh: tuple[int, int]) -> list[CaseRow]:
+        rows = {v: CaseRow.new(self.model, wh, v) for v in self.args.variants}
+        try:
+            calls = record_step0_calls(self.pipe, self.model, wh, self.args, self.device)
+        except Exception as exc:
+            traceback.print_exc()
+            for r in rows.values():
+                r.fail("error", f"recording the denoiser call failed: {err_text(exc)}")
+            return list(rows.values())
+        args, kwargs = calls[0]
+        self.calls[wh] = (args, kwargs)
+        call = describe_call(args, kwargs)
+        say(f"{self.model} {res_name(wh)}: step 0 makes {len(calls)} call(s); benchmarking the first: {call}")
+        case = Case(wh=wh, args=args, kwargs=kwargs, e2e=wh in self.args.e2e_resolutions)
+        for variant in self.args.variants:
+            row = rows[variant]
+            row.set(call=call, calls_per_step=len(calls), text_tokens=[text_tokens(self.model, a, k) for a, k in calls])
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    self.variants[variant](self, row, case)
+            except Exception as exc:
+                traceback.print_exc()
+                row.fail("error", err_text(exc))
+            finally:
+                try:
+                    if "accel" in self.pipe.__dict__:
+                        self.pipe.accel.restore()
+                    free_memory(self.clock)
+                except Exception as exc:
+                    traceback.print_exc()
+                    row.notes.append(f"cleanup failed: {err_text(exc)}")
+            row.variant_wall_s = rnd(time.perf_counter() - t0, 2)
+            say(f"{self.model} {res_name(wh)} {variant:<10} {summary(row)}")
+        eager = rows["eager"]
+        for r in rows.values():
+            if r.ok and eager.ok:
+                if r.step_ms:
+                    r.speedup_vs_eager = rnd(eager.step_ms / r.step_ms, 3)
+                if r.e2e_s and eager.e2e_s:
+                    r.e2e_speedup_vs_eager = rnd(eager.e2e_s / r.e2e_s, 3)
+        return list(rows.values())
+
+    # -- helpers of the variants ---------------------------------------------------------------
+    def stock(self, case: Case) -> Callable[[], Any]:
+        """``pipe.transformer(...)`` on the recorded call (through whatever is installed on it)."""
+        a, k = case.args, case.kwargs
+        transformer = self.pipe.transformer
+        return lambda: transformer(*a, **k)
+
+    def ok(self, row: CaseRow, t: tuple[float, float, float]) -> None:
+        row.set(status="ok", reason=None, step_ms=rnd(t[0]), host_ms=rnd(t[1]), step_min_ms=rnd(t[2]))
+
+    def diff(self, row: CaseRow, case: Case, out: Any) -> None:
+        if case.ref is not None:
+            row.out_max_abs_diff = rnd(max_abs_diff(out, case.ref), 6)
+
+    def busy(self, row: CaseRow, fn: Callable[[], Any]) -> None:
+        seq_ms, busy, why = self.clock.back_to_back(fn, self.args.seq_calls, busy=not self.args.no_busy)
+        row.seq_ms = rnd(seq_ms)
+        row.gpu_busy = rnd(busy, 3)
+        if why and not self.args.no_busy and self.clock.cuda:
+            row.notes.append(f"gpu_busy: {why}")
+
+    # -- end to end ----------------------------------------------------------------------------
+    def e2e(self, row: CaseRow, case: Case) -> None:
+        """Full pipeline call (output decoded to PIL), median of runs after one warm-up run."""
+        steps = steps_of(self.model, self.args)
+        final: dict[str, torch.Tensor] = {}
+        accel = self.pipe.__dict__.get("accel")
+
+        def keep(pipe_: Any, i: int, t: Any, cb_kwargs: dict) -> dict:
+            final["latents"] = cb_kwargs["latents"]
+            return {}
+
+        def once() -> float:
+            g = torch.Generator(self.device).manual_seed(SEED)
+            self.clock.sync()
+            t0 = time.perf_counter()
+            self.pipe(
+                **pipe_kwargs(self.model, case.wh, self.args), generator=g, output_type="pil", callback_on_step_end=keep
+            )
+            self.clock.sync()
+            return time.perf_counter() - t0
+
+        try:
+            stats0 = accel.stats()[denoiser_name(accel)] if accel is not None else None
+            if self.clock.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            row.e2e_first_s = rnd(once(), 3)
+            times = [once() for _ in range(self.args.e2e_runs)]
+            e2e_s = statistics.median(times)
+            row.set(
+                e2e_s=rnd(e2e_s, 4),
+                e2e_steps=steps,
+                e2e_calls_per_step=calls_per_step(self.model),
+                e2e_per_step_ms=rnd(e2e_s / steps * 1e3, 2),
+                e2e_runs=len(times),
+            )
+            if self.clock.cuda:
+                row.e2e_peak_mb = rnd(torch.cuda.max_memory_allocated(self.device) / MiB, 1)
+            latents = final["latents"].detach().clone()
+            if accel is None:
+                case.e2e_latents = latents
+            else:
+                stats1 = accel.stats()[denoiser_name(accel)]
+                row.e2e_graph_misses = stats1.misses - stats0.misses
+                row.e2e_eager_calls = stats1.eager_calls - stats0.eager_calls
+                ref = case.e2e_latents
+                if ref is not None:
+                    row.e2e_bit_equal = bool(torch.equal(latents, ref))
+                    row.e2e_max_abs_diff = rnd(float((latents.float() - ref.float()).abs().max()), 6)
+        except Exception as exc:  # the step numbers stand; say why end to end is missing
+            traceback.print_exc()
+            row.e2e_error = err_text(exc)
+            row.notes.append(f"end to end failed: {row.e2e_error}")
+
+    # -- memory vs number of captured resolutions ----------------------------------------------
+    def memory_series(self) -> list[SeriesPoint]:
+        n = self.args.series_count
+        if n <= 0 or "bcg" not in self.args.variants:
+            return []
+        res = sorted(self.calls, key=lambda wh: wh[0] * wh[1], reverse=True)[:n]
+        if not res:
+            return []
+        out: list[SeriesPoint] = []
+        free_memory(self.clock)
+        try:
+            with torch.no_grad():
+                accelerate(self.pipe)
+                accel = self.pipe.accel
+                total_peaks: float | None = 0.0
+                done: list[str] = []
+                for i, wh in enumerate(res, 1):
+                    self.clock.sync()
+                    t0 = time.perf_counter()
+                    report = accel.warmup(
+                        [wh],
+                        prompts=[PROMPT],
+                        negative_prompt=NEGATIVE if self.cfg else None,
+                        cfg=self.cfg,
+                        progress=False,
+                    )
+                    self.clock.sync()
+                    done.append(res_name(wh))
+                    peak = self.activation_mb.get(wh)
+                    total_peaks = None if peak is None or total_peaks is None else total_peaks + peak
+                    point = SeriesPoint(
+                        model=self.model,
+                        n_resolutions=i,
+                        added=res_name(wh),
+                        resolutions=list(done),
+                        warmup_s=rnd(time.perf_counter() - t0, 3),
+                        captures=report.total_captures,
+                        graph_mb=rnd(accel.graph_memory_bytes() / MiB, 1),
+                        pool_mb=rnd((accel.pool.resident_bytes() if accel.pool else 0) / MiB, 1),
+                        eager_activation_mb=peak,
+                        sum_eager_activation_mb=rnd(total_peaks, 1),
+                    )
+                    out.append(point)
+                    say(
+                        f"{self.model} memory series: +{res_name(wh)} -> graph {point.graph_mb} MiB "
+                        f"(sum of eager activation peaks {point.sum_eager_activation_mb} MiB)"
+                    )
+        except Exception as exc:
+            traceback.print_exc()
+            out.append(SeriesPoint(model=self.model, n_resolutions=len(out) + 1, error=err_text(exc)))
+        finally:
+            if "accel" in self.pipe.__dict__:
+                self.pipe.accel.restore()
+            free_memory(self.clock)
+        return out

@@ -1,0 +1,83 @@
+"""Constants of the benchmark, resolutions, how each model is run, progress lines."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+STATUSES = ("ok", "skipped", "error")
+PROMPT = "a red fox standing in fresh snow at dawn, soft golden light, highly detailed photograph"
+NEGATIVE = "blurry, low quality, watermark"
+SEED = 0
+ZIMAGE_STEPS = 9
+QWEN_TRUE_CFG = 4.0
+MiB = 2**20
+PLOTS = ("step_time.png", "graph_memory.png")
+
+T_START = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.perf_counter() - T_START:7.1f}s] {msg}", flush=True)
+
+
+def parse_resolution(text: str) -> tuple[int, int]:
+    """ "512" -> (512, 512); "768x512" -> (768, 512) (width x height)."""
+    try:
+        if "x" in text.lower():
+            w, h = (int(v) for v in text.lower().split("x"))
+        else:
+            w = h = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a resolution is N or WxH, got {text!r}") from None
+    if w <= 0 or h <= 0 or w % 16 or h % 16:
+        raise argparse.ArgumentTypeError(f"{text}: width and height must be positive multiples of 16")
+    return w, h
+
+
+def res_name(wh: tuple[int, int]) -> str:
+    return f"{wh[0]}x{wh[1]}"
+
+
+def by_area(wh: tuple[int, int]) -> tuple[int, int]:
+    return wh[0] * wh[1], wh[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# How each model is run
+# ------------------------------------------------------------------------------------------------
+def uses_cfg(model: str) -> bool:
+    return model == "qwen-image"  # Z-Image runs as Turbo: guidance 0, one call per step
+
+
+def steps_of(model: str, args: argparse.Namespace) -> int:
+    return ZIMAGE_STEPS if model == "z-image" else args.steps_e2e
+
+
+def calls_per_step(model: str) -> int:
+    return 2 if uses_cfg(model) else 1
+
+
+def pipe_kwargs(model: str, wh: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(prompt=PROMPT, width=wh[0], height=wh[1], num_inference_steps=steps_of(model, args))
+    if model == "z-image":
+        kw["guidance_scale"] = 0.0
+    elif model == "qwen-image":
+        kw.update(negative_prompt=NEGATIVE, true_cfg_scale=QWEN_TRUE_CFG)
+    return kw
+
+
+def config_constants() -> dict[str, Any]:
+    """What every run writes into its config beside its options."""
+    return dict(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        seed=SEED,
+        zimage_steps=ZIMAGE_STEPS,
+        zimage_guidance=0.0,
+        qwen_true_cfg_scale=QWEN_TRUE_CFG,
+    )
