@@ -22,22 +22,23 @@ from .bcg import (
 from .options import AcceleratorOptions, GenerationDefaults
 from .pipeline import PipelineAccelerator, accelerate_pipeline
 from .pool import GraphPool
-from .runner import GraphRunner, RunnerStats
+from .runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
 from .warmup import WarmupReport
 
 __all__ = [
     "AcceleratorOptions",
-    "GenerationDefaults",
-    "PipelineAccelerator",
-    "WarmupReport",
-    "accelerate_pipeline",
     "BreakError",
     "BreakableCUDAGraph",
     "CopyBackError",
+    "GenerationDefaults",
+    "GraphMemoryBudgetError",
     "GraphPool",
     "GraphRunner",
     "NestedBreakError",
+    "PipelineAccelerator",
     "RunnerStats",
+    "WarmupReport",
+    "accelerate_pipeline",
     "break_graph",
     "capture",
     "eager_on_graph",

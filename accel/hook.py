@@ -37,26 +37,11 @@ __all__ = [
     "graph_hook_of",
     "module_device",
     "release_graph_runner",
-    "shared_pool",
 ]
 
 logger = logging.getLogger(__name__)
 
 HOOK_NAME = "bcg_graph_runner"
-
-# One pool per device for the whole process: only one graph replays at a time (the pool's lock),
-# so every denoiser of every pipeline can overlay its intermediates in the same memory.
-_pools: dict[torch.device, GraphPool] = {}
-
-
-def shared_pool(device: torch.device) -> GraphPool:
-    """The process's graph pool on ``device`` (a CUDA device)."""
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    pool = _pools.get(device)
-    if pool is None:
-        pool = _pools[device] = GraphPool(device)
-    return pool
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
@@ -201,11 +186,15 @@ def graph_hook_of(module: torch.nn.Module) -> GraphHook | None:
     return hook if isinstance(hook, GraphHook) else None
 
 
-def apply_graph_runner(module: torch.nn.Module, options: AcceleratorOptions, *, name: str, user: Any) -> GraphHook:
+def apply_graph_runner(
+    module: torch.nn.Module, options: AcceleratorOptions, *, name: str, user: Any, pool: GraphPool | None
+) -> GraphHook:
     """Give ``module`` a graph runner (or join the one it has) on behalf of ``user``.
 
-    A module already accelerated with other options is refused: its graphs were made for those.
-    Call :func:`release_graph_runner` with the same ``user`` to let go.
+    A new runner captures into ``pool`` (None: the runner makes one on its first capture); a
+    joined one keeps the pool it has. A module already accelerated with other options is
+    refused: its graphs were made for those. Call :func:`release_graph_runner` with the same
+    ``user`` to let go.
     """
     hook = graph_hook_of(module)
     if hook is not None:
@@ -227,9 +216,7 @@ def apply_graph_runner(module: torch.nn.Module, options: AcceleratorOptions, *, 
     else:
         recipe = recipe_cls()
     hook = GraphHook(recipe, options, name)
-    device = module_device(module)
-    if device.type == "cuda" and torch.cuda.is_available():
-        hook.runner.pool = shared_pool(device)
+    hook.runner.pool = pool
     hook._drop_registry = not hasattr(module, "_diffusers_hook")
     hook._drop_forward_attr = "forward" not in module.__dict__
     registry = HookRegistry.check_if_exists_or_initialize(module)

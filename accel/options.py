@@ -20,11 +20,13 @@ from typing import Literal, get_args
 
 __all__ = [
     "MODES",
+    "PARALLEL_MODES",
     "RECIPE_DEFAULT",
     "RESOLUTION_MULTIPLE",
     "AcceleratorOptions",
     "GenerationDefaults",
     "Mode",
+    "Parallel",
     "RecipeDefault",
     "check_resolution",
     "default_compile_cache_dir",
@@ -33,6 +35,12 @@ __all__ = [
 
 Mode = Literal["bcg", "debug", "eager"]
 MODES: tuple[str, ...] = get_args(Mode)
+
+# One image on several processes (accel/parallel.py): the guidance branches on two ranks, diffusers'
+# Ulysses context parallelism over all ranks, or both (two Ulysses groups, one per branch).
+Parallel = Literal["cfg", "ulysses", "cfg+ulysses"]
+PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)
+DEFAULT_PARALLEL_TIMEOUT_S = 300.0
 
 # Both latent dimensions are divided by the VAE factor (8) and then patchified by 2.
 RESOLUTION_MULTIPLE = 16
@@ -106,6 +114,8 @@ class AcceleratorOptions:
 
     ``text_buckets`` is :data:`RECIPE_DEFAULT` (the recipe's own buckets), ``None`` (no padding)
     or a sorted tuple of positive lengths. ``memory_budget_mb`` is None (no limit) or positive.
+    ``parallel`` is None (one process) or one of :data:`PARALLEL_MODES`; ``parallel_timeout_s`` is
+    how long a rank waits for the others before it fails with an error instead of hanging.
     """
 
     mode: Mode = "bcg"
@@ -116,6 +126,8 @@ class AcceleratorOptions:
     memory_budget_mb: float | None = None
     compile: bool = False
     compile_cache_dir: Path | None = None
+    parallel: Parallel | None = None
+    parallel_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -139,6 +151,16 @@ class AcceleratorOptions:
             object.__setattr__(self, "text_buckets", tuple(sorted(set(buckets))))
         if self.compile_cache_dir is not None:
             object.__setattr__(self, "compile_cache_dir", Path(self.compile_cache_dir).expanduser())
+        if self.parallel is not None and self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be None or one of {', '.join(PARALLEL_MODES)}; got {self.parallel!r}")
+        timeout = self.parallel_timeout_s
+        if not (
+            isinstance(timeout, (int, float))
+            and not isinstance(timeout, bool)
+            and math.isfinite(timeout)
+            and timeout > 0
+        ):
+            raise ValueError(f"parallel_timeout_s must be a positive number of seconds, got {timeout!r}")
 
     @property
     def memory_budget_bytes(self) -> int | None:

@@ -4,7 +4,8 @@ The walker finds every denoiser (``transformer``, ``transformer_2``, ``unet``) a
 :class:`~accel.hook.GraphHook` to it (one per module, shared by every pipeline that uses the
 module); a :class:`~accel.guard.CallGuard` on the scheduler serialises calls and checks weights
 once per call; :mod:`accel.warmup` plans and runs the captures. Everything outside the denoiser
-(text encoders, noise, scheduler steps, guidance, VAE) stays eager.
+(text encoders, noise, scheduler steps, guidance, VAE) stays eager. With ``parallel=`` one image
+is computed by several processes (:mod:`accel.parallel`).
 :meth:`PipelineAccelerator.restore` gives the pipeline back exactly as it was.
 """
 
@@ -18,8 +19,16 @@ from typing import Any
 import torch
 
 from .guard import CallGuard
-from .hook import HOOK_NAME, GraphHook, apply_graph_runner, module_device, release_graph_runner, shared_pool
-from .options import MODES, RECIPE_DEFAULT, RESOLUTION_MULTIPLE, AcceleratorOptions, RecipeDefault
+from .hook import HOOK_NAME, GraphHook, apply_graph_runner, module_device, release_graph_runner
+from .options import (
+    DEFAULT_PARALLEL_TIMEOUT_S,
+    MODES,
+    RECIPE_DEFAULT,
+    RESOLUTION_MULTIPLE,
+    AcceleratorOptions,
+    RecipeDefault,
+)
+from .parallel import ParallelSession
 from .pool import GraphPool
 from .recipe import Recipe
 from .runner import GraphRunner, RunnerStats
@@ -62,18 +71,24 @@ class PipelineAccelerator:
         self.options = options
         self._hooks: dict[str, GraphHook] = {}
         self._guard: CallGuard | None = None
+        self._parallel: ParallelSession | None = None
+        self._own_pool: GraphPool | None = None
         self._restored = False
         try:
             for name in DENOISER_NAMES:
                 module = getattr(pipe, name, None)
                 if isinstance(module, torch.nn.Module):
-                    self._hooks[name] = apply_graph_runner(module, options, name=name, user=self)
+                    pool = self._pool_for(module_device(module))
+                    self._hooks[name] = apply_graph_runner(module, options, name=name, user=self, pool=pool)
             if not self._hooks:
                 raise ValueError(
                     f"{type(pipe).__name__} has no denoiser to accelerate (looked for components named "
                     f"{', '.join(DENOISER_NAMES)})"
                 )
             self._guard = CallGuard.attach(pipe, self, self._check)
+            if options.parallel is not None:
+                # Collective: every rank of the launch builds its session here, or all fail.
+                self._parallel = ParallelSession(pipe, self._hooks, self._guard, options)
         except BaseException:
             self._uninstall()
             raise
@@ -93,6 +108,9 @@ class PipelineAccelerator:
             hook.check()
 
     def _uninstall(self) -> None:
+        if self._parallel is not None:
+            self._parallel.close()
+            self._parallel = None
         if self._guard is not None:
             self._guard.detach(self)
             self._guard = None
@@ -110,6 +128,11 @@ class PipelineAccelerator:
         return self.options.mode
 
     @property
+    def parallel(self) -> ParallelSession | None:
+        """The several-process session (its ``layout``, ``rank``, counters), or None."""
+        return self._parallel
+
+    @property
     def runners(self) -> dict[str, GraphRunner]:
         """The runner of each denoiser, by component name (shared with other pipelines that
         use the same module)."""
@@ -121,9 +144,23 @@ class PipelineAccelerator:
 
     @property
     def pool(self) -> GraphPool | None:
-        """The graph memory pool this pipeline's graphs live in (one per device, shared by every
-        accelerated pipeline: only one graph replays at a time); None before any CUDA use."""
+        """The graph memory pool this pipeline's graphs live in (None before any CUDA use).
+
+        One pool per pipeline: every signature of every denoiser overlays its intermediates in
+        it (only one graph replays at a time), and :meth:`release` gives all of it back without
+        depending on other pipelines. A denoiser shared with a pipeline accelerated earlier keeps
+        that pipeline's pool.
+        """
         return next((h.runner.pool for h in self._hooks.values() if h.runner.pool is not None), None)
+
+    def _pool_for(self, device: torch.device) -> GraphPool | None:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return None
+        if self._own_pool is None or self._own_pool.device.index != (
+            device.index if device.index is not None else torch.cuda.current_device()
+        ):
+            self._own_pool = GraphPool(device)
+        return self._own_pool
 
     @property
     def request_lock(self) -> RequestLock | None:
@@ -173,6 +210,9 @@ class PipelineAccelerator:
             negative_prompt=negative_prompt,
             num_inference_steps=num_inference_steps,
         )
+        if self._parallel is not None:
+            # Every rank must capture the same cases in the same order.
+            self._parallel.check_same("the warm-up plan", [repr(plan)])
         runners = [h.runner for h in self._hooks.values() if h.active]
         device = module_device(self._primary_module)
         skipped = self._why_no_graphs(device) if not runners or device.type != "cuda" else None
@@ -181,7 +221,7 @@ class PipelineAccelerator:
             return WarmupReport([WarmupRow(w, h, 0.0, 0, 0) for w, h in plan.resolutions], skipped=skipped)
         for r in runners:
             if r.pool is None:  # the module reached the GPU after accelerate_pipeline
-                r.pool = shared_pool(device)
+                r.pool = self._pool_for(device)
         compiled = any(h.compiled for h in self._hooks.values())
         report = run_warmup(self.pipe, primary.recipe, plan, runners, device, compiled=compiled, progress=progress)
         self._check()
@@ -235,6 +275,8 @@ class PipelineAccelerator:
                     "nothing warmed up yet: call pipe.accel.warmup(...) or pass capture_on_miss=True"
                 )
                 lines.append(f"    no graphs: {why}")
+        if self._parallel is not None:
+            lines.append(f"  {self._parallel.describe()}")
         lines.append(f"  graph memory: {self.graph_memory_bytes() / 2**20:.1f} MiB")
         return "\n".join(lines)
 
@@ -265,6 +307,21 @@ class PipelineAccelerator:
             del self.pipe.__dict__["accel"]
         return self.pipe
 
+    def shutdown(self) -> Any:
+        """Restore the pipeline and, with ``parallel=``, leave the process group cleanly.
+
+        Graphs holding collectives are released before the process group goes (a process group
+        destroyed under live graphs can hang the exit); the process group is destroyed if
+        ``accelerate_pipeline`` created it. Exiting the process does the same by itself (an
+        ``atexit`` handler); call this to end a several-GPU run earlier.
+        """
+        parallel = self._parallel
+        self.release()
+        self.restore()
+        if parallel is not None:
+            parallel.leave_process_group()
+        return self.pipe
+
     def _require_installed(self) -> None:
         if self._restored:
             raise RuntimeError("this accelerator was restored; call accelerate_pipeline(pipe) again to use graphs")
@@ -281,6 +338,8 @@ def accelerate_pipeline(
     memory_budget_mb: float | None = None,
     compile: bool = False,
     compile_cache_dir: str | Path | None = None,
+    parallel: str | None = None,
+    parallel_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S,
 ) -> Any:
     """Make ``pipe``'s denoising loop replay CUDA graphs; returns ``pipe`` with ``pipe.accel``.
 
@@ -303,11 +362,24 @@ def accelerate_pipeline(
             CUDA; elsewhere it is skipped with one message.
         compile_cache_dir: where compiled kernels persist between processes; default
             ``$BCG_COMPILE_CACHE`` or ``~/.cache/bcg-diffusers/compile``. Delete it to clear.
+        parallel: one image on every process of a ``torchrun`` / ``accelerate launch`` (each with
+            its pipeline on its own GPU, all making the same calls with the same seed): ``"cfg"``
+            (2 processes: the two guidance branches, one per GPU, bit-identical to one GPU;
+            pipelines that batch their branches into one call, like Z-Image's, are refused),
+            ``"ulysses"`` (diffusers' Ulysses context parallelism over all processes) or
+            ``"cfg+ulysses"`` (2 x N/2 processes, N >= 4). Every rank returns the same image.
+            Collective: every process must call this with the same options. The process group is
+            created if none exists. See :mod:`accel.parallel`.
+        parallel_timeout_s: how long a rank waits for the others (a dead or diverging rank)
+            before it fails with an error instead of hanging; also the process group's timeout
+            when this call creates it.
 
     Raises:
         TypeError: ``pipe`` is not a diffusers pipeline.
         ValueError: an option is invalid, the pipeline has no denoiser, or a denoiser is
             already accelerated by another pipeline with other options.
+        accel.parallel.ParallelConfigError: (a ValueError) with ``parallel=``, raised on every
+            rank alike: the launch, the model or another rank's options do not fit.
 
     Calling it again with the same options is harmless; other options re-install.
     """
@@ -324,6 +396,8 @@ def accelerate_pipeline(
         memory_budget_mb=memory_budget_mb,
         compile=compile,
         compile_cache_dir=Path(compile_cache_dir) if compile_cache_dir is not None else None,
+        parallel=parallel,  # type: ignore[arg-type]
+        parallel_timeout_s=parallel_timeout_s,
     )
     existing = pipe.__dict__.get("accel")
     if isinstance(existing, PipelineAccelerator):

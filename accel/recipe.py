@@ -3,9 +3,11 @@
 A recipe says which functions must run as eager breaks, how to normalise a call so that more
 calls share a graph (text padding), which caches a graph reads by address and must stay alive,
 and how to drive the pipeline during warm-up so that exactly the signatures real calls will hit
-get captured. Model-specific recipes live in the ``pipelines`` package and are found through the
-``bcg_diffusers.recipes`` entry-point group (or :func:`register_recipe`); this module holds only
-the interface, the registry and a generic recipe for denoisers nobody wrote one for.
+get captured; for one image on several GPUs, which denoiser calls are guidance branches and how
+the model's sequence splits over Ulysses ranks. Model-specific recipes live in the ``pipelines``
+package and are found through the ``bcg_diffusers.recipes`` entry-point group (or
+:func:`register_recipe`); this module holds only the interface, the registry and a generic recipe
+for denoisers nobody wrote one for.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from .options import GenerationDefaults
 
-__all__ = ["GenericRecipe", "Recipe", "recipe_for", "register_recipe", "version_supported"]
+__all__ = ["GenericRecipe", "Recipe", "check_heads_divisible", "recipe_for", "register_recipe", "version_supported"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,44 @@ class Recipe:
         """How the model is usually run, for front ends; None where the recipe does not know."""
         return None
 
+    # -- several GPUs (accelerate_pipeline(parallel=...), accel/parallel.py) ----------------
+    def cfg_parallel_support(self, module: torch.nn.Module) -> str | None:
+        """None where the model's pipelines run the two guidance branches as separate denoiser
+        calls that :meth:`cfg_branch` tells apart (so each can run on its own GPU, bit for bit);
+        otherwise why not, in one line."""
+        return f"no recipe says how pipelines call {type(module).__name__} for guidance"
+
+    def cfg_branch(self, context: str | None) -> int | None:
+        """The guidance branch (0 or 1) a denoiser call computes, from the name of the diffusers
+        ``cache_context`` it runs under (None outside one); None for a call that is not one
+        branch of a pair (every rank computes it)."""
+        return None
+
+    def cfg_output_like(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What this call returns, uncomputed (``torch.empty``), with its exact structure, shapes
+        and dtypes: the rank that does not compute the branch returns it, and the exchange at the
+        end of the pair fills it in place."""
+        raise NotImplementedError(f"the {self.name} recipe cannot describe its model's output for parallel='cfg'")
+
+    def context_parallel_plan(self, module: torch.nn.Module, degree: int) -> dict[str, Any]:
+        """diffusers' context-parallel plan (``_cp_plan``) for Ulysses over ``degree`` ranks;
+        ValueError, in one line, where the model cannot be split so."""
+        plan = getattr(module, "_cp_plan", None)
+        if plan is None:
+            raise ValueError(
+                f"{type(module).__name__} has no context-parallel plan (_cp_plan) and the {self.name} recipe gives "
+                "none, so parallel='ulysses' cannot split it"
+            )
+        check_heads_divisible(module, degree)
+        return plan
+
+    def prepare_context_parallel(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], degree: int
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Make a call splittable over ``degree`` ranks (sequence lengths divisible by it), on
+        every device; ValueError, in one line, where it cannot be."""
+        return args, kwargs
+
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:
         """Text lengths to capture when the user names neither prompts nor lengths."""
@@ -113,6 +153,17 @@ class Recipe:
             width=width,
             num_inference_steps=num_inference_steps,
             output_type="latent",
+        )
+
+
+def check_heads_divisible(module: torch.nn.Module, degree: int) -> None:
+    """ValueError unless the model's attention heads split evenly over ``degree`` Ulysses ranks."""
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
+    if isinstance(heads, int) and heads % degree:
+        raise ValueError(
+            f"{type(module).__name__} has {heads} attention heads, which do not split over {degree} Ulysses ranks; "
+            f"use a number of processes that divides {heads}"
         )
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["weights_fingerprint", "offload_reason", "RequestLock", "shadow_method", "wrap_method", "unwrap_method"]
+__all__ = ["RequestLock", "offload_reason", "shadow_method", "unwrap_method", "weights_fingerprint", "wrap_method"]
 
 
 def weights_fingerprint(module: torch.nn.Module) -> int:
@@ -95,7 +96,9 @@ def shadow_method(obj: Any, name: str, make: Callable[[Callable[..., Any]], Call
     return previous
 
 
-def wrap_method(obj: Any, name: str, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> Any:
+def wrap_method(
+    obj: Any, name: str, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None
+) -> Any:
     """Shadow ``obj.name`` with a wrapper calling ``before``/``after`` around it."""
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -107,9 +107,7 @@ def _check_size(size: str) -> str:
 def _require_model(name: str) -> str:
     model = canonical_name(name)
     if model is None:
-        raise ValueError(
-            f"unknown embedded model {name!r}: expected one of {', '.join(map(repr, MODEL_NAMES))}"
-        )
+        raise ValueError(f"unknown embedded model {name!r}: expected one of {', '.join(map(repr, MODEL_NAMES))}")
     return model
 
 
@@ -219,9 +217,7 @@ def scheduler_config(name: str) -> dict[str, Any]:
     return dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 
 
-def text_encoder_config(
-    name: str, size: str, tokenizer: Qwen2Tokenizer | None = None
-) -> PreTrainedConfig:
+def text_encoder_config(name: str, size: str, tokenizer: Qwen2Tokenizer | None = None) -> PreTrainedConfig:
     """Config of the text encoder of ``name`` at ``size``.
 
     Special token ids are those of ``tokenizer`` (the offline one by default), so generation-side

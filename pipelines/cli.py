@@ -37,7 +37,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from accel.options import MODES, RESOLUTION_MULTIPLE, GenerationDefaults, default_compile_cache_dir, parse_resolution
+from accel.options import (
+    MODES,
+    PARALLEL_MODES,
+    RESOLUTION_MULTIPLE,
+    GenerationDefaults,
+    default_compile_cache_dir,
+    parse_resolution,
+)
 
 from . import limits
 
@@ -252,7 +259,8 @@ compile cache: --compile keeps compiled kernels in {cache}
   Delete that folder to clear the cache.
 
 exit status: 0 done, 1 loading or generating failed, 2 bad input, 130 interrupted.
-multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits the work.
+multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits the work; with
+  --parallel every process works on every image together and only rank 0 writes files.
 """,
     )
     p.add_argument(
@@ -323,6 +331,14 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         choices=MODES,
         default=None,
         help="bcg: CUDA graphs (default); debug: same runner, denoiser eager; eager: no acceleration",
+    )
+    p.add_argument(
+        "--parallel",
+        choices=PARALLEL_MODES,
+        default=None,
+        help="under accelerate launch / torchrun, compute each image on all processes together (cfg: the two "
+        "guidance branches on 2 GPUs, exact; ulysses: diffusers' context parallelism; cfg+ulysses: both, 4+ GPUs); "
+        "every process runs every job with the same seeds, rank 0 writes the files",
     )
     p.add_argument(
         "--compile",
@@ -674,7 +690,14 @@ def _run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # graphs are captured on the current device
     jobs = plan_jobs(prompts, resolutions, args.batch_size, args.seed)
-    mine = shard(jobs, procs.index, procs.count)
+    if args.parallel is not None and procs.count < 2:
+        raise CLIError(
+            f"--parallel {args.parallel} computes each image on several processes: start this with accelerate launch "
+            "--num_processes 2 (or torchrun --nproc_per_node 2)"
+        )
+    # --parallel: every process takes part in every job (same seeds); rank 0 writes the files.
+    mine = list(jobs) if args.parallel is not None else shard(jobs, procs.index, procs.count)
+    writes = args.parallel is None or procs.index == 0
     if procs.count > 1:
         logger.info("%d of %d jobs on %s", len(mine), len(jobs), device)
 
@@ -712,10 +735,12 @@ def _run(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
 
     warmup_seconds = 0.0
-    if mode != "eager":
+    if mode != "eager" or args.parallel is not None:
         from accel.pipeline import accelerate_pipeline
 
         options: dict[str, Any] = {}
+        if args.parallel is not None:
+            options["parallel"] = args.parallel
         if args.compile:  # only when asked: the CLI keeps working with an accel without compile
             options["compile"] = True
             if args.compile_cache is not None:
@@ -723,9 +748,8 @@ def _run(args: argparse.Namespace) -> int:
         try:
             accelerate_pipeline(pipe, mode=mode, **options)
         except (TypeError, ValueError) as e:  # e.g. a hub pipeline with no denoiser to accelerate
-            raise RunError(
-                f"cannot accelerate {type(pipe).__name__}: {_one_line(e)} (--mode eager runs it as is)"
-            ) from None
+            hint = "drop --parallel to split the jobs instead" if args.parallel else "--mode eager runs it as is"
+            raise RunError(f"cannot accelerate {type(pipe).__name__}: {_one_line(e)} ({hint})") from None
         if warm:
             try:
                 warmup_seconds = _warmup(pipe, warm, mine, negative, cfg, args.batch_size, not args.quiet)
@@ -746,7 +770,7 @@ def _run(args: argparse.Namespace) -> int:
         dtype=str(dtype).removeprefix("torch."),
         Software=software,
     )
-    if single is None:
+    if single is None and writes:
         logger.info("writing %d image(s) to %s", sum(len(j.indices) for j in mine), folder)
 
     from tqdm.auto import tqdm
@@ -782,7 +806,8 @@ def _run(args: argparse.Namespace) -> int:
                 path = single if single is not None else folder / name
                 info = dict(prompt=job.prompt, seed=str(seed), resolution=f"{job.width}x{job.height}",
                             index=str(index), **meta_common)  # fmt: skip
-                _save_png(image, path, info)
+                if writes:
+                    _save_png(image, path, info)
                 written.append(path)
                 bar.update()
 
@@ -866,8 +891,12 @@ def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str) -> list[An
     import numpy as np
     import torch
 
+    from accel.parallel import ParallelError
+
     try:
         images = pipe(**kwargs).images
+    except ParallelError as e:  # --parallel: the ranks disagree or lost one another
+        raise RunError(_one_line(e)) from None
     except (TypeError, ValueError) as e:  # a pipeline that needs more than a prompt (an input image...)
         raise RunError(f"{type(pipe).__name__} refused the call: {_one_line(e)[:300]}") from None
     except torch.OutOfMemoryError:

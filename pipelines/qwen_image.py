@@ -17,6 +17,9 @@ What the stock forward needs (diffusers 0.42):
   at twice the graph's step time at 512x512 but at the graph's own speed at 1024x1024. So text
   is padded only up to :data:`BUCKET_MAX_IMAGE_TOKENS` image tokens; larger images keep their
   exact text length (one graph per length, bit for bit, never slower than eager).
+* On several GPUs (``parallel=``): true CFG's two calls run under ``cache_context("cond")`` and
+  ``("uncond")``, one per rank, exact; Ulysses uses diffusers' own ``_cp_plan``, with the text
+  right-padded (masked) to a multiple of the number of ranks where its length does not split.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ BUCKET_MAX_IMAGE_TOKENS = 48 * 48
 PATCH_PIXELS = 16  # VAE factor 8 times patch size 2
 # The pipeline drops its system-prompt template (34 tokens) and truncates to this by default.
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
+# True CFG's two calls per step, by the cache_context the pipeline runs them under.
+CFG_BRANCHES = {"cond": 0, "uncond": 1}
 
 _patch_lock = threading.Lock()
 _patch_users: dict[str, int] = {}
@@ -167,6 +172,54 @@ class QwenImageRecipe(Recipe):
         return GenerationDefaults(
             steps=20, guidance=4.0, guidance_kwarg="true_cfg_scale", cfg_above=1.0, default_negative=" "
         )
+
+    # -- several GPUs ----------------------------------------------------------------------
+    def cfg_parallel_support(self, module: torch.nn.Module) -> str | None:
+        # The pipeline runs true CFG as two calls, under cache_context("cond") and ("uncond"),
+        # and combines them only after the second: each can run whole on its own rank.
+        return None
+
+    def cfg_branch(self, context: str | None) -> int | None:
+        return CFG_BRANCHES.get(context) if context is not None else None
+
+    def cfg_output_like(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if not isinstance(hidden, torch.Tensor):
+            raise ValueError("qwen-image: a denoiser call without hidden_states cannot be split for parallel='cfg'")
+        # The forward ends in proj_out: its width, in the dtype the call computes in.
+        proj = module.proj_out
+        dtype = proj.weight.dtype
+        if torch.is_autocast_enabled(hidden.device.type):
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+        out = hidden.new_empty((*hidden.shape[:-1], proj.out_features), dtype=dtype)
+        if kwargs.get("return_dict", True):
+            from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+            return Transformer2DModelOutput(sample=out)
+        return (out,)
+
+    def prepare_context_parallel(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], degree: int
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        image = kwargs.get("hidden_states")
+        if isinstance(image, torch.Tensor) and image.dim() == 3 and image.shape[1] % degree:
+            raise ValueError(
+                f"qwen-image: {image.shape[1]} image tokens do not split over {degree} Ulysses ranks; use a "
+                f"resolution whose (width/16) x (height/16) is a multiple of {degree}"
+            )
+        text = kwargs.get("encoder_hidden_states")
+        if args or not isinstance(text, torch.Tensor) or text.dim() != 3 or text.shape[1] % degree == 0:
+            return args, kwargs
+        # The text is split along its length too: right-pad it with masked zeros to a multiple of
+        # the degree (exact in real arithmetic, as the buckets are).
+        batch, length, width = text.shape
+        extra = -length % degree
+        mask = kwargs.get("encoder_hidden_states_mask")
+        if mask is None:
+            mask = torch.ones(batch, length, dtype=torch.long, device=text.device)
+        text = torch.cat([text, text.new_zeros(batch, extra, width)], dim=1)
+        mask = torch.cat([mask, mask.new_zeros(batch, extra)], dim=1)
+        return args, {**kwargs, "encoder_hidden_states": text, "encoder_hidden_states_mask": mask}
 
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:

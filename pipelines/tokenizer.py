@@ -25,8 +25,8 @@ from transformers import Qwen2Tokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 __all__ = [
-    "QWEN_IMAGE_TEMPLATE",
     "QWEN_IMAGE_DROP_IDX",
+    "QWEN_IMAGE_TEMPLATE",
     "SPECIAL_TOKENS",
     "build_tokenizer",
     "special_token_ids",

@@ -13,6 +13,9 @@ break. What it does need:
   shares a graph, and the arithmetic is the stock model's, bit for bit.
 * Its RoPE tables live on a plain object outside the module tree; the ones a graph reads are
   kept alive with the graph.
+* On several GPUs: diffusers ships no context-parallel plan for it; :func:`context_parallel_plan`
+  is ours (Ulysses over 2 ranks: 30 heads and a 32-token multiple). CFG-parallel is refused: the
+  pipeline batches both guidance branches into one call.
 """
 
 from __future__ import annotations
@@ -42,6 +45,41 @@ _pending_masks: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.
 
 def _ceil(n: int) -> int:
     return -(-n // SEQ_MULTIPLE) * SEQ_MULTIPLE
+
+
+def context_parallel_plan(module: torch.nn.Module, degree: int) -> dict[str, Any]:
+    """A diffusers context-parallel plan for ZImageTransformer2DModel (which ships none).
+
+    Only the main layers are split: the unified ``[image, caption]`` sequence (and its RoPE table
+    and padding mask, passed again to every layer) along its length at the first layer, gathered
+    back after the final layer. The refiners (2 + 2 of 34 layers) run whole on every rank: their
+    outputs are cut per sample into the unified sequence, which needs whole sequences. The caption
+    pad rows are placed before the split, so pad handling is the stock model's. Every sample's
+    length is a multiple of 32, so a degree dividing 32 (and the heads) always splits evenly.
+    """
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    heads = getattr(module.config, "n_heads", None)
+    if SEQ_MULTIPLE % degree or (isinstance(heads, int) and heads % degree):
+        fits = [
+            d
+            for d in range(2, SEQ_MULTIPLE + 1)
+            if SEQ_MULTIPLE % d == 0 and not (isinstance(heads, int) and heads % d)
+        ]
+        raise ValueError(
+            f"z-image: Ulysses over {degree} ranks needs a degree dividing both its {heads} attention heads and "
+            f"its {SEQ_MULTIPLE}-token sequence multiple; use {' or '.join(map(str, fits)) or 'one'} processes"
+        )
+    plan: dict[str, Any] = {
+        "layers.0": {"x": ContextParallelInput(split_dim=1, expected_dims=3)},
+        "layers.*": {
+            "attn_mask": ContextParallelInput(split_dim=1, expected_dims=2),
+            "freqs_cis": ContextParallelInput(split_dim=1, expected_dims=3),
+        },
+    }
+    for key in getattr(module, "all_final_layer", {}):
+        plan[f"all_final_layer.{key}"] = ContextParallelOutput(gather_dim=1, expected_dims=3)
+    return plan
 
 
 class ZImageRecipe(Recipe):
@@ -116,6 +154,32 @@ class ZImageRecipe(Recipe):
         return GenerationDefaults(
             steps=9, guidance=0.0, guidance_kwarg="guidance_scale", cfg_above=0.0, default_negative=None
         )
+
+    # -- several GPUs ----------------------------------------------------------------------
+    def cfg_parallel_support(self, module: torch.nn.Module) -> str | None:
+        # Splitting the batch would change the GEMM shapes and drop the attention mask the
+        # batched call uses (captions in different 32-token buckets), so no rank would compute
+        # what one GPU computes; and the pipeline gives no per-call sign of the CFG batch
+        # (cfg_truncation halves it mid-loop).
+        return (
+            "Z-Image runs both guidance branches as one batched call, which cannot be split over two GPUs "
+            "bit for bit; use parallel='ulysses'"
+        )
+
+    def context_parallel_plan(self, module: torch.nn.Module, degree: int) -> dict[str, Any]:
+        return context_parallel_plan(module, degree)
+
+    def prepare_context_parallel(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], degree: int
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        x = args[0] if args else kwargs.get("x")
+        if isinstance(x, list) and x and isinstance(x[0], list):
+            raise ValueError(
+                "z-image: parallel='ulysses' splits text-to-image calls; omni (image-conditioned) calls are not split"
+            )
+        # Every caption and image is padded to a multiple of 32 inside the forward (captions by
+        # prepare(), exactly as the model would): with a degree dividing 32 nothing is left to do.
+        return args, kwargs
 
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:

@@ -6,6 +6,8 @@ which allocates no storage, and their parameter counts checked against the relea
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from diffusers import (
@@ -89,8 +91,13 @@ def test_tokenizer_is_cached_and_handles_any_text():
 @pytest.mark.parametrize(
     "alias, expected",
     [
-        ("z-image", "z-image"), ("zimage", "z-image"), ("z_image", "z-image"), ("Z-Image", "z-image"),
-        ("qwen-image", "qwen-image"), ("qwenimage", "qwen-image"), ("qwen_image", "qwen-image"),
+        ("z-image", "z-image"),
+        ("zimage", "z-image"),
+        ("z_image", "z-image"),
+        ("Z-Image", "z-image"),
+        ("qwen-image", "qwen-image"),
+        ("qwenimage", "qwen-image"),
+        ("qwen_image", "qwen-image"),
         ("flux", None),
     ],
 )
@@ -122,7 +129,7 @@ def test_hub_id_goes_to_from_pretrained(monkeypatch):
     calls = []
 
     class _Stub:
-        components: dict = {}
+        components: ClassVar[dict] = {}
 
         def to(self, device):
             calls.append(("to", device))
@@ -148,10 +155,9 @@ def test_local_folder_round_trip(tmp_path):
 
 def test_default_dtype_restored_after_failed_build():
     before = torch.get_default_dtype()
-    with pytest.raises(RuntimeError, match="boom"):
-        with builders._constructing_on("cpu", torch.float16):
-            assert torch.get_default_dtype() == torch.float16
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), builders._constructing_on("cpu", torch.float16):
+        assert torch.get_default_dtype() == torch.float16
+        raise RuntimeError("boom")
     assert torch.get_default_dtype() == before
 
 

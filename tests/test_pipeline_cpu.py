@@ -100,7 +100,7 @@ def test_debug_and_eager_modes_equal_stock(tiny) -> None:
 
 
 def test_warmup_on_cpu_captures_nothing_and_validates_input(tiny) -> None:
-    name, pipe = tiny
+    _, pipe = tiny
     accelerate_pipeline(pipe)
     report = pipe.accel.warmup([(64, 64), (128, 96)], progress=False)
     assert [(r.width, r.height) for r in report.rows] == [(128, 96), (64, 64)]  # largest first

@@ -82,10 +82,14 @@ def test_accelerated_latents_are_bit_identical_without_padding(model) -> None:
     assert captures > 0
     for case in _cases():
         out = _run(pipe, name, *case)
-        assert torch.equal(out, refs[case]), f"{name} {case[1]} seed {case[2]}: max diff {(out - refs[case]).abs().max()}"
+        assert torch.equal(out, refs[case]), (
+            f"{name} {case[1]} seed {case[2]}: max diff {(out - refs[case]).abs().max()}"
+        )
         assert pipe.accel.stats()["transformer"].captures == captures, "a call after warmup captured a graph"
     st = pipe.accel.stats()["transformer"]
-    print(f"{name}: {st.replays} replays, {st.misses} misses, {st.eager_calls} eager calls, segments {st.segments_per_entry}")
+    print(
+        f"{name}: {st.replays} replays, {st.misses} misses, {st.eager_calls} eager calls, segments {st.segments_per_entry}"
+    )
     assert st.misses == 0 and st.eager_calls == 0 and st.capture_failures == 0
     pipe.accel.restore()
 

@@ -1,0 +1,307 @@
+#!/usr/bin/env python
+"""One image on several GPUs: pipeline latency on N GPUs against one GPU, eager and graphs, one launch.
+
+    torchrun --nproc_per_node 2 scripts/bench_parallel.py --out out/parallel
+    torchrun --nproc_per_node 2 scripts/bench_parallel.py --models qwen-image --resolutions 1024 --out out/p
+    torchrun --nproc_per_node 2 scripts/bench_parallel.py --size tiny --out /tmp/p   # CPU smoke (gloo)
+
+Every process builds each model once (full size, random weights, bf16, on ``cuda:LOCAL_RANK``)
+and runs, per resolution, the same pipeline call (same prompt, seed and steps) in these variants:
+
+* ``1 GPU eager`` / ``1 GPU graphs``: rank 0 alone (the others wait at a barrier): the stock
+  pipeline, then ``accelerate_pipeline(pipe)`` with a warm-up.
+* ``cfg eager`` / ``cfg graphs`` (``parallel="cfg"``, 2 ranks): Qwen-Image's two guidance
+  branches on two GPUs. Z-Image batches its branches into one call (and runs without guidance
+  as Turbo), so it has none.
+* ``ulysses eager`` / ``ulysses graphs`` (``parallel="ulysses"``): diffusers' Ulysses context
+  parallelism over all ranks.
+* ``cfg+ulysses eager`` / ``graphs`` on 4 or more ranks.
+
+Latency: the wall time of the whole pipeline call on rank 0 (``output_type="latent"`` by default:
+text encoding and denoising, no VAE decode, which every rank repeats alike), from a barrier and
+an idle GPU to the last kernel, median of ``--runs`` after one warm-up call. Graph variants report
+their warm-up (capture) seconds. ``diff`` is the largest difference of the final latents from the
+one-GPU run of the same kind (eager against eager, graphs against graphs), relative to the largest
+latent: 0 means bit-identical. Models run with their usual settings: Qwen-Image true CFG (scale 4,
+a negative prompt), Z-Image 9 steps without guidance; ``--steps`` overrides both.
+
+Outputs under ``--out``: ``results.json`` and ``results.md`` (device, versions, the table); rank 0
+prints the table. About 5 minutes on 2 H200s with the defaults (both models, 512 and 1024).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # runnable from a plain checkout
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+logger = logging.getLogger("bench_parallel")
+
+PROMPT = "an isometric cutaway of a tiny underground library lit by lanterns, with a sleeping cat"
+NEGATIVE = "blurry, low quality"
+SEED = 3
+MODELS = ("qwen-image", "z-image")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for results.json and results.md")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--resolutions", nargs="+", type=int, default=[512, 1024], help="square sizes in pixels")
+    p.add_argument("--size", default="full", choices=("full", "tiny"), help="model size (tiny: a smoke run)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: Qwen-Image 8, Z-Image 9)")
+    p.add_argument("--runs", type=int, default=3, help="timed calls per variant, after one warm-up call")
+    p.add_argument("--output-type", default="latent", choices=("latent", "pil"), help="pil adds the VAE decode")
+    p.add_argument("--timeout", type=float, default=600.0, help="parallel_timeout_s and the process group timeout")
+    return p
+
+
+def settings(model: str, steps: int | None) -> dict[str, Any]:
+    if model == "qwen-image":
+        return dict(negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=steps or 8)
+    return dict(guidance_scale=0.0, num_inference_steps=steps or 9)
+
+
+def variants(model: str, world: int) -> list[tuple[str, str | None, str]]:
+    """(label, parallel, mode) in the order they run."""
+    layouts = []
+    if model == "qwen-image":  # Z-Image batches its guidance branches into one call
+        if world == 2:
+            layouts.append("cfg")
+        elif world % 2 == 0:
+            layouts.append("cfg+ulysses")
+    layouts.append("ulysses")
+    out: list[tuple[str, str | None, str]] = [("1 GPU eager", None, "eager"), ("1 GPU graphs", None, "bcg")]
+    for parallel in layouts:
+        out += [(f"{parallel} eager", parallel, "eager"), (f"{parallel} graphs", parallel, "bcg")]
+    return out
+
+
+def environment(device: torch.device, world: int) -> dict[str, Any]:
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def git(*cmd: str) -> str | None:
+        with contextlib.suppress(Exception):
+            out = subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=20, cwd=ROOT)
+            return out.stdout.strip() if out.returncode == 0 else None
+        return None
+
+    env: dict[str, Any] = {
+        "device": device.type,
+        "device_name": platform.processor() or platform.machine(),
+        "processes": world,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": None,
+        "diffusers": version("diffusers"),
+        "transformers": version("transformers"),
+        "python": platform.python_version(),
+        "git_commit": git("rev-parse", "--short", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain")),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device_name=torch.cuda.get_device_name(device), device_memory_gib=round(props.total_memory / 2**30))
+        with contextlib.suppress(Exception):
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return env
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_calls(
+    pipe: Any, kw: dict[str, Any], runs: int, device: torch.device, together: bool
+) -> tuple[list[float], Any]:
+    """One warm-up call, then ``runs`` timed calls; every rank calls when ``together``."""
+    times, out = [], None
+    for i in range(runs + 1):
+        sync(device)
+        if together:
+            dist.barrier()
+        t0 = time.perf_counter()
+        out = pipe(**kw, generator=torch.Generator(device).manual_seed(SEED)).images
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    latents = out.float().cpu() if isinstance(out, torch.Tensor) else torch.tensor(0.0)
+    return times, latents
+
+
+def run_variant(
+    pipe: Any, model: str, res: int, label: str, parallel: str | None, mode: str, args: argparse.Namespace, ctx: dict
+) -> dict[str, Any] | None:
+    from accel import accelerate_pipeline
+
+    rank, device = ctx["rank"], ctx["device"]
+    together = parallel is not None
+    if not together and rank != 0:
+        return None  # rank 0 alone; the others wait at the barrier after this variant
+    kw = dict(prompt=PROMPT, height=res, width=res, output_type=args.output_type, **settings(model, args.steps))
+    row: dict[str, Any] = dict(model=model, resolution=res, variant=label, parallel=parallel, mode=mode)
+    accelerated = parallel is not None or mode != "eager"
+    try:
+        if accelerated:
+            accelerate_pipeline(pipe, mode=mode, parallel=parallel, parallel_timeout_s=args.timeout)
+            if mode == "bcg":
+                t0 = time.perf_counter()
+                neg = kw.get("negative_prompt")
+                pipe.accel.warmup(
+                    [(res, res)], prompts=[PROMPT], negative_prompt=neg, cfg=neg is not None, progress=False
+                )
+                row["warmup_s"] = time.perf_counter() - t0
+        times, latents = timed_calls(pipe, kw, args.runs, device, together)
+        row.update(median_s=statistics.median(times), times_s=times, status="ok")
+        if accelerated:
+            stats = pipe.accel.stats()["transformer"]
+            row.update(replays=stats.replays, eager_calls=stats.eager_calls, captures=stats.captures)
+        row["_latents"] = latents
+    except Exception as exc:  # a failed variant is a row, not a lost run
+        row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300])
+        logger.warning("%s %s %s: %s", model, res, label, row["error"])
+    finally:
+        if "accel" in pipe.__dict__:
+            pipe.accel.restore()
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| model | resolution | variant | latency s | vs 1 GPU eager | vs 1 GPU graphs | warm-up s | diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r["status"] == "ok" and r["parallel"] is None:
+            base.setdefault((r["model"], r["resolution"]), {})[r["mode"]] = r["median_s"]
+    for r in rows:
+        b = base.get((r["model"], r["resolution"]), {})
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {r['resolution']} | {r['variant']} | error: {r['error']} | | | | |")
+            continue
+        speedup = {k: f"{v / r['median_s']:.2f}x" for k, v in b.items()}
+        warm = f"{r['warmup_s']:.1f}" if "warmup_s" in r else "-"
+        diff = "-" if r.get("diff") is None else ("0 (exact)" if r["diff"] == 0 else f"{r['diff']:.1e}")
+        lines.append(
+            f"| {r['model']} | {r['resolution']} | {r['variant']} | {r['median_s']:.3f} | {speedup.get('eager', '-')} | "
+            f"{speedup.get('bcg', '-')} | {warm} | {diff} |"
+        )
+    return lines
+
+
+def write(out: Path, env: dict[str, Any], config: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(dict(env=env, config=config, rows=rows), indent=1))
+    md = [
+        "# One image on several GPUs",
+        "",
+        f"**Device:** {env['processes']} x {env['device_name']} ({env['device']}"
+        + (f", CUDA {env['cuda']}, NCCL {env['nccl']}" if env["device"] == "cuda" else "")
+        + ")  ",
+        f"**Versions:** torch {env['torch']}, diffusers {env['diffusers']}, transformers {env['transformers']}, "
+        f"python {env['python']}; bcg-diffusers {env['git_commit']}{' (dirty)' if env['git_dirty'] else ''}  ",
+        f"**Run:** {env['date']}; {config['size']} models, {config['dtype']}; median of {config['runs']} calls after 1 warm-up; "
+        f"output_type={config['output_type']}; steps: Qwen-Image {settings('qwen-image', config['steps'])['num_inference_steps']} "
+        f"(true CFG), Z-Image {settings('z-image', config['steps'])['num_inference_steps']} (no guidance)",
+        "",
+        "Latency = one pipeline call on rank 0, barrier to last kernel. diff = largest difference of the final "
+        "latents from the one-GPU run of the same mode, relative to the largest latent.",
+        "",
+        *table(rows),
+        "",
+    ]
+    text = "\n".join(md)
+    (out / "results.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if "RANK" not in os.environ:
+        raise SystemExit("start this with torchrun --nproc_per_node N (N >= 2)")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        # CPU smoke runs only: diffusers' enable_parallelism picks a device as rank % accelerator
+        # count, which is 0 on a CPU-only machine.
+        torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2:
+        raise SystemExit("start this with torchrun --nproc_per_node N (N >= 2)")
+    from pipelines.builders import build_pipeline
+
+    ctx = dict(rank=rank, device=device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rows: list[dict[str, Any]] = []
+    for model in args.models:
+        t0 = time.perf_counter()
+        pipe = build_pipeline(model, args.size, device=device, dtype=dtype, seed=0)
+        pipe.set_progress_bar_config(disable=True)
+        if rank == 0:
+            print(f"built {model} ({args.size}) in {time.perf_counter() - t0:.0f}s", flush=True)
+        for res in args.resolutions:
+            refs: dict[str, torch.Tensor] = {}
+            for label, parallel, mode in variants(model, world):
+                row = run_variant(pipe, model, res, label, parallel, mode, args, ctx)
+                dist.barrier()
+                if row is None:
+                    continue
+                latents = row.pop("_latents", None)
+                if latents is not None and parallel is None:
+                    refs[mode] = latents
+                elif latents is not None and mode in refs:
+                    ref = refs[mode]
+                    row["diff"] = ((latents - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+                if rank == 0:
+                    rows.append(row)
+                    print(
+                        f"{model} {res} {label}: {row.get('median_s', float('nan')):.3f}s {row['status']}", flush=True
+                    )
+        del pipe
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    if rank == 0:
+        env = environment(device, world)
+        config = dict(vars(args), dtype=str(dtype).removeprefix("torch."))
+        print(write(Path(args.out), env, config, rows), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()  # releases any graph still alive first (accel.parallel's wrap)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
