@@ -67,14 +67,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.hooks import BaseState, StateManager
 
+from . import tree
 from .guard import CallGuard
 from .hook import GraphHook, module_device
 from .options import AcceleratorOptions
-from .runner import GraphRunner
 
 __all__ = [
     "PARALLEL_HOOK_NAME",
@@ -180,11 +179,11 @@ def _leaf_text(leaf: Any) -> str:
 def describe_value(value: Any, name: str = "value") -> list[str]:
     """``name[path]: leaf`` lines for a nested value: tensors by shape and dtype, literals by
     value, other objects by type. Device indices are left out (each rank has its own)."""
-    leaves, spec = pytree.tree_flatten_with_path(value)
-    lines = [f"{name} structure: {spec}"]
-    for path, leaf in leaves:
+    leaves, spec = tree.flatten(value, into_objects=False)
+    lines = [f"{name} structure: {tree.describe(spec)}"]
+    for path, leaf in zip(tree.leaf_paths(spec), leaves):
         text = "device" if isinstance(leaf, torch.device) else _leaf_text(leaf)
-        lines.append(f"{name}{pytree.keystr(path)}: {text}")
+        lines.append(f"{name}{path}: {text}")
     return lines
 
 
@@ -443,26 +442,6 @@ def _restore_parallel_state(
         module.__dict__.pop("_parallel_config", None)
     else:
         module.__dict__["_parallel_config"] = module_config
-
-
-def _drop_graphs(runner: GraphRunner, keys: list[Hashable], reason: str) -> None:
-    """Drop these signatures' graphs from ``runner`` and run them eagerly from now on.
-
-    GraphRunner has no public call for one signature yet: this reaches its entry table and its
-    blocked table, and fails loudly (on every rank alike) if they changed shape.
-    """
-    entries = getattr(runner, "_entries", None)
-    blocked = getattr(runner, "_blocked", None)
-    if not isinstance(entries, dict) or not isinstance(blocked, dict):
-        raise ParallelError(
-            f"{_PREFIX}: cannot drop a graph from {runner.name} (GraphRunner's tables changed); "
-            "run with mode='eager' under parallel"
-        )
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # a replay of it may still be running
-    for key in keys:
-        entries.pop(key, None)
-        blocked[key] = reason
 
 
 # --------------------------------------------------------------------------------------------
@@ -819,8 +798,7 @@ class ParallelSession:
         if not int(flag.item()):
             return
         if new:
-            _drop_graphs(
-                runner,
+            runner.block(
                 new,
                 "another rank failed to capture this call; every rank runs it eagerly (collectives in step)",
             )
@@ -846,9 +824,7 @@ class ParallelSession:
         self._all_same(f"the guidance pair of denoiser calls {numbers}", lines, group=self.control)
         for branch, out in outputs:
             src = self.cfg_ranks[branch]
-            for t in pytree.tree_leaves(out):
-                if not isinstance(t, torch.Tensor):
-                    continue
+            for t in tree.tensors(out):
                 if not t.is_contiguous():
                     raise ParallelError(f"{_PREFIX}: {hook.name} returned a non-contiguous output; cannot exchange it")
                 self._collective(

@@ -17,7 +17,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -263,6 +263,18 @@ class GraphRunner:
             self._blocked.clear()
             self._said.clear()
             self._recapture.clear()
+
+    def block(self, keys: Iterable[Hashable], reason: str) -> None:
+        """Drop these signatures' graphs (if any) and run them eagerly from now on, keeping
+        ``reason`` in :attr:`blocked` (e.g. another process failed to capture the same call)."""
+        with self._lock:
+            keys = list(keys)
+            if any(k in self._entries for k in keys) and torch.cuda.is_available():
+                torch.cuda.synchronize()  # a replay of one may still be running
+            for key in keys:
+                self._entries.pop(key, None)
+                self._recapture.discard(key)
+                self._blocked[key] = reason
 
     def invalidate(self) -> int:
         """Drop every graph because what they read changed (weights); each dropped signature is

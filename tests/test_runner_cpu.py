@@ -391,3 +391,16 @@ def test_memory_budget_does_not_count_the_entry_a_capture_evicts(fake_cuda: Fake
     st = runner.stats()
     assert (st.captures, st.evictions, st.capture_failures, st.entries) == (2, 1, 0, 1)
     assert torch.equal(runner(x, by=3.0), x * 3.0)
+
+
+def test_block_drops_a_graph_and_runs_its_signature_eagerly(fake_cuda: FakeCuda) -> None:
+    runner = GraphRunner(_scale, name="block", capture_on_miss=True, debug=True)
+    x = torch.randn(2, 3)
+    runner(x)
+    (sig,) = runner.signatures
+    runner.block([sig.key], "another process failed to capture it")
+    assert runner.stats().entries == 0 and runner.blocked == {sig.key: "another process failed to capture it"}
+    eager0 = runner.stats().eager_calls
+    assert torch.equal(runner(x), x * 2.0)  # capture_on_miss does not capture a blocked signature
+    st = runner.stats()
+    assert st.eager_calls == eager0 + 1 and st.captures == 1 and fake_cuda.captures == 1
