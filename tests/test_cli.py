@@ -20,8 +20,10 @@ import torch
 from PIL import Image
 
 from accel.options import default_compile_cache_dir
-from pipelines import cli, limits
+from pipelines import limits
 from pipelines.cli import DEFAULT_PROMPT, Job, build_parser, main, plan_jobs, read_prompts_file, shard, slug
+from pipelines.cli import loading as cli_loading
+from pipelines.cli import run as cli_run
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
@@ -232,7 +234,7 @@ def test_bad_input_is_one_line_before_building(
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("this bad input must be refused before a model is built")
 
-    monkeypatch.setattr(cli, "build_model", no_build)
+    monkeypatch.setattr(cli_run, "build_model", no_build)
     before = sorted(tmp_path.rglob("*"))
     rc, line = _run_bad(tmp_path, [a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
     assert expected.replace("{tmp}", str(tmp_path)) in line
@@ -279,7 +281,7 @@ def test_load_errors_name_their_cause(cause: str, env: str, expected: str, monke
         except _FakeHubError as e:
             raise OSError("Cannot load model org/name: the model is not fully cached locally (...)") from e
     except OSError as e:
-        message = cli._load_error_message("org/name", e)
+        message = cli_loading._load_error_message("org/name", e)
     assert message == f"could not load model 'org/name': {message.split(': ', 1)[1]}"
     assert expected in message
 
@@ -344,7 +346,7 @@ def test_ctrl_c_while_loading(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "build_model", interrupted)
+    monkeypatch.setattr(cli_run, "build_model", interrupted)
     assert main(["--out", str(tmp_path / "out"), *FAST]) == 130
     assert capsys.readouterr().err.strip() == "bcg-generate: interrupted"
     assert not (tmp_path / "out").exists()

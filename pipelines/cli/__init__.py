@@ -1,0 +1,66 @@
+"""bcg-generate: generate images with a diffusers pipeline whose denoiser replays CUDA graphs.
+
+    bcg-generate --prompt "a red fox in the snow" --out outputs/fox.png
+    bcg-generate --model qwen-image --resolution 512x512 768x512 --batch-size 2
+    accelerate launch --num_processes 2 scripts/generate.py --prompts-file samples/prompts.txt
+
+The work is a list of jobs, one pipeline call each: every (prompt, resolution) pair, in that
+order, makes ``--batch-size`` images. Image ``i`` of a run (counted over the whole run) uses seed
+``--seed + i`` and is written as ``{i:04d}-{slug}-{W}x{H}-s{seed}.png``, so names and pixels do
+not depend on how many processes share the work. Under ``accelerate launch`` each process takes a
+contiguous share of the jobs (the split of ``PartialState.split_between_processes``), runs on its
+own device and captures its own graphs.
+
+The CLI lives in ``pipelines`` (the layer that knows models), not in ``accel``: it builds models
+through :mod:`pipelines.builders`, and ``accel`` never imports ``pipelines``.
+
+Bad input is one line on stderr and exit status 2 (a request beyond a limit of
+:mod:`pipelines.limits` included); a failure while loading or generating is one line and status 1;
+Ctrl-C is status 130. Nothing is written before the checks pass, and an image file appears only
+once it is complete (written to a hidden ``.part`` file, then renamed).
+
+The modules, one job each:
+
+errors      :class:`CLIError` (status 2) and :class:`RunError` (status 1)
+jobs        :class:`Job`, ``plan_jobs``, ``shard`` and the image file names
+arguments   ``build_parser``: each value checked as it is read
+checks      checks that need no model: prompts file, device, ``--out``, compile cache, limits
+defaults    ``generation_defaults``: steps and guidance from the model's recipe
+loading     ``build_model``: library warnings held back, load errors in one line
+processes   one process or those of an accelerate launch
+images      one pipeline call to images, and an image to a PNG file
+run         ``main``: checks, build, warmup, generation, summary
+"""
+
+# __all__ stays the API it was when the CLI was one module; the other public names are
+# re-exported too (redundant aliases), so code that imported them from pipelines.cli still works.
+from .arguments import DEFAULT_MODEL as DEFAULT_MODEL
+from .arguments import DEFAULT_PROMPT, build_parser
+from .arguments import DEFAULT_RESOLUTION as DEFAULT_RESOLUTION
+from .arguments import DTYPES as DTYPES
+from .arguments import PROG as PROG
+from .checks import HOST_BYTES_PER_PIXEL as HOST_BYTES_PER_PIXEL
+from .checks import check_out as check_out
+from .checks import read_prompts_file as read_prompts_file
+from .checks import resolve_device as resolve_device
+from .defaults import generation_defaults
+from .errors import CLIError, RunError
+from .jobs import Job, plan_jobs, shard, slug
+from .jobs import image_filename as image_filename
+from .loading import build_model as build_model
+from .processes import Processes as Processes
+from .processes import detect_processes as detect_processes
+from .run import main
+
+__all__ = [
+    "DEFAULT_PROMPT",
+    "CLIError",
+    "Job",
+    "RunError",
+    "build_parser",
+    "generation_defaults",
+    "main",
+    "plan_jobs",
+    "shard",
+    "slug",
+]

@@ -1,0 +1,63 @@
+"""Jobs: what to generate, and which process generates it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One pipeline call: ``len(indices)`` images of one prompt at one resolution.
+
+    ``indices`` are global image indices of the run and ``seeds[k] == seed + indices[k]``.
+    """
+
+    prompt: str
+    width: int
+    height: int
+    indices: tuple[int, ...]
+    seeds: tuple[int, ...]
+
+    @property
+    def filenames(self) -> list[str]:
+        return [image_filename(i, self.prompt, self.width, self.height, s) for i, s in zip(self.indices, self.seeds)]
+
+
+def plan_jobs(prompts: Sequence[str], resolutions: Sequence[tuple[int, int]], batch_size: int, seed: int) -> list[Job]:
+    """Every (prompt, resolution) pair, prompt-major, ``batch_size`` images each."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    jobs: list[Job] = []
+    index = 0
+    for prompt in prompts:
+        for width, height in resolutions:
+            indices = tuple(range(index, index + batch_size))
+            jobs.append(Job(prompt, width, height, indices, tuple(seed + i for i in indices)))
+            index += batch_size
+    return jobs
+
+
+def shard(jobs: Sequence[Job], process_index: int, num_processes: int) -> list[Job]:
+    """This process's contiguous share of ``jobs``.
+
+    The same split as accelerate's ``PartialState.split_between_processes`` (without padding):
+    the first ``len(jobs) % num_processes`` processes take one job more.
+    """
+    if num_processes < 1 or not 0 <= process_index < num_processes:
+        raise ValueError(f"process {process_index} of {num_processes} does not exist")
+    per, extra = divmod(len(jobs), num_processes)
+    start = process_index * per + min(process_index, extra)
+    end = start + per + (1 if process_index < extra else 0)
+    return list(jobs[start:end])
+
+
+def slug(text: str) -> str:
+    """Lower-case ASCII words joined by '-': safe in a file name on any system."""
+    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return s or "image"
+
+
+def image_filename(index: int, prompt: str, width: int, height: int, seed: int) -> str:
+    return f"{index:04d}-{slug(prompt)[:40].rstrip('-')}-{width}x{height}-s{seed}.png"
