@@ -39,6 +39,15 @@ memory, the largest difference of the output from eager's, and end to end (eager
 guidance 0 as Turbo; Qwen-Image: true CFG with a negative prompt, ``--steps-e2e`` steps), median
 of ``--e2e-runs`` runs after one warm-up run, same seed, final latents compared (bit-equal expected
 for Z-Image; max abs difference for Qwen-Image, whose text is padded to a bucket under bcg).
+``--breakdown`` (on wherever end to end runs; ``--no-breakdown`` skips it): one more end-to-end call per
+variant, after the timed ones, split into phases that do not overlap: the text encoder's forward
+calls (Qwen-Image with true CFG encodes twice), the rest of ``encode_prompt``, the denoiser's calls,
+the rest of the denoising loop (scheduler steps, guidance, callbacks; the loop is bracketed by the
+pipeline's ``with self.progress_bar(...)``), ``vae.decode``, ``image_processor.postprocess`` and
+other, plus "outside the denoiser" = call minus the denoiser's calls. On a GPU each phase is bracketed
+by CUDA events recorded on the current stream and read after one synchronize at the end of the call
+(the hooks add no host sync); on a CPU by the host clock. Module forward pre/post hooks and
+instance-attribute wrappers, all removed afterwards (``scripts/benchkit/phases.py``).
 After the cases of a model, a "memory vs number of captured resolutions" series warms up the
 ``--series-count`` largest resolutions one after the other on one accelerated pipeline.
 

@@ -5,6 +5,7 @@ on the device.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -182,6 +183,10 @@ def test_merge_joins_runs_made_in_separate_processes(smoke, tmp_path) -> None:
     assert len(merged["runs"]) == 2
     md = (out / "results.md").read_text()
     assert "Merged from 2 runs" in md and "| 64x64 |" in md and "| 96x64 |" in md
+    # The end-to-end breakdown travels with its rows, and its table with them.
+    breakdowns = {key(c): c["e2e_breakdown"] for c in results["cases"] if "e2e_breakdown" in c}
+    assert breakdowns and {key(c): c["e2e_breakdown"] for c in merged["cases"] if "e2e_breakdown" in c} == breakdowns
+    assert md.count("### Where a pipeline call spends its time") == len(MODELS)
 
 
 def test_merge_refuses_ratios_across_processes_or_machines(smoke, tmp_path) -> None:
@@ -309,3 +314,85 @@ def test_merge_refuses_two_runs_of_the_same_cases_in_one_cache_state(smoke, tmp_
     c = _write(tmp_path / "c", unknown)
     with pytest.raises(SystemExit, match="measured in run 0 and in run 1"):
         bench.main(["--merge", str(a), str(c), "--out", str(tmp_path / "m2")])
+
+
+# Where one end-to-end call spends its time (--breakdown, on wherever end to end runs).
+PHASES = ("text_encoder", "prompt_rest", "denoiser", "loop_rest", "vae_decode", "postprocess", "other")
+
+
+def test_end_to_end_breakdown(smoke) -> None:
+    _load_bench()
+    from benchkit.rows import CaseRow
+
+    out, results, stdout = smoke
+    assert results["config"]["breakdown"] is True
+    by = {(c["model"], c["resolution"], c["variant"]): c for c in results["cases"]}
+    for (m, v), row in {(m, v): by[(m, RESOLUTIONS[0], v)] for m in MODELS for v in ("eager", "bcg")}.items():
+        b, where = row["e2e_breakdown"], f"{m} {v}"
+        assert b["clock"] == "host clock" and b["loop"] == "progress bar" and not b["notes"], where
+        assert tuple(b["phases"]) == PHASES, where
+        for name, phase in b["phases"].items():
+            assert phase["ms"] >= 0 and 0 <= phase["share"] <= 1, f"{where} {name}: {phase}"
+        total = sum(phase["ms"] for phase in b["phases"].values())
+        assert total == pytest.approx(b["call_ms"], abs=0.01), where  # other is the remainder
+        assert abs(total - b["wall_ms"]) <= 0.1 * b["wall_ms"], f"{where}: phases {total} vs call {b['wall_ms']}"
+        assert b["outside_denoiser_ms"] == pytest.approx(b["call_ms"] - b["phases"]["denoiser"]["ms"], abs=0.01)
+        calls = {name: phase["calls"] for name, phase in b["phases"].items()}
+        assert calls["text_encoder"] == (2 if m == "qwen-image" else 1), where  # true CFG encodes twice
+        assert calls["denoiser"] == row["e2e_steps"] * row["e2e_calls_per_step"], where
+        assert calls["vae_decode"] == calls["postprocess"] == 1, where
+        assert all(p["ms"] > 0 for n, p in b["phases"].items() if calls[n]), where
+        assert json.dumps(CaseRow.from_dict(row).to_dict()) == json.dumps(row), where  # typed round trip
+    for m in MODELS:  # no end to end at the second resolution, so no breakdown either
+        assert "e2e_breakdown" not in by[(m, RESOLUTIONS[1], "eager")]
+    md = (out / "results.md").read_text()
+    assert md.count("### Where a pipeline call spends its time") == len(MODELS)
+    assert "| 64x64 | eager |" in md and "outside the denoiser ms" in md and "eager breakdown: call" in stdout
+
+
+def _snapshot(pipe) -> dict:
+    """What the phase hooks touch, read without benchkit's help."""
+    state = {}
+    for name in ("text_encoder", "transformer"):
+        module = getattr(pipe, name)
+        state[name] = (list(module._forward_pre_hooks), list(module._forward_hooks), module.__dict__.get("forward"))
+    for owner, attr in ((pipe, "encode_prompt"), (pipe, "progress_bar"), (pipe.vae, "decode")):
+        state[attr] = (attr in owner.__dict__, getattr(owner, attr).__func__)
+    state["postprocess"] = ("postprocess" in pipe.image_processor.__dict__, pipe.image_processor.postprocess.__func__)
+    return state
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_phase_hooks_are_removed_afterwards(model) -> None:
+    """After a measured call, and after one that fails, the pipeline's methods and its modules'
+    forwards and hook dicts are the originals: on the stock pipeline and on an accelerated one."""
+    _load_bench()
+    import torch
+    from benchkit.calls import accelerate, register_recipes
+    from benchkit.phases import hook_state, measure_breakdown
+    from benchkit.settings import pipe_kwargs
+
+    from pipelines.builders import build_pipeline
+
+    register_recipes()
+    pipe = build_pipeline(model, size="tiny", device="cpu", dtype=torch.float32, seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = pipe_kwargs(model, (64, 64), argparse.Namespace(steps_e2e=2))
+    stock = _snapshot(pipe)
+    assert stock["postprocess"] == (False, type(pipe.image_processor).postprocess)
+
+    call = lambda: pipe(**kwargs, generator=torch.Generator("cpu").manual_seed(0), output_type="pil")  # noqa: E731
+    failing = lambda: pipe(**kwargs, callback_on_step_end=lambda *_: 1 / 0)  # noqa: E731  # fails in the loop
+    with torch.no_grad():
+        for accelerated in (False, True):
+            if accelerated:
+                accelerate(pipe)
+            before, state = _snapshot(pipe), hook_state(pipe)
+            b = measure_breakdown(pipe, call, torch.device("cpu"))
+            assert b.phases["denoiser"].calls and b.phases["text_encoder"].calls
+            assert _snapshot(pipe) == before and hook_state(pipe) == state
+            with pytest.raises(ZeroDivisionError):
+                measure_breakdown(pipe, failing, torch.device("cpu"))
+            assert _snapshot(pipe) == before and hook_state(pipe) == state
+        pipe.accel.restore()
+    assert _snapshot(pipe) == stock

@@ -7,6 +7,8 @@ rows          typed result rows (:class:`CaseRow`, :class:`SeriesPoint`) and the
 measure       clocks, GPU-busy fraction, memory watch, output differences
 calls         the pipeline side: recipes, ``accelerate_pipeline``, step 0's recorded denoiser call
 model_bench   one model: a case per resolution (every variant on the same call), end to end, memory series
+phases        one end-to-end call split into phases: hooks and wrappers on the pipeline, CUDA events
+breakdown     that split's typed result (:class:`Breakdown`) and its table in results.md
 variants      eager, bcg, bcg-exact, graph
 compiled      compile, compile-ro, compile-regional, bcg+compile
 registry      every variant by name (name -> function), in the order a case runs them

@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if available")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end pipeline runs")
+    p.add_argument(
+        "--breakdown",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the timed end-to-end runs, one more run split into phases (text encoder, denoiser, rest of "
+        "the loop, VAE decode, post-processing, other; CUDA events on GPU): on by default wherever end to end runs",
+    )
     p.add_argument("--no-busy", action="store_true", help="skip the profiled GPU-busy measurement")
     p.add_argument(
         "--smoke", action="store_true", help="tiny models on CPU, 64 and 96x64, few repeats: runs in seconds (CI)"

@@ -15,6 +15,7 @@ import torch
 
 from .calls import accelerate, denoiser_name, describe_call, record_step0_calls, text_tokens
 from .measure import Clock, free_memory, max_abs_diff
+from .phases import measure_breakdown
 from .rows import CaseRow, SeriesPoint, err_text, rnd, summary
 from .settings import NEGATIVE, PROMPT, SEED, MiB, calls_per_step, pipe_kwargs, res_name, say, steps_of, uses_cfg
 
@@ -125,13 +126,15 @@ class ModelBench:
             final["latents"] = cb_kwargs["latents"]
             return {}
 
+        def call(g: torch.Generator) -> Any:
+            kwargs = pipe_kwargs(self.model, case.wh, self.args)
+            return self.pipe(**kwargs, generator=g, output_type="pil", callback_on_step_end=keep)
+
         def once() -> float:
             g = torch.Generator(self.device).manual_seed(SEED)
             self.clock.sync()
             t0 = time.perf_counter()
-            self.pipe(
-                **pipe_kwargs(self.model, case.wh, self.args), generator=g, output_type="pil", callback_on_step_end=keep
-            )
+            call(g)
             self.clock.sync()
             return time.perf_counter() - t0
 
@@ -166,6 +169,19 @@ class ModelBench:
             traceback.print_exc()
             row.e2e_error = err_text(exc)
             row.notes.append(f"end to end failed: {row.e2e_error}")
+            return
+        if getattr(self.args, "breakdown", False):
+            self.breakdown(row, case, call)
+
+    def breakdown(self, row: CaseRow, case: Case, call: Callable[[torch.Generator], Any]) -> None:
+        """One more end-to-end call, split into phases (:mod:`benchkit.phases`)."""
+        try:
+            g = torch.Generator(self.device).manual_seed(SEED)
+            row.e2e_breakdown = measure_breakdown(self.pipe, lambda: call(g), self.device)
+            say(f"{self.model} {res_name(case.wh)} {row.variant} breakdown: {row.e2e_breakdown.line()}")
+        except Exception as exc:  # end to end stands; say why its breakdown is missing
+            traceback.print_exc()
+            row.notes.append(f"end-to-end breakdown failed: {err_text(exc)}")
 
     # -- memory vs number of captured resolutions ----------------------------------------------
     def memory_series(self) -> list[SeriesPoint]:

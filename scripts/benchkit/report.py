@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .breakdown import breakdown_table
 from .registry import COMPILED
 from .rows import CACHE_ORDER, CaseRow, SeriesPoint, cache_state, split_cases
 
@@ -352,6 +353,7 @@ def write_markdown(results: dict, path: Path) -> None:
             _setup_table(m),
             _compiled_table(m),
             _e2e_table(m),
+            breakdown_table(m.rows),
             _series_table(results, model),
             _notes(m),
         ):

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any, ClassVar
 
+from .breakdown import Breakdown
 from .settings import res_name
 
 
@@ -77,6 +78,7 @@ class CaseRow:
     e2e_bit_equal: bool | None = None
     e2e_max_abs_diff: float | None = None
     e2e_error: str | None = None
+    e2e_breakdown: Breakdown | None = None  # one more end-to-end run, split into phases
     run: int | None = None  # merged results: the index of the run that measured it
 
     ALWAYS: ClassVar[int] = 26  # the leading fields written even when None
@@ -110,7 +112,10 @@ class CaseRow:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CaseRow:
         """A row of a results.json (keys this version does not know are ignored)."""
-        return cls(**{k: v for k, v in data.items() if k in _CASE_FIELDS})
+        values = {k: v for k, v in data.items() if k in _CASE_FIELDS}
+        if isinstance(values.get("e2e_breakdown"), dict):
+            values["e2e_breakdown"] = Breakdown.from_dict(values["e2e_breakdown"])
+        return cls(**values)
 
 
 _CASE_FIELDS = frozenset(f.name for f in dataclasses.fields(CaseRow))

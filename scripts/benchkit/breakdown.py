@@ -1,0 +1,122 @@
+"""Where one pipeline call spends its time: the typed result (:class:`Breakdown`) and its table.
+
+Pure data, no torch: :mod:`benchkit.rows` stores a breakdown on a row, :mod:`benchkit.report`
+writes the table, :mod:`benchkit.phases` measures it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .rows import CaseRow
+
+# (key, table heading, what it is); disjoint, in call order; together with "other" they are the call.
+PHASES: tuple[tuple[str, str, str], ...] = (
+    ("text_encoder", "text encoder", "the text encoder's forward calls (all of them: true CFG encodes twice)"),
+    ("prompt_rest", "rest of encode_prompt", "encode_prompt outside the text encoder: tokenizing, picking states"),
+    ("denoiser", "denoiser", "the denoiser's forward calls"),
+    ("loop_rest", "rest of the loop", "the denoising loop outside the denoiser: scheduler, guidance, callbacks"),
+    ("vae_decode", "VAE decode", "vae.decode"),
+    ("postprocess", "post-processing", "image_processor.postprocess (to PIL)"),
+    ("other", "other", "the rest of the call (latents and timesteps set-up, latent scaling)"),
+)
+PHASE_KEYS = tuple(key for key, _, _ in PHASES)
+CLOCKS = {"cuda": "cuda events", "host": "host clock"}
+TITLE = "### Where a pipeline call spends its time"
+
+
+@dataclasses.dataclass
+class Phase:
+    ms: float
+    share: float  # of the call
+    calls: int | None = None  # calls the phase is made of (None: a remainder, not calls)
+
+
+@dataclasses.dataclass
+class Breakdown:
+    """One end-to-end call split into :data:`PHASES` (JSON key ``e2e_breakdown`` of a row)."""
+
+    clock: str  # "cuda events" (one synchronize after the call) or "host clock" (CPU)
+    call_ms: float  # the call, first mark to last, on that clock
+    wall_ms: float  # host wall time of the same call, device synchronized before and after
+    phases: dict[str, Phase]  # every key of PHASE_KEYS, in that order
+    denoiser_ms: float
+    outside_denoiser_ms: float  # call_ms - denoiser_ms
+    outside_denoiser_share: float
+    loop: str = "progress bar"  # how the denoising loop was bracketed
+    runs: int = 1
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Breakdown:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        values["phases"] = {k: Phase(**v) for k, v in data.get("phases", {}).items()}
+        return cls(**values)
+
+    def ms(self, key: str) -> float:
+        phase = self.phases.get(key)
+        return 0.0 if phase is None else phase.ms
+
+    def line(self) -> str:
+        """The progress line."""
+        parts = [f"{label} {self.ms(key):.1f}" for key, label, _ in PHASES]
+        return (
+            f"call {self.call_ms:.1f} ms ({self.clock}): " + ", ".join(parts) + f"; outside the denoiser "
+            f"{self.outside_denoiser_ms:.1f} ms ({self.outside_denoiser_share:.0%})"
+        )
+
+
+def _cell(b: Breakdown, key: str) -> str:
+    phase = b.phases.get(key)
+    return "-" if phase is None else f"{phase.ms:.1f} ({phase.share:.0%})"
+
+
+def _calls(b: Breakdown) -> str:
+    text, denoiser = b.phases.get("text_encoder"), b.phases.get("denoiser")
+    return f"{text.calls if text else '-'} / {denoiser.calls if denoiser else '-'}"
+
+
+def breakdown_table(rows: list[CaseRow]) -> list[str]:
+    """The rows' breakdowns, one table line each; nothing when none has one."""
+    rows = [r for r in rows if r.e2e_breakdown is not None]
+    if not rows:
+        return []
+    heads = [label for _, label, _ in PHASES]
+    L = [TITLE, ""]
+    L.append(
+        "| resolution | variant | call ms | "
+        + " | ".join(f"{h} ms" for h in heads)
+        + " | outside the denoiser ms | calls (text / denoiser) |"
+    )
+    L.append("|---|---|---|" + "---|" * (len(heads) + 2))
+    for r in rows:
+        b = r.e2e_breakdown
+        L.append(
+            f"| {r.resolution} | {r.variant} | {b.call_ms:.1f} | "
+            + " | ".join(_cell(b, key) for key in PHASE_KEYS)
+            + f" | {b.outside_denoiser_ms:.1f} ({b.outside_denoiser_share:.0%}) | {_calls(b)} |"
+        )
+    L.append("")
+    clocks = sorted({r.e2e_breakdown.clock for r in rows})
+    how = (
+        "CUDA events recorded on the current stream at each phase's start and end, one synchronize after the call"
+        if clocks == [CLOCKS["cuda"]]
+        else "host clocks (no GPU)"
+        if clocks == [CLOCKS["host"]]
+        else "per row: " + ", ".join(clocks)
+    )
+    L.append(
+        "One more end-to-end call per variant after the timed ones, split by hooks removed afterwards (forward "
+        "pre/post hooks on the text encoder and the denoiser; wrappers on encode_prompt, the loop's progress bar, "
+        f"vae.decode and image_processor.postprocess), timed with {how}. Each cell: ms (share of the call); the "
+        "phases do not overlap and sum to the call. "
+        + "; ".join(f"{label}: {what}" for _, label, what in PHASES)
+        + ". Outside the denoiser = call minus the denoiser's calls."
+    )
+    notes = [f"{r.resolution} {r.variant}: {'; '.join(r.e2e_breakdown.notes)}" for r in rows if r.e2e_breakdown.notes]
+    if notes:
+        L += ["", *(f"- {n}" for n in notes)]
+    return [*L, ""]
