@@ -110,7 +110,7 @@ class GraphHook(ModelHook):
                 if undo is not None:
                     self.compiled = True
                     self._undo.append(undo)
-        self.check()
+        self.follow_weights()
         return module
 
     def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
@@ -138,8 +138,10 @@ class GraphHook(ModelHook):
         self.runner.enabled = False
         self.inactive_reason = reason
 
-    def check(self) -> None:
-        """Stop graphs from replaying weights that moved or changed since they were captured.
+    def follow_weights(self) -> None:
+        """Keep graphs in step with the weights they read by address: drop every graph when the
+        weights changed or moved since capture (each is captured again on its next call), and
+        switch graphs off while the weights are offloaded (on again once offloading stops).
 
         Runs once per pipeline call (and after a warm-up), never per step.
         """

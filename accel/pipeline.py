@@ -85,7 +85,7 @@ class PipelineAccelerator:
                     f"{type(pipe).__name__} has no denoiser to accelerate (looked for components named "
                     f"{', '.join(DENOISER_NAMES)})"
                 )
-            self._guard = CallGuard.attach(pipe, self, self._check)
+            self._guard = CallGuard.attach(pipe, self, self._follow_weights)
             if options.parallel is not None:
                 # Collective: every rank of the launch builds its session here, or all fail.
                 self._parallel = ParallelSession(pipe, self._hooks, self._guard, options)
@@ -103,9 +103,9 @@ class PipelineAccelerator:
     def _primary_module(self) -> torch.nn.Module:
         return getattr(self.pipe, next(iter(self._hooks)))
 
-    def _check(self) -> None:
+    def _follow_weights(self) -> None:
         for hook in self._hooks.values():
-            hook.check()
+            hook.follow_weights()
 
     def _uninstall(self) -> None:
         if self._parallel is not None:
@@ -224,7 +224,7 @@ class PipelineAccelerator:
                 r.pool = self._pool_for(device)
         compiled = any(h.compiled for h in self._hooks.values())
         report = run_warmup(self.pipe, primary.recipe, plan, runners, device, compiled=compiled, progress=progress)
-        self._check()
+        self._follow_weights()
         for name, hook in self._hooks.items():
             for reason in set(hook.runner.blocked.values()):
                 logger.warning("%s: a warm-up capture failed and runs eagerly: %s", name, reason)
