@@ -84,6 +84,7 @@ class GraphHook(ModelHook):
         self._module_ref: weakref.ref[torch.nn.Module] | None = None
         self._undo: list[Callable[[], None]] = []
         self._forward: Callable[..., Any] | None = None
+        self._recipe_installed = False
         self._fingerprint: int | None = None
         self._offloaded: str | None = None
         # What removing the hook must undo beyond the registry's own bookkeeping.
@@ -104,6 +105,7 @@ class GraphHook(ModelHook):
             logger.warning("%s: %s; running %s eagerly", self.name, self.inactive_reason, type(module).__name__)
         else:
             self.active = True
+            self._recipe_installed = True
             self._undo.append(self.recipe.install(module))
             if self.options.compile:
                 undo = compile_mod.compile_repeated_blocks(module, self.name, self.options.compile_cache_dir)
@@ -129,8 +131,10 @@ class GraphHook(ModelHook):
 
     def _recipe_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._forward is None:
+            # Decided by whether the recipe is installed, not by `active`: offloading switches
+            # graphs off and on again, while prepare() may add what only the wrapper accepts.
             original = self.fn_ref.original_forward
-            self._forward = self.recipe.wrap_forward(original) if self.active else original
+            self._forward = self.recipe.wrap_forward(original) if self._recipe_installed else original
         return self._forward(*args, **kwargs)
 
     def _deactivate(self, reason: str) -> None:

@@ -130,3 +130,23 @@ def test_request_lock_times_out_with_a_clear_error_and_survives_a_failed_call() 
     assert errors and "another thread" in errors[0]
     lock.end()
     assert not lock.busy
+
+
+def test_graphs_back_on_after_offload_from_the_first_call_still_take_the_recipe_inputs(monkeypatch) -> None:
+    """The recipe's wrapped forward must serve calls once offloading stops, even when the first
+    call ran while offloaded (Z-Image's prepare() adds a keyword only the wrapper accepts)."""
+    import accel.hook as hook_mod
+
+    pipe = build_pipeline("z-image", "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    ref = _call(pipe)
+    accelerate_pipeline(pipe)
+    runner = pipe.accel.runners["transformer"]
+    add_hook_to_module(pipe.transformer, AccelerateHook())
+    assert torch.equal(_call(pipe), ref)  # the first call, offloaded: stock forward
+    assert runner.enabled is False
+    remove_hook_from_module(pipe.transformer)
+    # prepare() runs only for modules on CUDA; pretend so, the runner still runs eagerly on CPU.
+    monkeypatch.setattr(hook_mod, "module_device", lambda module: torch.device("cuda"))
+    assert torch.equal(_call(pipe), ref)  # a TypeError about bcg_caption_pad_masks before
+    assert runner.enabled is True
