@@ -156,9 +156,8 @@ class PipelineAccelerator:
     def _pool_for(self, device: torch.device) -> GraphPool | None:
         if device.type != "cuda" or not torch.cuda.is_available():
             return None
-        if self._own_pool is None or self._own_pool.device.index != (
-            device.index if device.index is not None else torch.cuda.current_device()
-        ):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if self._own_pool is None or self._own_pool.device.index != index:
             self._own_pool = GraphPool(device)
         return self._own_pool
 
@@ -246,7 +245,7 @@ class PipelineAccelerator:
         return {name: h.runner.stats() for name, h in self._hooks.items()}
 
     def graph_memory_bytes(self) -> int:
-        """Device memory held for graphs: the shared pool, static inputs and boundary buffers."""
+        """Device memory held for graphs: the graph pool(s), static inputs and boundary buffers."""
         stats = [h.runner.stats() for h in self._hooks.values()]
         pools = {id(h.runner.pool): h.runner.pool for h in self._hooks.values() if h.runner.pool is not None}
         return sum(p.resident_bytes() for p in pools.values()) + sum(s.static_bytes + s.boundary_bytes for s in stats)
