@@ -70,21 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--resolutions", nargs="+", type=int, default=[512, 1024], help="square sizes in pixels")
     p.add_argument("--size", default="full", choices=("full", "tiny"), help="model size (tiny: a smoke run)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: Qwen-Image 8, Z-Image 9)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: Qwen-Image 20, Z-Image 9)")
     p.add_argument("--runs", type=int, default=3, help="timed calls per variant, after one warm-up call")
     p.add_argument("--output-type", default="latent", choices=("latent", "pil"), help="pil adds the VAE decode")
     p.add_argument("--timeout", type=float, default=600.0, help="parallel_timeout_s and the process group timeout")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run every graphs variant with compile=True (compiled blocks under the graphs), after the others",
+    )
     return p
 
 
 def settings(model: str, steps: int | None) -> dict[str, Any]:
     if model == "qwen-image":
-        return dict(negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=steps or 8)
+        return dict(negative_prompt=NEGATIVE, true_cfg_scale=4.0, num_inference_steps=steps or 20)
     return dict(guidance_scale=0.0, num_inference_steps=steps or 9)
 
 
-def variants(model: str, world: int) -> list[tuple[str, str | None, str]]:
-    """(label, parallel, mode) in the order they run."""
+def variants(model: str, world: int, compile: bool = False) -> list[tuple[str, str | None, str]]:
+    """(label, parallel, mode) in the order they run; compiled variants last (mode ``bcg+compile``)."""
     layouts = []
     if model == "qwen-image":  # Z-Image batches its guidance branches into one call
         if world == 2:
@@ -95,6 +100,9 @@ def variants(model: str, world: int) -> list[tuple[str, str | None, str]]:
     out: list[tuple[str, str | None, str]] = [("1 GPU eager", None, "eager"), ("1 GPU graphs", None, "bcg")]
     for parallel in layouts:
         out += [(f"{parallel} eager", parallel, "eager"), (f"{parallel} graphs", parallel, "bcg")]
+    if compile:
+        out += [("1 GPU graphs+compile", None, "bcg+compile")]
+        out += [(f"{parallel} graphs+compile", parallel, "bcg+compile") for parallel in layouts]
     return out
 
 
@@ -170,8 +178,15 @@ def run_variant(
     accelerated = parallel is not None or mode != "eager"
     try:
         if accelerated:
-            accelerate_pipeline(pipe, mode=mode, parallel=parallel, parallel_timeout_s=args.timeout)
-            if mode == "bcg":
+            compiled = mode == "bcg+compile"
+            accelerate_pipeline(
+                pipe,
+                mode="bcg" if compiled else mode,
+                compile=compiled,
+                parallel=parallel,
+                parallel_timeout_s=args.timeout,
+            )
+            if mode != "eager":
                 t0 = time.perf_counter()
                 neg = kw.get("negative_prompt")
                 pipe.accel.warmup(
@@ -195,8 +210,9 @@ def run_variant(
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| model | resolution | variant | latency s | vs 1 GPU eager | vs 1 GPU graphs | warm-up s | diff |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | resolution | variant | latency s | vs 1 GPU eager | vs 1 GPU graphs | vs 1 GPU graphs+compile "
+        "| warm-up s | diff |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     base: dict[tuple, dict[str, float]] = {}
     for r in rows:
@@ -205,14 +221,14 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         b = base.get((r["model"], r["resolution"]), {})
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {r['resolution']} | {r['variant']} | error: {r['error']} | | | | |")
+            lines.append(f"| {r['model']} | {r['resolution']} | {r['variant']} | error: {r['error']} | | | | | |")
             continue
         speedup = {k: f"{v / r['median_s']:.2f}x" for k, v in b.items()}
         warm = f"{r['warmup_s']:.1f}" if "warmup_s" in r else "-"
         diff = "-" if r.get("diff") is None else ("0 (exact)" if r["diff"] == 0 else f"{r['diff']:.1e}")
         lines.append(
             f"| {r['model']} | {r['resolution']} | {r['variant']} | {r['median_s']:.3f} | {speedup.get('eager', '-')} | "
-            f"{speedup.get('bcg', '-')} | {warm} | {diff} |"
+            f"{speedup.get('bcg', '-')} | {speedup.get('bcg+compile', '-')} | {warm} | {diff} |"
         )
     return lines
 
@@ -274,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"built {model} ({args.size}) in {time.perf_counter() - t0:.0f}s", flush=True)
         for res in args.resolutions:
             refs: dict[str, torch.Tensor] = {}
-            for label, parallel, mode in variants(model, world):
+            for label, parallel, mode in variants(model, world, args.compile):
                 row = run_variant(pipe, model, res, label, parallel, mode, args, ctx)
                 dist.barrier()
                 if row is None:
