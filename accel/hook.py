@@ -24,9 +24,10 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
 from . import compile as compile_mod
+from . import discover
 from .options import RECIPE_DEFAULT, AcceleratorOptions
 from .pool import GraphPool
-from .recipe import Recipe, recipe_for, version_supported
+from .recipe import GenericRecipe, Recipe, recipe_for, version_supported
 from .runner import GraphRunner
 from .safety import offload_reason, weights_fingerprint
 
@@ -63,11 +64,21 @@ class GraphHook(ModelHook):
         compiled: the repeated blocks were compiled by this hook.
     """
 
-    def __init__(self, recipe: Recipe, options: AcceleratorOptions, name: str) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        options: AcceleratorOptions,
+        name: str,
+        *,
+        component: bool = False,
+        breaks: tuple[str, ...] = (),
+    ) -> None:
         super().__init__()
         self.recipe = recipe
         self.options = options
         self.name = name
+        self.component = component
+        self.breaks = breaks
         self.runner = GraphRunner(
             self._recipe_forward,
             name=name,
@@ -76,6 +87,10 @@ class GraphHook(ModelHook):
             max_segments=options.max_segments,
             debug=options.mode == "debug",
             memory_budget=options.memory_budget_bytes,
+            auto_breaks=options.auto_breaks,
+            # A component's graphs stand in for code nobody wrote a recipe for: each is checked
+            # against an eager run once, at capture.
+            verify=component,
         )
         self.active = False
         self.inactive_reason: str | None = None
@@ -107,7 +122,12 @@ class GraphHook(ModelHook):
             self.active = True
             self._recipe_installed = True
             self._undo.append(self.recipe.install(module))
-            if self.options.compile:
+            for qualname in self.breaks:
+                try:
+                    self._undo.append(discover.mark_by_name(qualname))
+                except ValueError as e:  # another transformers version: the capture will say what breaks
+                    logger.info("%s: known break %s not marked: %s", self.name, qualname, e)
+            if self.options.compile and not self.component:
                 undo = compile_mod.compile_repeated_blocks(module, self.name, self.options.compile_cache_dir)
                 if undo is not None:
                     self.compiled = True
@@ -117,6 +137,7 @@ class GraphHook(ModelHook):
 
     def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
         self.runner.release()
+        self.runner.unmark()
         while self._undo:
             self._undo.pop()()
         return module
@@ -134,6 +155,7 @@ class GraphHook(ModelHook):
             # Decided by whether the recipe is installed, not by `active`: offloading switches
             # graphs off and on again, while prepare() may add what only the wrapper accepts.
             original = self.fn_ref.original_forward
+            self.runner.entry = original
             self._forward = self.recipe.wrap_forward(original) if self._recipe_installed else original
         return self._forward(*args, **kwargs)
 
@@ -193,12 +215,21 @@ def graph_hook_of(module: torch.nn.Module) -> GraphHook | None:
 
 
 def apply_graph_runner(
-    module: torch.nn.Module, options: AcceleratorOptions, *, name: str, user: Any, pool: GraphPool | None
+    module: torch.nn.Module,
+    options: AcceleratorOptions,
+    *,
+    name: str,
+    user: Any,
+    pool: GraphPool | None,
+    component: bool = False,
+    breaks: tuple[str, ...] = (),
 ) -> GraphHook:
     """Give ``module`` a graph runner (or join the one it has) on behalf of ``user``.
 
     A new runner captures into ``pool`` (None: the runner makes one on its first capture); a
-    joined one keeps the pool it has. A module already accelerated with other options is
+    joined one keeps the pool it has. A ``component`` (a text encoder, a VAE decoder) gets the
+    generic recipe, is never compiled, and each of its graphs is checked against eager once;
+    ``breaks`` names functions (``module.qualname``) it runs as eager breaks. A module already accelerated with other options is
     refused: its graphs were made for those. Call :func:`release_graph_runner` with the same
     ``user`` to let go.
     """
@@ -216,12 +247,12 @@ def apply_graph_runner(
             )
         hook.users.add(user)
         return hook
-    recipe_cls = recipe_for(module)
+    recipe_cls = GenericRecipe if component else recipe_for(module)
     if recipe_cls.pads_text and options.text_buckets is not RECIPE_DEFAULT:
         recipe = recipe_cls(text_buckets=options.text_buckets)
     else:
         recipe = recipe_cls()
-    hook = GraphHook(recipe, options, name)
+    hook = GraphHook(recipe, options, name, component=component, breaks=breaks)
     hook.runner.pool = pool
     hook._drop_registry = not hasattr(module, "_diffusers_hook")
     hook._drop_forward_attr = "forward" not in module.__dict__

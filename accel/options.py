@@ -128,11 +128,14 @@ class AcceleratorOptions:
     compile_cache_dir: Path | None = None
     parallel: Parallel | None = None
     parallel_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S
+    text_encoder: bool = True
+    vae: bool = True
+    auto_breaks: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
-        for name in ("capture_on_miss", "compile"):
+        for name in ("capture_on_miss", "compile", "text_encoder", "vae", "auto_breaks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _positive_int("max_entries", self.max_entries)

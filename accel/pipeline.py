@@ -49,6 +49,27 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 DENOISER_NAMES = ("transformer", "transformer_2", "unet")
+TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
+VAE_DECODER = "vae.decoder"
+
+
+def _component(pipe: Any, name: str) -> torch.nn.Module | None:
+    """The module at a dotted component path (``"vae.decoder"``), if there is one."""
+    obj = pipe
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, torch.nn.Module) else None
+
+
+def _components(pipe: Any, options: AcceleratorOptions) -> list[str]:
+    """Names of the non-denoiser modules that get graphs under ``options``."""
+    if options.parallel is not None:  # every rank would repeat them alike; not measured yet
+        return []
+    names = list(TEXT_ENCODER_NAMES) if options.text_encoder else []
+    if options.vae:
+        names.append(VAE_DECODER)
+    return [n for n in names if _component(pipe, n) is not None]
+
 
 _said_no_cuda = False
 
@@ -69,7 +90,9 @@ class PipelineAccelerator:
     def __init__(self, pipe: Any, options: AcceleratorOptions) -> None:
         self.pipe = pipe
         self.options = options
+        # Denoisers first, then components (text encoders, the VAE decoder).
         self._hooks: dict[str, GraphHook] = {}
+        self._denoisers: list[str] = []
         self._guard: CallGuard | None = None
         self._parallel: ParallelSession | None = None
         self._own_pool: GraphPool | None = None
@@ -80,15 +103,30 @@ class PipelineAccelerator:
                 if isinstance(module, torch.nn.Module):
                     pool = self._pool_for(module_device(module))
                     self._hooks[name] = apply_graph_runner(module, options, name=name, user=self, pool=pool)
+                    self._denoisers.append(name)
             if not self._hooks:
                 raise ValueError(
                     f"{type(pipe).__name__} has no denoiser to accelerate (looked for components named "
                     f"{', '.join(DENOISER_NAMES)})"
                 )
+            known = self._hooks[self._denoisers[0]].recipe.component_breaks()
+            for name in _components(pipe, options):
+                module = _component(pipe, name)
+                assert module is not None
+                self._hooks[name] = apply_graph_runner(
+                    module,
+                    options,
+                    name=name,
+                    user=self,
+                    pool=self._pool_for(module_device(module)),
+                    component=True,
+                    breaks=known.get(name, ()),
+                )
             self._guard = CallGuard.attach(pipe, self, self._follow_weights)
             if options.parallel is not None:
                 # Collective: every rank of the launch builds its session here, or all fail.
-                self._parallel = ParallelSession(pipe, self._hooks, self._guard, options)
+                denoisers = {n: self._hooks[n] for n in self._denoisers}
+                self._parallel = ParallelSession(pipe, denoisers, self._guard, options)
         except BaseException:
             self._uninstall()
             raise
@@ -101,7 +139,7 @@ class PipelineAccelerator:
     # ---------------------------------------------------------------------------------------
     @property
     def _primary_module(self) -> torch.nn.Module:
-        return getattr(self.pipe, next(iter(self._hooks)))
+        return getattr(self.pipe, self._denoisers[0])
 
     def _follow_weights(self) -> None:
         for hook in self._hooks.values():
@@ -115,10 +153,11 @@ class PipelineAccelerator:
             self._guard.detach(self)
             self._guard = None
         for name in reversed(list(self._hooks)):
-            module = getattr(self.pipe, name, None)
-            if isinstance(module, torch.nn.Module):
+            module = _component(self.pipe, name)
+            if module is not None:
                 release_graph_runner(module, self)
         self._hooks.clear()
+        self._denoisers.clear()
 
     # ---------------------------------------------------------------------------------------
     # Public surface
@@ -134,13 +173,14 @@ class PipelineAccelerator:
 
     @property
     def runners(self) -> dict[str, GraphRunner]:
-        """The runner of each denoiser, by component name (shared with other pipelines that
-        use the same module)."""
+        """The runner of each denoiser and component (``text_encoder``, ``vae.decoder``), by
+        component name (shared with other pipelines that use the same module)."""
         return {name: h.runner for name, h in self._hooks.items()}
 
     @property
     def recipes(self) -> dict[str, Recipe]:
-        return {name: h.recipe for name, h in self._hooks.items()}
+        """The recipe of each denoiser."""
+        return {name: self._hooks[name].recipe for name in self._denoisers}
 
     @property
     def pool(self) -> GraphPool | None:
@@ -152,6 +192,12 @@ class PipelineAccelerator:
         that pipeline's pool.
         """
         return next((h.runner.pool for h in self._hooks.values() if h.runner.pool is not None), None)
+
+    @property
+    def found_breaks(self) -> dict[str, list[Any]]:
+        """Where captures failed on operations a graph cannot hold, by component: each a
+        :class:`~accel.discover.BreakSite` (function, file, line, error)."""
+        return {name: list(h.runner.found_breaks) for name, h in self._hooks.items() if h.runner.found_breaks}
 
     def _pool_for(self, device: torch.device) -> GraphPool | None:
         if device.type != "cuda" or not torch.cuda.is_available():
@@ -197,7 +243,7 @@ class PipelineAccelerator:
             says why nothing was captured, where nothing was.
         """
         self._require_installed()
-        primary = next(iter(self._hooks.values()))
+        primary = self._hooks[self._denoisers[0]]
         plan = plan_warmup(
             primary.recipe,
             self.pipe,
@@ -222,7 +268,19 @@ class PipelineAccelerator:
             if r.pool is None:  # the module reached the GPU after accelerate_pipeline
                 r.pool = self._pool_for(device)
         compiled = any(h.compiled for h in self._hooks.values())
-        report = run_warmup(self.pipe, primary.recipe, plan, runners, device, compiled=compiled, progress=progress)
+        components = [h.runner for n, h in self._hooks.items() if n not in self._denoisers and h.active]
+        report = run_warmup(
+            self.pipe,
+            primary.recipe,
+            plan,
+            runners,
+            device,
+            compiled=compiled,
+            progress=progress,
+            prompts=list(prompts) if prompts else None,
+            negative_prompt=negative_prompt,
+            components=components,
+        )
         self._follow_weights()
         for name, hook in self._hooks.items():
             for reason in set(hook.runner.blocked.values()):
@@ -262,13 +320,15 @@ class PipelineAccelerator:
             state = "graphs" if h.active else f"eager ({h.inactive_reason})"
             extra = ", compiled blocks" if h.compiled else ""
             lines.append(
-                f"  {name} ({type(getattr(self.pipe, name)).__name__}, recipe {h.recipe.name}, {state}{extra}): "
+                f"  {name} ({type(_component(self.pipe, name)).__name__}, recipe {h.recipe.name}, {state}{extra}): "
                 f"{s.entries} graphs, {s.captures} captures in {s.capture_seconds:.2f}s, {s.replays} replays, "
                 f"{s.misses} misses, {s.eager_calls} eager calls, {s.capture_failures} capture failures, "
                 f"{s.evictions} evictions, segments per graph {s.segments_per_entry or '-'}"
             )
             for reason in sorted(set(h.runner.blocked.values())):
                 lines.append(f"    capture failed: {reason}")
+            for site in h.runner.found_breaks:
+                lines.append(f"    capture broke at: {site}")
             if not s.entries and h.active:
                 why = self._why_no_graphs(device) or (
                     "nothing warmed up yet: call pipe.accel.warmup(...) or pass capture_on_miss=True"
@@ -339,6 +399,9 @@ def accelerate_pipeline(
     compile_cache_dir: str | Path | None = None,
     parallel: str | None = None,
     parallel_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S,
+    text_encoder: bool = True,
+    vae: bool = True,
+    auto_breaks: bool = False,
 ) -> Any:
     """Make ``pipe``'s denoising loop replay CUDA graphs; returns ``pipe`` with ``pipe.accel``.
 
@@ -372,6 +435,19 @@ def accelerate_pipeline(
         parallel_timeout_s: how long a rank waits for the others (a dead or diverging rank)
             before it fails with an error instead of hanging; also the process group's timeout
             when this call creates it.
+        text_encoder: graphs for the text encoders too (``text_encoder``, ``text_encoder_2``,
+            ``text_encoder_3``), one per token length, captured by :meth:`PipelineAccelerator.warmup`
+            from the prompts it is given (or on first use with ``capture_on_miss``). Embeddings
+            stay bit-identical to eager: nothing is padded. Off with ``parallel=``.
+        vae: graphs for the VAE's decoder, one per latent shape, captured by the warm-up in the
+            same memory pool as the denoiser's graphs, so the decode's activations reuse the
+            pool instead of adding to it. Off with ``parallel=``.
+        auto_breaks: when a capture fails on an operation a graph cannot hold (a host sync, a
+            data-dependent shape), run the function that did it as an eager break and capture
+            again; the graph is kept only if it equals an eager run bit for bit. Off: the failure
+            is named (function, file and line) in :meth:`PipelineAccelerator.report`. Marks only
+            functions that are pure functions of their inputs safely; the equality check is
+            the guard.
 
     Raises:
         TypeError: ``pipe`` is not a diffusers pipeline.
@@ -397,6 +473,9 @@ def accelerate_pipeline(
         compile_cache_dir=Path(compile_cache_dir) if compile_cache_dir is not None else None,
         parallel=parallel,  # type: ignore[arg-type]
         parallel_timeout_s=parallel_timeout_s,
+        text_encoder=text_encoder,
+        vae=vae,
+        auto_breaks=auto_breaks,
     )
     existing = pipe.__dict__.get("accel")
     if isinstance(existing, PipelineAccelerator):

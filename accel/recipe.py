@@ -55,6 +55,12 @@ class Recipe:
         """Mark this module's uncapturable functions as eager breaks; return the undo."""
         return lambda: None
 
+    def component_breaks(self) -> dict[str, tuple[str, ...]]:
+        """Functions the pipeline's other components must run as eager breaks, by component
+        name (``"text_encoder"``, ``"vae.decoder"``): ``module.qualname`` of pure functions
+        known to break their captures (found with ``auto_breaks``, pinned here once verified)."""
+        return {}
+
     def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap the module's original forward (e.g. to accept what :meth:`prepare` adds)."""
         return fn

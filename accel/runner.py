@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import bcg, tree
+from . import bcg, discover, tree
 from .pool import GraphPool
 from .signature import Signature, describe_diff, flatten
 
@@ -150,6 +150,16 @@ class GraphRunner:
             yields is kept alive with the entry (for caches a graph reads by address).
         memory_budget: bytes of graph memory (the pool, static inputs, boundary buffers) beyond
             which a capture is refused and its signature runs eagerly; None for no limit.
+        auto_breaks: when a capture fails on an operation a graph cannot hold, run the function
+            that did it as an eager break and capture again; the graph must then equal an eager
+            run of the same inputs (else the signature runs eagerly). Off: the failure is only
+            located and named in :attr:`blocked`.
+        verify: compare every new graph's output with an eager run of the same inputs, bit for
+            bit, before keeping it.
+        max_auto_breaks: functions marked for one capture at most.
+
+    Attributes:
+        found_breaks: every function and line a capture of this runner failed on.
     """
 
     def __init__(
@@ -165,6 +175,9 @@ class GraphRunner:
         warmup_runs: int = 2,
         capture_scope: CaptureScope | None = None,
         memory_budget: int | None = None,
+        auto_breaks: bool = False,
+        verify: bool = False,
+        max_auto_breaks: int = 8,
     ) -> None:
         if max_entries < 1:
             raise ValueError("max_entries must be at least 1")
@@ -178,6 +191,14 @@ class GraphRunner:
         self.warmup_runs = warmup_runs
         self.capture_scope = capture_scope
         self.memory_budget = memory_budget
+        self.auto_breaks = auto_breaks
+        self.verify = verify
+        self.max_auto_breaks = max_auto_breaks
+        self.found_breaks: list[discover.BreakSite] = []
+        # The callable ``fn`` stands for, when ``fn`` wraps it (a hook's forward wraps the
+        # module's): refused as a break like ``fn`` itself.
+        self.entry: Callable[..., Any] | None = None
+        self._marks: list[Callable[[], None]] = []
         self.enabled = True
         self._recapture: set[Hashable] = set()
         self._entries: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()
@@ -196,7 +217,15 @@ class GraphRunner:
         sig, leaves = flatten(args, kwargs)
         entry = self._entries.get(sig.key)
         if entry is not None:
-            return self._replay(entry, leaves)
+            try:
+                return self._replay(entry, leaves)
+            except bcg.CopyBackError as exc:
+                # A break returned another constant than at capture (say a mask check that came
+                # out the other way): the graph's later segments assumed the old one. This call
+                # runs eagerly; the graph stays for calls like the captured one.
+                self._say_once(("copy-back", sig.key, str(exc)), f"{self.name}: {exc}; this call runs eagerly")
+                self._stats.eager_calls += 1
+                return self.fn(*args, **kwargs)
         if not self._capturable(sig, leaves):
             self._stats.eager_calls += 1
             return self.fn(*args, **kwargs)
@@ -332,77 +361,164 @@ class GraphRunner:
         """Warm up and capture this signature; on success evict to make room and keep the entry.
 
         Nothing is evicted before the capture succeeded: a failed capture must not cost a good
-        graph. On failure the signature is blocked (it runs eagerly) and None comes back.
+        graph. A capture that fails on an operation a graph cannot hold names its function and
+        line; with ``auto_breaks`` that function becomes an eager break and the capture is tried
+        again (at most ``max_auto_breaks`` times), and the graph must then equal an eager run.
+        On failure the signature is blocked (it runs eagerly) and None comes back.
         """
-        device = leaves[0].device
         with self._lock:
             if self.pool is None:
-                self.pool = GraphPool(device)
-            pool = self.pool
-            target = self.fn
-            if self.debug:
-                target = bcg.eager_on_graph(self.fn, name=f"{self.name} (debug: whole call eager)", inline_nested=True)
-            t0 = time.perf_counter()
-            graph = bcg.BreakableCUDAGraph()
-            static_inputs: list[torch.Tensor] = []
-            try:
-                with torch.inference_mode(False), torch.no_grad():
-                    # Allocated outside the pool, owned by the entry: graphs read them by address.
-                    static_inputs = [torch.empty_like(t) for t in leaves]
-                    for s, t in zip(static_inputs, leaves):
-                        s.copy_(t)
-                    args, kwargs = sig.rebuild(static_inputs)
-                    scope = self.capture_scope() if self.capture_scope is not None else contextlib.nullcontext([])
-                    with pool.lock, scope as keepalive:
-                        caller = torch.cuda.current_stream(device)
-                        pool.stream.wait_stream(caller)
-                        with torch.cuda.stream(pool.stream):
-                            for _ in range(self.warmup_runs):
-                                self.fn(*args, **kwargs)
-                        pool.stream.synchronize()
-                        with bcg.capture(graph, pool=pool.handle_for(graph), stream=pool.stream):
-                            output = target(*args, **kwargs)
-                        caller.wait_stream(pool.stream)
-                        pool.stream.synchronize()
-                if graph.num_segments > self.max_segments:
-                    raise bcg.BreakError(f"{graph.num_segments} segments exceed max_segments={self.max_segments}")
-                if self.memory_budget is not None:
-                    # The entries evicted to make room for this one do not count.
-                    kept = list(self._entries.values())[self._evictions_to_admit_one() :]
-                    held = self._graph_memory(kept, static_inputs, graph)
-                    if held > self.memory_budget:
-                        raise GraphMemoryBudgetError(
-                            f"graph memory would be {held / 2**20:.0f} MiB, over the budget of "
-                            f"{self.memory_budget / 2**20:.0f} MiB"
-                        )
-                flat_output = tree.Flat(output)
-            except Exception as exc:  # never break generation: block this signature, run eagerly
-                graph.reset()
-                del static_inputs
+                self.pool = GraphPool(leaves[0].device)
+            for _ in range(self.max_auto_breaks + 1):
+                try:
+                    entry = self._attempt(sig, leaves)
+                except Exception as exc:  # never break generation: block this signature, run eagerly
+                    site = self._locate(exc, sig, leaves)
+                    if site is not None and self._mark(site):
+                        continue
+                    reason = f"{type(exc).__name__}: {exc}".strip()
+                    if site is not None:
+                        reason = f"{reason} (at {site})"
+                        if not self.auto_breaks:
+                            reason += "; auto_breaks=True would run that function as an eager break and retry"
+                    self._fail(sig, exc, reason)
+                    return None
+                for _ in range(self._evictions_to_admit_one()):
+                    self._evict_lru()
+                self._entries[sig.key] = entry
                 self._recapture.discard(sig.key)
-                reason = f"{type(exc).__name__}: {exc}".strip()
-                self._blocked[sig.key] = reason
-                self._stats.capture_failures += 1
-                if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError, GraphMemoryBudgetError)):
-                    torch.cuda.empty_cache()
-                logger.warning("%s: capture failed, this signature runs eagerly from now on: %s", self.name, reason)
-                return None
-            seconds = time.perf_counter() - t0
-            for _ in range(self._evictions_to_admit_one()):
-                self._evict_lru()
-            entry = _Entry(sig, static_inputs, graph, output, flat_output, list(keepalive), seconds)
-            self._entries[sig.key] = entry
-            self._recapture.discard(sig.key)
-            self._stats.captures += 1
-            self._stats.capture_seconds += seconds
-            logger.info(
-                "%s: captured a graph in %.2fs (%d segments, breaks: %s)",
-                self.name,
-                seconds,
-                graph.num_segments,
-                ", ".join(sorted(set(graph.break_names))) or "none",
+                self._stats.captures += 1
+                self._stats.capture_seconds += entry.capture_seconds
+                logger.info(
+                    "%s: captured a graph in %.2fs (%d segments, breaks: %s)",
+                    self.name,
+                    entry.capture_seconds,
+                    entry.graph.num_segments,
+                    ", ".join(sorted(set(entry.graph.break_names))) or "none",
+                )
+                return entry
+            self._fail(sig, None, f"still failing after {self.max_auto_breaks} automatic breaks")
+            return None
+
+    def _attempt(self, sig: Signature, leaves: list[torch.Tensor]) -> _Entry:
+        """One warm-up and capture of ``sig``; raises on any failure (nothing kept)."""
+        pool = self.pool
+        assert pool is not None
+        target = self.fn
+        if self.debug:
+            target = bcg.eager_on_graph(self.fn, name=f"{self.name} (debug: whole call eager)", inline_nested=True)
+        t0 = time.perf_counter()
+        graph = bcg.BreakableCUDAGraph()
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                # Allocated outside the pool, owned by the entry: graphs read them by address.
+                static_inputs = [torch.empty_like(t) for t in leaves]
+                for s, t in zip(static_inputs, leaves):
+                    s.copy_(t)
+                scope = self.capture_scope() if self.capture_scope is not None else contextlib.nullcontext([])
+                with pool.lock, scope as keepalive:
+                    caller = torch.cuda.current_stream(pool.device)
+                    pool.stream.wait_stream(caller)
+                    # Fresh containers for every run: a callee that fills a list it is given
+                    # (a causal VAE's feature cache) must find it as the caller built it.
+                    with torch.cuda.stream(pool.stream):
+                        for _ in range(self.warmup_runs):
+                            args, kwargs = sig.rebuild(static_inputs)
+                            self.fn(*args, **kwargs)
+                    pool.stream.synchronize()
+                    args, kwargs = sig.rebuild(static_inputs)
+                    with bcg.capture(graph, pool=pool.handle_for(graph), stream=pool.stream):
+                        output = target(*args, **kwargs)
+                    caller.wait_stream(pool.stream)
+                    pool.stream.synchronize()
+            if graph.num_segments > self.max_segments:
+                raise bcg.BreakError(f"{graph.num_segments} segments exceed max_segments={self.max_segments}")
+            if self.memory_budget is not None:
+                # The entries evicted to make room for this one do not count.
+                kept = list(self._entries.values())[self._evictions_to_admit_one() :]
+                held = self._graph_memory(kept, static_inputs, graph)
+                if held > self.memory_budget:
+                    raise GraphMemoryBudgetError(
+                        f"graph memory would be {held / 2**20:.0f} MiB, over the budget of "
+                        f"{self.memory_budget / 2**20:.0f} MiB"
+                    )
+            entry = _Entry(
+                sig, static_inputs, graph, output, tree.Flat(output), list(keepalive), time.perf_counter() - t0
             )
+            if self.verify or self._marks:
+                self._verify(entry, *sig.rebuild(static_inputs))
             return entry
+        except BaseException:
+            graph.reset()
+            raise
+
+    def _verify(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise unless one replay equals an eager run of the same inputs bit for bit.
+
+        Breaks found automatically are only as safe as the function's purity, which nothing can
+        prove from outside; this comparison is the evidence, for the warmed inputs.
+        """
+        with torch.inference_mode(False), torch.no_grad():
+            expected = tree.clone(self.fn(*args, **kwargs))
+            self._replay_into(entry)
+            got = entry.flat_output.clone()
+        want, have = tree.tensors(expected), tree.tensors(got)
+        same = len(want) == len(have) and all(
+            a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, have)
+        )
+        if not same:
+            raise bcg.BreakError(f"{self.name}: the graph's output differs from an eager run of the same inputs")
+
+    def _locate(self, exc: BaseException, sig: Signature, leaves: list[torch.Tensor]) -> discover.BreakSite | None:
+        """The function and line a capture failed on, when it failed on a graph-incompatible operation."""
+        if self.debug or not discover.is_capture_error(exc):
+            return None
+        try:
+            args, kwargs = sig.rebuild(leaves)
+            site = discover.discover(exc, self.fn, args, kwargs)
+        except Exception as e:  # a diagnosis must never cost the eager fallback
+            logger.debug("%s: could not locate the capture failure: %s", self.name, e)
+            return None
+        if site is not None and site not in self.found_breaks:
+            self.found_breaks.append(site)
+        return site
+
+    def _mark(self, site: discover.BreakSite) -> bool:
+        """With ``auto_breaks``, run ``site``'s function as an eager break from now on."""
+        if not self.auto_breaks:
+            return False
+        try:
+            undo = discover.mark_as_break(site, refuse=self._refused_codes())
+        except ValueError as e:
+            logger.warning("%s: capture failed at %s; not marked as a break: %s", self.name, site, e)
+            return False
+        self._marks.append(undo)
+        logger.warning(
+            "%s: capture failed at %s; running that function as an eager break and retrying", self.name, site
+        )
+        return True
+
+    def _refused_codes(self) -> set[Any]:
+        # The top-level call itself (and what it wraps) must never become a break: that would
+        # leave no graph. ``entry`` is the model's own forward where ``fn`` is a wrapper of it.
+        codes: set[Any] = set()
+        for f in (self.fn, self.entry):
+            if f is not None:
+                codes |= discover.entry_codes(f)
+        return codes
+
+    def unmark(self) -> None:
+        """Give back every function this runner marked as an eager break."""
+        while self._marks:
+            self._marks.pop()()
+
+    def _fail(self, sig: Signature, exc: BaseException | None, reason: str) -> None:
+        self._recapture.discard(sig.key)
+        self._blocked[sig.key] = reason
+        self._stats.capture_failures += 1
+        if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError, GraphMemoryBudgetError)):
+            torch.cuda.empty_cache()
+        logger.warning("%s: capture failed, this signature runs eagerly from now on: %s", self.name, reason)
 
     def _graph_memory(
         self, entries: list[_Entry], static_inputs: list[torch.Tensor], graph: bcg.BreakableCUDAGraph
@@ -415,17 +531,22 @@ class GraphRunner:
         return pool + sum(t.untyped_storage().nbytes() for t in inputs) + sum(g.boundary_bytes() for g in graphs)
 
     def _replay(self, entry: _Entry, leaves: list[torch.Tensor]) -> Any:
+        with self.pool.lock:  # type: ignore[union-attr]
+            for s, t in zip(entry.static_inputs, leaves):
+                if s is not t:
+                    s.copy_(t)
+            self._replay_into(entry)
+            out = entry.copy_output()
+        self._entries.move_to_end(entry.signature.key)
+        self._stats.replays += 1
+        return out
+
+    def _replay_into(self, entry: _Entry) -> None:
+        """Replay ``entry`` on the current stream, ordered after the pool's last replay."""
         pool = self.pool
         assert pool is not None
         with pool.lock:
             stream = torch.cuda.current_stream(pool.device)
             pool.order_after_last_replay(stream)
-            for s, t in zip(entry.static_inputs, leaves):
-                if s is not t:
-                    s.copy_(t)
             entry.graph.replay()
-            out = entry.copy_output()
             pool.mark_replay_done(stream)
-        self._entries.move_to_end(entry.signature.key)
-        self._stats.replays += 1
-        return out

@@ -5,7 +5,9 @@ into a validated :class:`WarmupPlan`; :func:`run_warmup` runs the recipe's warm-
 every case, largest resolution first (smaller captures then reuse the pool blocks the largest
 one reserved), with the runners in capturing mode, and reports what each resolution cost.
 With compiled blocks, one uncaptured call per resolution compiles first, so compile seconds are
-reported apart from capture seconds.
+reported apart from capture seconds. Components (text encoders, the VAE decoder) are captured
+last, by real pipeline calls with text prompts that decode an image: one per resolution (the
+VAE's latent shapes) and one per further prompt (the text encoder's token lengths).
 """
 
 from __future__ import annotations
@@ -214,6 +216,39 @@ def _progress(total: int, enabled: bool, desc: str) -> Any:
     return tqdm(total=total, desc=desc, unit="case", disable=not enabled, leave=False)
 
 
+# What a component warm-up encodes when the user named no prompt. Z-Image-style encoders pad
+# every prompt to one length, so this one prompt covers them; encoders that do not pad capture
+# each new length on first use only with capture_on_miss.
+WARMUP_PROMPT = "a photograph of a red fox in the snow"
+
+
+def _with_prompt(kwargs: dict[str, Any], prompt: str, negative_prompt: str | None, batch: int) -> dict[str, Any]:
+    """A recipe's warm-up call (made of random embeddings) with text prompts instead."""
+    out = {k: v for k, v in kwargs.items() if "prompt_embeds" not in k}
+    out["prompt"] = [prompt] * batch
+    if "negative_prompt_embeds" in kwargs:
+        out["negative_prompt"] = [negative_prompt if negative_prompt is not None else " "] * batch
+    return out
+
+
+def _component_calls(
+    recipe: Recipe, pipe: Any, plan: WarmupPlan, prompts: list[str], negative_prompt: str | None
+) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
+    """((width, height), kwargs) of the calls that capture the components: each resolution's
+    first case decoding an image, then every further prompt at the smallest resolution."""
+    seen: set[tuple[int, int]] = set()
+    for case in plan.cases:
+        if case[:2] in seen:
+            continue
+        seen.add(case[:2])
+        for kwargs in _calls(recipe, pipe, plan, case):
+            yield case[:2], {**_with_prompt(kwargs, prompts[0], negative_prompt, case[2]), "output_type": "pil"}
+    smallest = plan.cases[-1]
+    for prompt in prompts[1:]:
+        for kwargs in _calls(recipe, pipe, plan, smallest):
+            yield smallest[:2], {**_with_prompt(kwargs, prompt, negative_prompt, smallest[2]), "output_type": "latent"}
+
+
 def run_warmup(
     pipe: Any,
     recipe: Recipe,
@@ -223,8 +258,12 @@ def run_warmup(
     *,
     compiled: bool,
     progress: bool,
+    prompts: list[str] | None = None,
+    negative_prompt: str | None = None,
+    components: Sequence[GraphRunner] = (),
 ) -> WarmupReport:
-    """Run ``plan``'s warm-up calls through ``pipe`` with ``runners`` capturing."""
+    """Run ``plan``'s warm-up calls through ``pipe`` with ``runners`` capturing; then, when
+    ``components`` (runners among ``runners``) are given, the calls that capture them."""
     pool = runners[0].pool
     assert pool is not None
     rows: dict[tuple[int, int], WarmupRow] = {}
@@ -265,6 +304,21 @@ def run_warmup(
                 row.resident_bytes += pool.resident_bytes() - resident0
                 bar.set_postfix_str(f"{w}x{h} batch {b} cfg {c} text {n}")
                 bar.update()
+            bar.close()
+            if components:
+                calls = list(_component_calls(recipe, pipe, plan, prompts or [WARMUP_PROMPT], negative_prompt))
+                bar = _progress(len(calls), progress, "capturing text encoder and VAE")
+                for (w, h), kwargs in calls:
+                    row = rows[(w, h)]
+                    captures0 = sum(r.stats(memory=False).captures for r in runners)
+                    resident0 = pool.resident_bytes()
+                    t0 = time.perf_counter()
+                    pipe(**kwargs, generator=torch.Generator(device).manual_seed(0))
+                    torch.cuda.synchronize(device)
+                    row.seconds += time.perf_counter() - t0
+                    row.captures += sum(r.stats(memory=False).captures for r in runners) - captures0
+                    row.resident_bytes += pool.resident_bytes() - resident0
+                    bar.update()
         bar.close()
     finally:
         pipe._progress_bar_config = progress_config

@@ -167,6 +167,12 @@ class QwenImageRecipe(Recipe):
                     keep.append(device_freqs(p.device))
                     break
 
+    def component_breaks(self) -> dict[str, tuple[str, ...]]:
+        # Qwen2.5-VL's causal-mask builder asks whether the padding mask is all ones (a host
+        # sync) to choose between SDPA's is_causal and an explicit mask. It is a pure function
+        # of the mask; its bool is checked at every replay (copy-back of constants).
+        return {"text_encoder": ("transformers.masking_utils._ignore_causal_mask_sdpa",)}
+
     def generation_defaults(self) -> GenerationDefaults:
         # True CFG runs only with a negative prompt and a scale above 1.
         return GenerationDefaults(

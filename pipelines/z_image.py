@@ -14,14 +14,18 @@ break. What it does need:
 * Its RoPE tables live on a plain object outside the module tree; the ones a graph reads are
   kept alive with the graph.
 * On several GPUs: diffusers ships no context-parallel plan for it; :func:`context_parallel_plan`
-  is ours (Ulysses over 2 ranks: 30 heads and a 32-token multiple). CFG-parallel is refused: the
-  pipeline batches both guidance branches into one call.
+  is ours (Ulysses over 2 ranks: 30 heads and a 32-token multiple). Its split hooks sit on the
+  main layers, inside the repeated blocks ``compile=True`` compiles, so before every call their
+  argument positions are resolved eagerly (:func:`resolve_split_hooks`): left to the first
+  call, diffusers would run ``inspect.signature`` inside the compiled block, which dynamo cannot
+  trace. CFG-parallel is refused: the pipeline batches both guidance branches into one call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,6 +38,7 @@ from accel.recipe import Recipe
 logger = logging.getLogger(__name__)
 
 SEQ_MULTIPLE = 32  # diffusers' SEQ_MULTI_OF for Z-Image
+SPLIT_LAYERS = "layers"  # where context_parallel_plan puts its split hooks (repeated blocks)
 MASKS_KWARG = "bcg_caption_pad_masks"
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
@@ -71,8 +76,8 @@ def context_parallel_plan(module: torch.nn.Module, degree: int) -> dict[str, Any
             f"its {SEQ_MULTIPLE}-token sequence multiple; use {' or '.join(map(str, fits)) or 'one'} processes"
         )
     plan: dict[str, Any] = {
-        "layers.0": {"x": ContextParallelInput(split_dim=1, expected_dims=3)},
-        "layers.*": {
+        f"{SPLIT_LAYERS}.0": {"x": ContextParallelInput(split_dim=1, expected_dims=3)},
+        f"{SPLIT_LAYERS}.*": {
             "attn_mask": ContextParallelInput(split_dim=1, expected_dims=2),
             "freqs_cis": ContextParallelInput(split_dim=1, expected_dims=3),
         },
@@ -80,6 +85,35 @@ def context_parallel_plan(module: torch.nn.Module, degree: int) -> dict[str, Any
     for key in getattr(module, "all_final_layer", {}):
         plan[f"all_final_layer.{key}"] = ContextParallelOutput(gather_dim=1, expected_dims=3)
     return plan
+
+
+def resolve_split_hooks(module: torch.nn.Module) -> None:
+    """Resolve, eagerly, where diffusers' context-parallel split hooks on the main layers find
+    their inputs among the positional arguments.
+
+    The stock forward calls every layer positionally, so on its first call each split hook looks
+    the argument names up with ``inspect.signature`` of the layer's forward (diffusers'
+    ``ModuleForwardMetadata``) and caches them. The hooks run inside the layer's call, so with
+    the layers compiled (``compile_repeated_blocks``) dynamo traces that lookup and fails on
+    ``fullgraph=True`` ("Unexpected type in sourceless builder" on torch 2.11, "Unsupported
+    hasattr call" on 2.13). Filled in here, outside any compiled region, with exactly what
+    diffusers would compute, the hooks that dynamo traces hold only a dict of ints. Cheap after
+    the first call (one attribute per hook); a no-op without split hooks.
+    """
+    from diffusers.hooks.context_parallel import ContextParallelSplitHook
+
+    for layer in getattr(module, SPLIT_LAYERS, ()):
+        registry = layer.__dict__.get("_diffusers_hook")
+        if registry is None:
+            continue
+        for hook in registry.hooks.values():
+            if not isinstance(hook, ContextParallelSplitHook):
+                continue
+            meta = getattr(hook, "module_forward_metadata", None)
+            if meta is None or meta.cached_parameter_indices is not None or meta._cls is None:
+                continue
+            names = list(inspect.signature(meta._cls.forward).parameters)[1:]  # as diffusers: without self
+            meta.cached_parameter_indices = {name: i for i, name in enumerate(names)}
 
 
 class ZImageRecipe(Recipe):
@@ -149,6 +183,12 @@ class ZImageRecipe(Recipe):
             if getattr(rope, "freqs_cis", None) is not None:
                 keep.append(list(rope.freqs_cis))
 
+    def component_breaks(self) -> dict[str, tuple[str, ...]]:
+        # Qwen3's causal-mask builder asks whether the padding mask is all ones (a host sync).
+        # A pure function of the mask; its bool (False for any prompt shorter than the padded
+        # 512 tokens) is checked at every replay, and a call where it flips runs eagerly.
+        return {"text_encoder": ("transformers.masking_utils._ignore_causal_mask_sdpa",)}
+
     def generation_defaults(self) -> GenerationDefaults:
         # Turbo-like: few steps, no guidance (the pipeline runs CFG whenever guidance_scale > 0).
         return GenerationDefaults(
@@ -178,7 +218,10 @@ class ZImageRecipe(Recipe):
                 "z-image: parallel='ulysses' splits text-to-image calls; omni (image-conditioned) calls are not split"
             )
         # Every caption and image is padded to a multiple of 32 inside the forward (captions by
-        # prepare(), exactly as the model would): with a degree dividing 32 nothing is left to do.
+        # prepare(), exactly as the model would): with a degree dividing 32 nothing is left to do
+        # to the call. The split hooks get their argument positions here, not inside a compiled
+        # layer.
+        resolve_split_hooks(module)
         return args, kwargs
 
     # -- warm-up ---------------------------------------------------------------------------

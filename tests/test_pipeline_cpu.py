@@ -48,7 +48,7 @@ def tiny(request):
 def test_walker_finds_denoiser_and_recipe(tiny) -> None:
     name, pipe = tiny
     accelerate_pipeline(pipe)
-    assert list(pipe.accel.runners) == ["transformer"]
+    assert list(pipe.accel.runners) == ["transformer", "text_encoder", "vae.decoder"]  # denoisers first
     expected = QwenImageRecipe if name == "qwen-image" else ZImageRecipe
     assert isinstance(pipe.accel.recipes["transformer"], expected)
     assert getattr(pipe.scheduler.step, "__bcg_eager__", False)

@@ -184,6 +184,24 @@ class ModelBench:
             row.notes.append(f"end-to-end breakdown failed: {err_text(exc)}")
 
     # -- memory vs number of captured resolutions ----------------------------------------------
+    def call_footprint_mb(self, wh: tuple[int, int]) -> float | None:
+        """Device memory torch holds at the peak of one decoded call, above what it held before
+        (the weights, and graph pools if accelerated): reserved, not allocated, since graph pools
+        are reserved memory the eager phases cannot use."""
+        if not self.clock.cuda:
+            return None
+        free_memory(self.clock)
+        base = torch.cuda.memory_reserved(self.device)
+        accel = self.pipe.__dict__.get("accel")
+        if accel is not None:  # the pool is part of what an accelerated call costs
+            base -= accel.pool.resident_bytes() if accel.pool is not None else 0
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.pipe(**pipe_kwargs(self.model, wh, self.args), generator=torch.Generator(self.device).manual_seed(SEED))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_reserved(self.device) - base
+        free_memory(self.clock)
+        return rnd(peak / MiB, 1)
+
     def memory_series(self) -> list[SeriesPoint]:
         n = self.args.series_count
         if n <= 0 or "bcg" not in self.args.variants:
@@ -195,6 +213,7 @@ class ModelBench:
         free_memory(self.clock)
         try:
             with torch.no_grad():
+                eager_mb = self.call_footprint_mb(res[0])
                 accelerate(self.pipe)
                 accel = self.pipe.accel
                 total_peaks: float | None = 0.0
@@ -229,6 +248,13 @@ class ModelBench:
                     say(
                         f"{self.model} memory series: +{res_name(wh)} -> graph {point.graph_mb} MiB "
                         f"(sum of eager activation peaks {point.sum_eager_activation_mb} MiB)"
+                    )
+                if out and eager_mb is not None:
+                    out[-1].call_eager_mb = eager_mb
+                    out[-1].call_accelerated_mb = self.call_footprint_mb(res[0])
+                    say(
+                        f"{self.model} {res_name(res[0])} call footprint over the weights: eager {eager_mb} MiB, "
+                        f"accelerated with {len(res)} resolutions warmed {out[-1].call_accelerated_mb} MiB"
                     )
         except Exception as exc:
             traceback.print_exc()

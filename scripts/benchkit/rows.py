@@ -124,7 +124,12 @@ assert [f.name for f in dataclasses.fields(CaseRow)][CaseRow.ALWAYS - 1] == "not
 
 @dataclasses.dataclass
 class SeriesPoint:
-    """One step of the memory series: one more resolution warmed up on the same accelerated pipeline."""
+    """One step of the memory series: one more resolution warmed up on the same accelerated pipeline.
+
+    The last point also has the footprint of one decoded call at the largest resolution: device
+    memory reserved at its peak above the weights, eager (the stock pipeline, before accelerating)
+    and accelerated (graph pools included: everything torch holds), and their ratio.
+    """
 
     model: str
     n_resolutions: int
@@ -136,6 +141,8 @@ class SeriesPoint:
     pool_mb: float | None = None
     eager_activation_mb: float | None = None
     sum_eager_activation_mb: float | None = None
+    call_eager_mb: float | None = None
+    call_accelerated_mb: float | None = None
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -143,6 +150,9 @@ class SeriesPoint:
             return {"model": self.model, "n_resolutions": self.n_resolutions, "error": self.error}
         data = dataclasses.asdict(self)
         del data["error"]
+        for key in ("call_eager_mb", "call_accelerated_mb"):  # only the last point has them
+            if data[key] is None:
+                del data[key]
         return data
 
     @classmethod
