@@ -21,8 +21,10 @@ Contract (see the project's design notes):
   :class:`CopyBackError` naming the break and the field. Outputs are walked by :mod:`accel.tree`
   (tensors, tuples, lists, dicts, namedtuples, dataclasses, model outputs, plain objects).
 * Replay is a flat walk over segments and breaks on the current stream, with no host sync.
-* Segments are recorded, not run, during capture: a break then sees stale inputs. Never use the
-  capture pass's output; replay to get real values.
+* During capture each segment is replayed once as soon as it is closed, so a break runs on the
+  values it will see at every replay, and the constants it returns (which later segments were
+  recorded under) are the real ones. The capture pass's final output is still only recorded:
+  replay to get real values.
 
 This module knows nothing of diffusers.
 """
@@ -384,6 +386,11 @@ class _Capture:
                 "breaks cannot nest. Mark only the outer function, or pass inline_nested=True to it."
             )
         self.close()
+        if self.graph.segments:
+            # Run what was just recorded, so the break computes from real inputs rather than
+            # from whatever the pool held: a Python constant it returns (a mask check's bool)
+            # steers how the next segment is recorded.
+            self.graph.segments[-1].replay()
         self.in_break = True
         token = _ACTIVE.set(None) if inline_nested else None
         try:

@@ -79,6 +79,8 @@ class GraphHook(ModelHook):
         self.name = name
         self.component = component
         self.breaks = breaks
+        # The module whose offload hooks move this one's weights, when it is a submodule.
+        self.offload_root: weakref.ref[torch.nn.Module] | None = None
         self.runner = GraphRunner(
             self._recipe_forward,
             name=name,
@@ -174,7 +176,9 @@ class GraphHook(ModelHook):
         module = self._module_ref() if self._module_ref is not None else None
         if module is None or not (self.active or self._offloaded):
             return
-        reason = offload_reason(module)
+        # Offload hooks sit on a pipeline's top-level components: the VAE's, not its decoder's.
+        root = self.offload_root() if self.offload_root is not None else None
+        reason = offload_reason(root if root is not None else module)
         if reason is not None:
             if self._offloaded is None:
                 self._offloaded = reason
@@ -223,13 +227,15 @@ def apply_graph_runner(
     pool: GraphPool | None,
     component: bool = False,
     breaks: tuple[str, ...] = (),
+    offload_root: torch.nn.Module | None = None,
 ) -> GraphHook:
     """Give ``module`` a graph runner (or join the one it has) on behalf of ``user``.
 
     A new runner captures into ``pool`` (None: the runner makes one on its first capture); a
     joined one keeps the pool it has. A ``component`` (a text encoder, a VAE decoder) gets the
     generic recipe, is never compiled, and each of its graphs is checked against eager once;
-    ``breaks`` names functions (``module.qualname``) it runs as eager breaks. A module already accelerated with other options is
+    ``breaks`` names functions (``module.qualname``) it runs as eager breaks; ``offload_root`` is
+    the top-level component whose offload hooks move a submodule's weights (the VAE of its decoder). A module already accelerated with other options is
     refused: its graphs were made for those. Call :func:`release_graph_runner` with the same
     ``user`` to let go.
     """
@@ -253,6 +259,8 @@ def apply_graph_runner(
     else:
         recipe = recipe_cls()
     hook = GraphHook(recipe, options, name, component=component, breaks=breaks)
+    if offload_root is not None and offload_root is not module:
+        hook.offload_root = weakref.ref(offload_root)
     hook.runner.pool = pool
     hook._drop_registry = not hasattr(module, "_diffusers_hook")
     hook._drop_forward_attr = "forward" not in module.__dict__

@@ -121,6 +121,7 @@ class PipelineAccelerator:
                     pool=self._pool_for(module_device(module)),
                     component=True,
                     breaks=known.get(name, ()),
+                    offload_root=_component(pipe, name.split(".")[0]),
                 )
             self._guard = CallGuard.attach(pipe, self, self._follow_weights)
             if options.parallel is not None:

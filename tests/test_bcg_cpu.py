@@ -255,7 +255,8 @@ def test_breaks_split_segments_and_replay_reruns_them(monkeypatch: pytest.Monkey
         s = host_sum(x)
         out = pack(s, scale=2.0)
     graph = fake.graph
-    assert events == ["host sum", "pack"]  # each break ran once at capture, no segment replayed
+    # each break ran once at capture, right after the segment before it ran for real
+    assert events == ["seg0", "host sum", "seg1", "pack"]
     assert not is_capturing()
 
     # bookkeeping
@@ -299,7 +300,8 @@ def test_replay_walks_segments_and_breaks_in_order(monkeypatch: pytest.MonkeyPat
     with fake_capture(monkeypatch, events) as fake:
         a()
         b()
-    assert events == ["a", "b"]
+    # At capture each closed segment runs once before its break (the last one is only recorded).
+    assert events == ["seg0", "a", "seg1", "b"]
     events.clear()
     fake.graph.replay()
     assert events == ["seg0", "a", "seg1", "b", "seg2"]
@@ -314,6 +316,8 @@ def test_break_at_start_and_end_leaves_empty_segments(monkeypatch: pytest.Monkey
     assert fake.graph.break_names == ["break_graph", "break_graph"]
     assert len(fake.graph.segments) == 3
     assert all(b.buffer is None for b in fake.graph.breaks)
+    assert fake.log == ["seg0", "seg1"]  # run at capture, before each break
+    fake.log.clear()
     fake.graph.replay()
     assert fake.log == ["seg0", "seg1", "seg2"]
 

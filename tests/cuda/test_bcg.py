@@ -300,3 +300,30 @@ def test_invalidated_capture_and_released_pool_leave_the_device_usable() -> None
         doubler(x)
     x2 = torch.randn(8, device=DEV)
     assert torch.equal(doubler(x2), x2 * 2) and doubler.stats().replays >= 1
+
+
+@eager_on_graph(name="all positive")
+def _all_positive(x: torch.Tensor) -> bool:
+    return bool((x > 0).all())
+
+
+@torch.no_grad()
+def test_a_break_sees_real_values_at_capture_so_its_constants_hold_at_replay() -> None:
+    # The break's input is computed inside the graph (abs + 1 > 0 everywhere); its bool steers
+    # which branch the next segment records. At capture it must see the real values (the
+    # segment before it is run), not whatever the pool held, or replay's copy-back would find
+    # another constant.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.abs() + 1.0
+        return y * 2.0 if _all_positive(y) else y * -3.0
+
+    runner = GraphRunner(fn, name="constant from the graph")
+    x = torch.randn(4096, device=DEV)
+    # Poison what the pool will hand out, so a stale read would see negatives.
+    junk = torch.full((1 << 20,), -1.0, device=DEV)
+    del junk
+    assert runner.capture(x), runner.blocked
+    for seed in range(3):
+        x = torch.randn(4096, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed))
+        assert torch.equal(runner(x), fn(x))
+    assert runner.stats().replays == 3 and runner.stats().capture_failures == 0
