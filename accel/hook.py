@@ -146,6 +146,10 @@ class GraphHook(ModelHook):
 
     # -- per call ----------------------------------------------------------------------------
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.component:
+            # A text encoder runs before the pipeline's per-call check (the scheduler's
+            # set_timesteps), so a component checks its weights (offload, LoRA) as it is called.
+            self.follow_weights()
         # Normalising calls (padding) only serves graph sharing: where nothing can be captured
         # the stock call runs untouched, so CPU results equal eager exactly.
         if self.active and module_device(module).type == "cuda":
@@ -171,7 +175,8 @@ class GraphHook(ModelHook):
         weights changed or moved since capture (each is captured again on its next call), and
         switch graphs off while the weights are offloaded (on again once offloading stops).
 
-        Runs once per pipeline call (and after a warm-up), never per step.
+        Runs once per pipeline call for a denoiser, at every call for a component (and after a
+        warm-up), never per step.
         """
         module = self._module_ref() if self._module_ref is not None else None
         if module is None or not (self.active or self._offloaded):

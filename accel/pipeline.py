@@ -143,8 +143,10 @@ class PipelineAccelerator:
         return getattr(self.pipe, self._denoisers[0])
 
     def _follow_weights(self) -> None:
-        for hook in self._hooks.values():
-            hook.follow_weights()
+        # Per call, from the scheduler's set_timesteps: the denoisers. Components check
+        # themselves as they are called (text encoders run before set_timesteps).
+        for name in self._denoisers:
+            self._hooks[name].follow_weights()
 
     def _uninstall(self) -> None:
         if self._parallel is not None:
@@ -282,7 +284,8 @@ class PipelineAccelerator:
             negative_prompt=negative_prompt,
             components=components,
         )
-        self._follow_weights()
+        for hook in self._hooks.values():
+            hook.follow_weights()
         for name, hook in self._hooks.items():
             for reason in set(hook.runner.blocked.values()):
                 logger.warning("%s: a warm-up capture failed and runs eagerly: %s", name, reason)

@@ -106,3 +106,22 @@ def test_a_located_capture_failure_is_named_in_the_report() -> None:
     assert f"capture broke at: {site}" in pipe.accel.report()
     pipe.accel.restore()
     assert graph_hook_of(pipe.text_encoder) is None and HOOK_NAME
+
+
+def test_components_notice_offload_at_their_own_call() -> None:
+    # A text encoder runs before the pipeline's per-call check, and the VAE decoder's offload
+    # hooks sit on the VAE: each component must see offloading where it is called.
+    pipe = build_pipeline("z-image", "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    accelerate_pipeline(pipe)
+    runners = pipe.accel.runners
+    assert runners["text_encoder"].enabled and runners["vae.decoder"].enabled
+    pipe.text_encoder.__dict__["_hf_hook"] = object()  # what accelerate's cpu offload attaches
+    pipe.encode_prompt(prompt="a red fox", device=torch.device("cpu"), do_classifier_free_guidance=False)
+    assert not runners["text_encoder"].enabled and runners["vae.decoder"].enabled
+    pipe.vae.__dict__["_hf_hook"] = object()
+    _latents(pipe)
+    assert not runners["vae.decoder"].enabled
+    assert "accelerate offload hooks" in pipe.accel.report()
+    del pipe.text_encoder.__dict__["_hf_hook"], pipe.vae.__dict__["_hf_hook"]
+    pipe.accel.restore()
