@@ -222,6 +222,24 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         help=f"folder of the persistent compile cache (default {cache}); delete it to clear the cache",
     )
     p.add_argument(
+        "--no-text-encoder-graphs",
+        dest="text_encoder_graphs",
+        action="store_false",
+        help="run the text encoders eagerly (default: a graph per prompt token length, captured by the warmup)",
+    )
+    p.add_argument(
+        "--no-vae-graphs",
+        dest="vae_graphs",
+        action="store_false",
+        help="run the VAE decoder eagerly (default: a graph per latent shape, in the denoiser's graph pool)",
+    )
+    p.add_argument(
+        "--auto-breaks",
+        action="store_true",
+        help="when a capture fails on an operation a graph cannot hold, run the function that did it eagerly "
+        "and capture again (the graph is kept only if it equals eager)",
+    )
+    p.add_argument(
         "--device", default=None, help="torch device: cpu, cuda, cuda:N (default cuda if available, else cpu)"
     )
     p.add_argument(
@@ -233,6 +251,10 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         default=Path("outputs"),
         help="a .png file for a single image, else a folder (default outputs/)",
     )
-    p.add_argument("--report", action="store_true", help="print the accelerator's counters at the end")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="print the accelerator's counters at the end, for the denoiser and each graphed component",
+    )
     p.add_argument("--quiet", action="store_true", help="only warnings and errors: no progress bars or info logs")
     return p

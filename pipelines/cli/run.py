@@ -90,6 +90,8 @@ def _run(args: argparse.Namespace) -> int:
     mode = args.mode or "bcg"
     if args.compile and mode == "eager":
         raise CLIError("--compile prepares graph capture, which --mode eager never does: drop one of them")
+    if args.auto_breaks and mode == "eager":
+        raise CLIError("--auto-breaks changes how graphs are captured, which --mode eager never does: drop one of them")
     if args.compile_cache is not None:
         _check_compile_cache(args.compile_cache)
         if not args.compile:
@@ -167,6 +169,13 @@ def _run(args: argparse.Namespace) -> int:
             options["compile"] = True
             if args.compile_cache is not None:
                 options["compile_cache_dir"] = args.compile_cache
+        # The components' graphs and automatic breaks likewise: passed only when not the default.
+        if not args.text_encoder_graphs:
+            options["text_encoder"] = False
+        if not args.vae_graphs:
+            options["vae"] = False
+        if args.auto_breaks:
+            options["auto_breaks"] = True
         try:
             accelerate_pipeline(pipe, mode=mode, **options)
         except (TypeError, ValueError) as e:  # e.g. a hub pipeline with no denoiser to accelerate

@@ -178,3 +178,4 @@ def test_soak_300_mixed_calls(name: str) -> None:
     print(f"\n{name} soak: {st.captures} graphs, {st.replays} replays, {st.misses} misses, memory {allocated}")
     assert st.captures == captures and st.misses == 0 and st.eager_calls == 0
     assert allocated[0] == allocated[1]
+    pipe.accel.restore()  # the recipe patches module-level helpers: give them back for later tests
