@@ -186,6 +186,7 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
     ("compile in eager mode", ["--compile", "--mode", "eager"], "--mode eager never does", 2),
     ("compile cache without compile", ["--compile-cache", "{tmp}/cache"], "add --compile", 2),
     ("compile cache is a file", ["--compile", "--compile-cache", "{tmp}/a-file"], "is an existing file", 2),
+    ("auto breaks in eager mode", ["--auto-breaks", "--mode", "eager"], "--mode eager never does", 2),
     ("model folder missing", ["--model", "{tmp}/no-such-folder"], "no such folder", 2),
     ("short option that is not one", ["-x"], "unrecognized arguments: -x", 2),
 ]
@@ -433,6 +434,56 @@ def test_compile_options_reach_accelerate_pipeline(tmp_path: Path, monkeypatch: 
     assert main(["--compile", "--compile-cache", str(cache), "--out", str(tmp_path / "b"), *FAST]) == 0
     assert seen[0] == {"mode": "bcg"}  # not passed unless asked for
     assert seen[1] == {"mode": "bcg", "compile": True, "compile_cache_dir": cache}
+
+
+def test_graph_options_reach_accelerate_pipeline_and_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import accel.pipeline
+
+    seen: list[tuple[dict[str, Any], Any]] = []
+    original = accel.pipeline.accelerate_pipeline
+
+    def record(pipe: Any, **kwargs: Any) -> Any:
+        seen.append((kwargs, pipe))
+        return original(pipe, **kwargs)
+
+    monkeypatch.setattr(accel.pipeline, "accelerate_pipeline", record)
+    assert main(["--report", "--out", str(tmp_path / "a"), *FAST]) == 0
+    (kwargs, pipe), report = seen[-1], capsys.readouterr().out
+    assert kwargs == {"mode": "bcg"}  # the defaults are not passed
+    assert (pipe.accel.options.text_encoder, pipe.accel.options.vae, pipe.accel.options.auto_breaks) == (
+        True, True, False)  # fmt: skip
+    # Runners are listed denoiser first, then each graphed component.
+    assert report.index("  transformer (") < report.index("  text_encoder (") < report.index("  vae.decoder (")
+
+    argv = ["--no-text-encoder-graphs", "--no-vae-graphs", "--auto-breaks", "--report"]
+    assert main([*argv, "--out", str(tmp_path / "b"), *FAST]) == 0
+    (kwargs, pipe), report = seen[-1], capsys.readouterr().out
+    assert kwargs == {"mode": "bcg", "text_encoder": False, "vae": False, "auto_breaks": True}
+    assert (pipe.accel.options.text_encoder, pipe.accel.options.vae, pipe.accel.options.auto_breaks) == (
+        False, False, True)  # fmt: skip
+    assert list(pipe.accel.runners) == ["transformer"]
+    assert "  transformer (" in report and "text_encoder" not in report and "vae.decoder" not in report
+
+    # --mode eager still leaves the pipeline alone; asking for fewer graphs there is harmless.
+    n = len(seen)
+    eager = ["--no-text-encoder-graphs", "--no-vae-graphs", "--mode", "eager", "--report"]
+    assert main([*eager, "--out", str(tmp_path / "c"), *FAST]) == 0
+    assert len(seen) == n
+    assert "mode eager: the pipeline was not accelerated" in capsys.readouterr().out
+
+
+def test_help_lists_the_graph_options() -> None:
+    args = build_parser().parse_args([])
+    assert (args.text_encoder_graphs, args.vae_graphs, args.auto_breaks) == (True, True, False)
+    text = build_parser().format_help()
+    for flag in ("--no-text-encoder-graphs", "--no-vae-graphs", "--auto-breaks"):
+        assert flag in text, flag
+    # In the acceleration options, after --compile-cache and before --device.
+    order = ["\n  --compile-cache DIR", "\n  --no-text-encoder-graphs", "\n  --no-vae-graphs", "\n  --auto-breaks",
+             "\n  --device DEVICE"]  # fmt: skip
+    assert [text.index(o) for o in order] == sorted(text.index(o) for o in order)
 
 
 def test_help_says_where_the_compile_cache_is_and_the_limits() -> None:
