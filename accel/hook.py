@@ -1,4 +1,4 @@
-"""The diffusers hook that puts a graph runner into one denoiser module.
+"""The diffusers hook that puts a graph runner into one module (a denoiser, a text encoder, a VAE decoder).
 
 ``apply_graph_runner(module, options)`` registers a :class:`GraphHook` in the module's diffusers
 ``HookRegistry`` (the way diffusers applies its own caches), so the module stays the module:
@@ -240,7 +240,8 @@ def apply_graph_runner(
     joined one keeps the pool it has. A ``component`` (a text encoder, a VAE decoder) gets the
     generic recipe, is never compiled, and each of its graphs is checked against eager once;
     ``breaks`` names functions (``module.qualname``) it runs as eager breaks; ``offload_root`` is
-    the top-level component whose offload hooks move a submodule's weights (the VAE of its decoder). A module already accelerated with other options is
+    the top-level component whose offload hooks move a submodule's weights (the VAE of its
+    decoder). A module already accelerated with other options is
     refused: its graphs were made for those. Call :func:`release_graph_runner` with the same
     ``user`` to let go.
     """

@@ -1,11 +1,14 @@
-"""accelerate_pipeline(pipe): put graph runners into a diffusers pipeline's denoisers.
+"""accelerate_pipeline(pipe): put graph runners into a diffusers pipeline's modules.
 
-The walker finds every denoiser (``transformer``, ``transformer_2``, ``unet``) and applies a
-:class:`~accel.hook.GraphHook` to it (one per module, shared by every pipeline that uses the
-module); a :class:`~accel.guard.CallGuard` on the scheduler serialises calls and checks weights
-once per call; :mod:`accel.warmup` plans and runs the captures. Everything outside the denoiser
-(text encoders, noise, scheduler steps, guidance, VAE) stays eager. With ``parallel=`` one image
-is computed by several processes (:mod:`accel.parallel`).
+The walker finds every denoiser (``transformer``, ``transformer_2``, ``unet``) and, as
+components, the text encoders and the VAE's decoder, and applies a
+:class:`~accel.hook.GraphHook` to each (one per module, shared by every pipeline that uses the
+module); all of a pipeline's graphs share one pool, so the decode's activations reuse the
+denoiser's. A :class:`~accel.guard.CallGuard` on the scheduler serialises calls and checks the
+denoisers' weights once per call (components check theirs as they are called);
+:mod:`accel.warmup` plans and runs the captures. Noise, scheduler steps, guidance and
+post-processing stay eager. With ``parallel=`` one image is computed by several processes
+(:mod:`accel.parallel`), and the components stay eager.
 :meth:`PipelineAccelerator.restore` gives the pipeline back exactly as it was.
 """
 

@@ -3,7 +3,7 @@
 A graph reads weights by address. Loading a LoRA, ``load_state_dict``, ``fuse_lora`` or moving
 or casting the pipeline rewrites or moves those weights; CPU offload moves them on every call.
 Replaying then reads stale or freed memory. These helpers tell when that happened. They run once
-per pipeline call, never per denoiser step.
+per pipeline call for a denoiser and at every call of a component, never per denoiser step.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ compiler needed), before the first call: the compiled call must equal the uncomp
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,38 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ranks import launch_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZE = 64
 STEPS = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(world: int, out: Path, timeout: float = 240.0) -> list[dict[str, Any]]:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",
-        }
-        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed with the process)
-        procs.append(
-            subprocess.Popen([sys.executable, __file__, str(out)], env=env, stdout=log, stderr=subprocess.STDOUT)
-        )
+    procs = launch_ranks(__file__, world, out, str(out))
     deadline = time.monotonic() + timeout
     codes: list[int | None] = []
     try:

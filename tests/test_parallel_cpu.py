@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from ranks import launch_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 2
@@ -149,35 +149,8 @@ def test_guard_listeners_hear_begin_step_and_end() -> None:
 # --------------------------------------------------------------------------------------------
 # Several processes
 # --------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(scenario: str, world: int, out: Path, *extra: str) -> list[subprocess.Popen]:
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",
-        }
-        log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 (closed with the process)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__, scenario, str(out), *extra], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-        )
-    return procs
+    return launch_ranks(__file__, world, out, scenario, str(out), *extra)
 
 
 def _wait(procs: list[subprocess.Popen], out: Path, timeout: float) -> list[int]:
