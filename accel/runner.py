@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 CaptureScope = Callable[[], contextlib.AbstractContextManager[list]]
 
+_said_no_cuda = False
+
 
 class GraphMemoryBudgetError(RuntimeError):
     """A capture was refused because graph memory would exceed the runner's ``memory_budget``.
@@ -326,7 +328,10 @@ class GraphRunner:
         if sig.key in self._blocked:
             return False
         if not torch.cuda.is_available():
-            self._say_once("no-cuda", f"{self.name}: CUDA is not available; running eagerly (no graphs)")
+            global _said_no_cuda
+            if not _said_no_cuda:  # once per process, not once per runner: it is the machine
+                _said_no_cuda = True
+                logger.info("CUDA is not available; graph runners run eagerly (no graphs)")
             return False
         if not leaves or any(t.device.type != "cuda" for t in leaves):
             self._say_once(
