@@ -465,8 +465,7 @@ class GraphRunner:
         """
         with torch.inference_mode(False), torch.no_grad():
             expected = tree.clone(self.fn(*args, **kwargs))
-            self._replay_into(entry)
-            got = entry.flat_output.clone()
+            got = self._replay_and_copy(entry)
         want, have = tree.tensors(expected), tree.tensors(got)
         same = len(want) == len(have) and all(
             a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, have)
@@ -536,22 +535,30 @@ class GraphRunner:
         return pool + sum(t.untyped_storage().nbytes() for t in inputs) + sum(g.boundary_bytes() for g in graphs)
 
     def _replay(self, entry: _Entry, leaves: list[torch.Tensor]) -> Any:
-        with self.pool.lock:  # type: ignore[union-attr]
-            for s, t in zip(entry.static_inputs, leaves):
-                if s is not t:
-                    s.copy_(t)
-            self._replay_into(entry)
-            out = entry.copy_output()
+        out = self._replay_and_copy(entry, leaves)
         self._entries.move_to_end(entry.signature.key)
         self._stats.replays += 1
         return out
 
-    def _replay_into(self, entry: _Entry) -> None:
-        """Replay ``entry`` on the current stream, ordered after the pool's last replay."""
+    def _replay_and_copy(self, entry: _Entry, leaves: list[torch.Tensor] | None = None) -> Any:
+        """Replay ``entry`` on the current stream (``leaves`` copied into its static inputs
+        first) and return a copy of its output.
+
+        Ordered after the pool's last replay, so the inputs are not rewritten under a replay
+        still reading them; marked done only after the copy, so no later replay (on any stream)
+        rewrites the output buffers before they are read.
+        """
         pool = self.pool
         assert pool is not None
         with pool.lock:
             stream = torch.cuda.current_stream(pool.device)
             pool.order_after_last_replay(stream)
-            entry.graph.replay()
-            pool.mark_replay_done(stream)
+            for s, t in zip(entry.static_inputs, leaves or ()):
+                if s is not t:
+                    s.copy_(t)
+            try:
+                entry.graph.replay()
+                out = entry.copy_output()
+            finally:  # a break that failed copy-back leaves segments in flight: order after them too
+                pool.mark_replay_done(stream)
+        return out

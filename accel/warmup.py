@@ -24,6 +24,7 @@ import torch
 
 from .compile import compiled_graph_count
 from .options import check_resolution
+from .pool import GraphPool
 from .recipe import Recipe
 from .runner import GraphRunner, capture_session
 
@@ -249,6 +250,26 @@ def _component_calls(
             yield smallest[:2], {**_with_prompt(kwargs, prompt, negative_prompt, smallest[2]), "output_type": "latent"}
 
 
+def _run_capturing(
+    pipe: Any,
+    device: torch.device,
+    row: WarmupRow,
+    runners: list[GraphRunner],
+    pool: GraphPool,
+    calls: Iterable[dict[str, Any]],
+) -> None:
+    """Run these pipeline calls (the runners capturing) and add their cost to ``row``."""
+    captures0 = sum(r.stats(memory=False).captures for r in runners)
+    resident0 = pool.resident_bytes()
+    t0 = time.perf_counter()
+    for kwargs in calls:
+        pipe(**kwargs, generator=torch.Generator(device).manual_seed(0))
+    torch.cuda.synchronize(device)
+    row.seconds += time.perf_counter() - t0
+    row.captures += sum(r.stats(memory=False).captures for r in runners) - captures0
+    row.resident_bytes += pool.resident_bytes() - resident0
+
+
 def run_warmup(
     pipe: Any,
     recipe: Recipe,
@@ -286,40 +307,24 @@ def run_warmup(
                     row.compile_seconds += time.perf_counter() - t0
                     bar.update()
             bar.close()
-        bar = _progress(len(plan.cases), progress, "capturing graphs")
         with capture_session(), ExitStack() as stack:
             for r in runners:
                 stack.enter_context(r.capturing())
+            bar = _progress(len(plan.cases), progress, "capturing graphs")
             for case in plan.cases:
                 w, h, b, c, n = case
                 row = rows.setdefault((w, h), WarmupRow(w, h, 0.0, 0, 0))
-                captures0 = sum(r.stats(memory=False).captures for r in runners)
-                resident0 = pool.resident_bytes()
-                t0 = time.perf_counter()
-                for kwargs in _calls(recipe, pipe, plan, case):
-                    pipe(**kwargs, generator=torch.Generator(device).manual_seed(0))
-                torch.cuda.synchronize(device)
-                row.seconds += time.perf_counter() - t0
-                row.captures += sum(r.stats(memory=False).captures for r in runners) - captures0
-                row.resident_bytes += pool.resident_bytes() - resident0
+                _run_capturing(pipe, device, row, runners, pool, _calls(recipe, pipe, plan, case))
                 bar.set_postfix_str(f"{w}x{h} batch {b} cfg {c} text {n}")
                 bar.update()
             bar.close()
             if components:
                 calls = list(_component_calls(recipe, pipe, plan, prompts or [WARMUP_PROMPT], negative_prompt))
                 bar = _progress(len(calls), progress, "capturing text encoder and VAE")
-                for (w, h), kwargs in calls:
-                    row = rows[(w, h)]
-                    captures0 = sum(r.stats(memory=False).captures for r in runners)
-                    resident0 = pool.resident_bytes()
-                    t0 = time.perf_counter()
-                    pipe(**kwargs, generator=torch.Generator(device).manual_seed(0))
-                    torch.cuda.synchronize(device)
-                    row.seconds += time.perf_counter() - t0
-                    row.captures += sum(r.stats(memory=False).captures for r in runners) - captures0
-                    row.resident_bytes += pool.resident_bytes() - resident0
+                for wh, kwargs in calls:
+                    _run_capturing(pipe, device, rows[wh], runners, pool, [kwargs])
                     bar.update()
-        bar.close()
+                bar.close()
     finally:
         pipe._progress_bar_config = progress_config
     graphs = compiled_graph_count() - graphs0 if compiled else 0
