@@ -293,13 +293,13 @@ def run_warmup(
     pipe.set_progress_bar_config(disable=True)
     try:
         if compiled:
-            # One uncaptured call per resolution compiles (and autotunes) the blocks, so that the
-            # capture below times capture alone.
-            bar = _progress(len(plan.resolutions), progress, "compiling")
+            # Every case runs once uncaptured first: dynamo compiles (and recompiles, on new
+            # shapes) here, so that the capture below times capture alone and no graph is
+            # captured over kernels a later recompile replaces (see GraphHook.follow_weights).
+            bar = _progress(len(plan.cases), progress, "compiling")
             with _uncaptured(runners):
-                for w, h in plan.resolutions:
-                    row = rows.setdefault((w, h), WarmupRow(w, h, 0.0, 0, 0))
-                    case = next(c for c in plan.cases if c[:2] == (w, h))
+                for case in plan.cases:
+                    row = rows.setdefault(case[:2], WarmupRow(*case[:2], 0.0, 0, 0))
                     t0 = time.perf_counter()
                     for kwargs in _calls(recipe, pipe, plan, case):
                         pipe(**kwargs, generator=torch.Generator(device).manual_seed(0))
@@ -310,14 +310,21 @@ def run_warmup(
         with capture_session(), ExitStack() as stack:
             for r in runners:
                 stack.enter_context(r.capturing())
-            bar = _progress(len(plan.cases), progress, "capturing graphs")
-            for case in plan.cases:
-                w, h, b, c, n = case
-                row = rows.setdefault((w, h), WarmupRow(w, h, 0.0, 0, 0))
-                _run_capturing(pipe, device, row, runners, pool, _calls(recipe, pipe, plan, case))
-                bar.set_postfix_str(f"{w}x{h} batch {b} cfg {c} text {n}")
-                bar.update()
-            bar.close()
+            # A recompile during capture drops the graphs (at the next call's weight check):
+            # those cases are captured once more, over the newest kernels.
+            for _ in range(2 if compiled else 1):
+                graphs = compiled_graph_count() if compiled else 0
+                bar = _progress(len(plan.cases), progress, "capturing graphs")
+                for case in plan.cases:
+                    w, h, b, c, n = case
+                    row = rows.setdefault((w, h), WarmupRow(w, h, 0.0, 0, 0))
+                    _run_capturing(pipe, device, row, runners, pool, _calls(recipe, pipe, plan, case))
+                    bar.set_postfix_str(f"{w}x{h} batch {b} cfg {c} text {n}")
+                    bar.update()
+                bar.close()
+                if not compiled or compiled_graph_count() == graphs:
+                    break
+                logger.info("warmup: inductor compiled again during capture; capturing every case once more")
             if components:
                 calls = list(_component_calls(recipe, pipe, plan, prompts or [WARMUP_PROMPT], negative_prompt))
                 bar = _progress(len(calls), progress, "capturing text encoder and VAE")

@@ -341,3 +341,34 @@ def test_qwen_pads_text_only_where_the_forward_is_launch_bound() -> None:
     assert padded_length(BUCKET_MAX_IMAGE_TOKENS) == 64
     assert padded_length(64 * 64) == 40  # 1024x1024: exact length, the stock kernel
     assert recipe.warmup_length(40, 512, 512) == 64 and recipe.warmup_length(40, 1024, 1024) == 40
+
+
+def test_a_recompile_drops_compiled_graphs_at_the_next_call(monkeypatch) -> None:
+    """Dynamo runs its newest compiled version for every shape, so graphs captured over older
+    kernels are dropped (and captured again) once inductor compiled again; uncompiled modules
+    and calls without a recompile keep theirs."""
+    import accel.compile as compile_mod
+    from accel.hook import graph_hook_of
+
+    pipe = build_pipeline("z-image", "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    accelerate_pipeline(pipe)
+    hooks = {name: graph_hook_of(m) for name, m in [("transformer", pipe.transformer), ("vae", pipe.vae.decoder)]}
+    hooks["transformer"].compiled = True  # as compile=True on a GPU leaves it
+    compiles = [5]
+    monkeypatch.setattr(compile_mod, "compiled_graph_count", lambda: compiles[0])
+    dropped = {name: 0 for name in hooks}
+    for name, hook in hooks.items():
+        monkeypatch.setattr(
+            hook.runner, "invalidate", lambda name=name: dropped.__setitem__(name, dropped[name] + 1) or 1
+        )
+
+    _call(pipe, "z-image")
+    _call(pipe, "z-image")
+    assert dropped == {"transformer": 0, "vae": 0}
+    compiles[0] += 1  # say the last call's new shape recompiled a block
+    _call(pipe, "z-image")
+    assert dropped == {"transformer": 1, "vae": 0}
+    _call(pipe, "z-image")
+    assert dropped == {"transformer": 1, "vae": 0}
+    pipe.accel.restore()

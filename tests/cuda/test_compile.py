@@ -74,6 +74,7 @@ def _compiled_session(pipe, name: str, cache_dir, stock: dict) -> tuple[list[str
             junk = [torch.randn(1 << 20, device="cuda") for _ in range(16)]
             del junk
     st = pipe.accel.stats()["transformer"]
+    print(pipe.accel.report())
     assert st.captures == st0.captures and st.misses == 0
 
     # A weight change after compile still recaptures, and stays equal to compiled eager.
