@@ -174,7 +174,9 @@ class GraphHook(ModelHook):
     def follow_weights(self) -> None:
         """Keep graphs in step with the weights they read by address: drop every graph when the
         weights changed or moved since capture (each is captured again on its next call), and
-        switch graphs off while the weights are offloaded (on again once offloading stops).
+        switch graphs off while the weights are offloaded (on again once offloading stops). With
+        compiled blocks, likewise drop every graph once inductor compiled again (see
+        :mod:`accel.compile`).
 
         Runs once per pipeline call for a denoiser, at every call for a component (and after a
         warm-up), never per step.
