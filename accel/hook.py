@@ -208,14 +208,9 @@ class GraphHook(ModelHook):
             self._fingerprint = None
         fingerprint = weights_fingerprint(module)
         if self._fingerprint is not None and fingerprint != self._fingerprint:
-            dropped = self.runner.invalidate()
-            if dropped:
-                logger.warning(
-                    "%s: weights changed since capture (LoRA, load_state_dict, a move or a cast); dropped %d "
-                    "graphs, each is captured again on its next call",
-                    self.name,
-                    dropped,
-                )
+            self._drop_graphs(
+                "weights changed since capture (LoRA, load_state_dict, a move or a cast)", logging.WARNING
+            )
         self._fingerprint = fingerprint
         if self.compiled:
             # Dynamo runs the newest compiled version whose guards pass, so a recompile (a new
@@ -224,15 +219,15 @@ class GraphHook(ModelHook):
             # graphs (measured on Z-Image 1024x1024: 0.16 max abs on the latents after 3 steps).
             compiles = compile_mod.compiled_graph_count()
             if self._compiles is not None and compiles != self._compiles:
-                dropped = self.runner.invalidate()
-                if dropped:
-                    logger.info(
-                        "%s: inductor compiled again (a new shape); dropped %d graphs, each is captured again on "
-                        "its next call over the newest kernels",
-                        self.name,
-                        dropped,
-                    )
+                self._drop_graphs("inductor compiled again (a new shape)", logging.INFO)
             self._compiles = compiles
+
+    def _drop_graphs(self, why: str, level: int) -> None:
+        dropped = self.runner.invalidate()
+        if dropped:
+            logger.log(
+                level, "%s: %s; dropped %d graphs, each is captured again on its next call", self.name, why, dropped
+            )
 
 
 def graph_hook_of(module: torch.nn.Module) -> GraphHook | None:
