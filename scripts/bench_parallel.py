@@ -25,8 +25,13 @@ one-GPU run of the same kind (eager against eager, graphs against graphs), relat
 latent: 0 means bit-identical. Models run with their usual settings: Qwen-Image true CFG (scale 4,
 a negative prompt), Z-Image 9 steps without guidance; ``--steps`` overrides both.
 
-Outputs under ``--out``: ``results.json`` and ``results.md`` (device, versions, the table); rank 0
-prints the table. About 5 minutes on 2 H200s with the defaults (both models, 512 and 1024).
+``--profile`` runs one more call of every variant under ``torch.profiler`` and adds a second
+table: rank 0's kernel time in that call by kind (communication, attention, GEMM, copies, the
+rest; CPU op time on a machine without CUDA), which says where a parallel layout's time goes.
+``--skip-parallel-eager`` leaves out the eager parallel variants (slow, and only a reference).
+
+Outputs under ``--out``: ``results.json`` and ``results.md`` (device, versions, the tables); rank 0
+prints them. About 5 minutes on 2 H200s with the defaults (both models, 512 and 1024).
 """
 
 from __future__ import annotations
@@ -79,7 +84,48 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run every graphs variant with compile=True (compiled blocks under the graphs), after the others",
     )
+    p.add_argument(
+        "--profile", action="store_true", help="one more call per variant under torch.profiler: kernel time by kind"
+    )
+    p.add_argument("--skip-parallel-eager", action="store_true", help="leave out the eager parallel variants")
     return p
+
+
+# Kinds of kernel (or, without CUDA, of op) a profiled call's time is split into, first match wins.
+KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("communication", ("nccl", "gloo", "c10d::", "all_to_all", "alltoall", "allgather", "all_gather", "allreduce")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "_mha")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul")),
+    ("copy", ("memcpy", "memset", "copy", "clone", "contiguous", "aten::cat")),
+)
+KIND_NAMES = (*(k for k, _ in KINDS), "other")
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a kernel or op, from its name."""
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_call(pipe: Any, kw: dict[str, Any], device: torch.device, together: bool) -> dict[str, float]:
+    """Milliseconds of one call's kernels by kind (self CPU time of its ops without CUDA)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    if together:
+        dist.barrier()
+    with profile(activities=activities) as prof:
+        pipe(**kw, generator=torch.Generator(device).manual_seed(SEED))
+        sync(device)
+    ms = dict.fromkeys(KIND_NAMES, 0.0)
+    for event in prof.key_averages():
+        if cuda and event.device_type != DeviceType.CUDA:
+            continue  # a CPU op's device time would count its kernels twice
+        ms[kernel_kind(event.key)] += (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e3
+    return ms
 
 
 def settings(model: str, steps: int | None) -> dict[str, Any]:
@@ -88,7 +134,9 @@ def settings(model: str, steps: int | None) -> dict[str, Any]:
     return dict(guidance_scale=0.0, num_inference_steps=steps or 9)
 
 
-def variants(model: str, world: int, compile: bool = False) -> list[tuple[str, str | None, str]]:
+def variants(
+    model: str, world: int, compile: bool = False, parallel_eager: bool = True
+) -> list[tuple[str, str | None, str]]:
     """(label, parallel, mode) in the order they run; compiled variants last (mode ``bcg+compile``)."""
     layouts = []
     if model == "qwen-image":  # Z-Image batches its guidance branches into one call
@@ -99,7 +147,8 @@ def variants(model: str, world: int, compile: bool = False) -> list[tuple[str, s
     layouts.append("ulysses")
     out: list[tuple[str, str | None, str]] = [("1 GPU eager", None, "eager"), ("1 GPU graphs", None, "bcg")]
     for parallel in layouts:
-        out += [(f"{parallel} eager", parallel, "eager"), (f"{parallel} graphs", parallel, "bcg")]
+        out += [(f"{parallel} eager", parallel, "eager")] if parallel_eager else []
+        out += [(f"{parallel} graphs", parallel, "bcg")]
     if compile:
         out += [("1 GPU graphs+compile", None, "bcg+compile")]
         out += [(f"{parallel} graphs+compile", parallel, "bcg+compile") for parallel in layouts]
@@ -195,6 +244,8 @@ def run_variant(
                 row["warmup_s"] = time.perf_counter() - t0
         times, latents = timed_calls(pipe, kw, args.runs, device, together)
         row.update(median_s=statistics.median(times), times_s=times, status="ok")
+        if args.profile:
+            row["profile_ms"] = profile_call(pipe, kw, device, together)
         if accelerated:
             stats = pipe.accel.stats()["transformer"]
             row.update(replays=stats.replays, eager_calls=stats.eager_calls, captures=stats.captures)
@@ -233,6 +284,19 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def profile_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| model | resolution | variant | " + " | ".join(KIND_NAMES) + " | sum |",
+        "|---|---|---|" + "---|" * (len(KIND_NAMES) + 1),
+    ]
+    for r in rows:
+        if "profile_ms" in r:
+            ms = r["profile_ms"]
+            cells = " | ".join(f"{ms[k]:.1f}" for k in KIND_NAMES)
+            lines.append(f"| {r['model']} | {r['resolution']} | {r['variant']} | {cells} | {sum(ms.values()):.1f} |")
+    return lines
+
+
 def write(out: Path, env: dict[str, Any], config: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(dict(env=env, config=config, rows=rows), indent=1))
@@ -254,6 +318,14 @@ def write(out: Path, env: dict[str, Any], config: dict[str, Any], rows: list[dic
         *table(rows),
         "",
     ]
+    if any("profile_ms" in r for r in rows):
+        md += [
+            f"{'Kernel' if env['device'] == 'cuda' else 'Op (self CPU)'} time of one profiled call on rank 0, ms, by kind "
+            "(`--profile`; the profiler slows the host, so the sum and the latency above differ):",
+            "",
+            *profile_table(rows),
+            "",
+        ]
     text = "\n".join(md)
     (out / "results.md").write_text(text)
     return text
@@ -290,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"built {model} ({args.size}) in {time.perf_counter() - t0:.0f}s", flush=True)
         for res in args.resolutions:
             refs: dict[str, torch.Tensor] = {}
-            for label, parallel, mode in variants(model, world, args.compile):
+            for label, parallel, mode in variants(model, world, args.compile, not args.skip_parallel_eager):
                 row = run_variant(pipe, model, res, label, parallel, mode, args, ctx)
                 dist.barrier()
                 if row is None:
