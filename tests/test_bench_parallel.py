@@ -11,7 +11,7 @@ import pytest
 from ranks import ROOT, launch_ranks
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import bench_parallel  # noqa: E402
+import bench_parallel
 
 
 @pytest.mark.parametrize(
