@@ -326,6 +326,8 @@ class PipelineAccelerator:
             s = h.runner.stats()
             state = "graphs" if h.active else f"eager ({h.inactive_reason})"
             extra = ", compiled blocks" if h.compiled else ""
+            if h.recompile_drops:
+                extra += f", graphs dropped by {h.recompile_drops} recompiles"
             lines.append(
                 f"  {name} ({type(_component(self.pipe, name)).__name__}, recipe {h.recipe.name}, {state}{extra}): "
                 f"{s.entries} graphs, {s.captures} captures in {s.capture_seconds:.2f}s, {s.replays} replays, "

@@ -371,4 +371,6 @@ def test_a_recompile_drops_compiled_graphs_at_the_next_call(monkeypatch) -> None
     assert dropped == {"transformer": 1, "vae": 0}
     _call(pipe, "z-image")
     assert dropped == {"transformer": 1, "vae": 0}
+    assert (hooks["transformer"].recompile_drops, hooks["vae"].recompile_drops) == (1, 0)
+    assert "graphs dropped by 1 recompiles" in pipe.accel.report()
     pipe.accel.restore()
