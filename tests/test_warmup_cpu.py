@@ -68,6 +68,20 @@ class LengthRecipe(Recipe):
         yield dict(width=width, height=height, prompt_length=prompt_length)
 
 
+def _plan(recipe: Recipe, resolutions: list[tuple[int, int]]) -> Any:
+    return plan_warmup(
+        recipe,
+        None,
+        resolutions,
+        batch_sizes=[1],
+        cfg=False,
+        prompt_lengths=[32, 64],
+        prompts=None,
+        negative_prompt=None,
+        num_inference_steps=2,
+    )
+
+
 @pytest.mark.parametrize("recompile_during_capture", [False, True])
 def test_compiled_warmup_compiles_every_case_first_and_captures_again_after_a_recompile(
     monkeypatch: pytest.MonkeyPatch, recompile_during_capture: bool
@@ -77,17 +91,7 @@ def test_compiled_warmup_compiles_every_case_first_and_captures_again_after_a_re
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     recipe = LengthRecipe()
     runner = FakeRunner()
-    plan = plan_warmup(
-        recipe,
-        None,
-        [(512, 512), (1024, 1024)],
-        batch_sizes=[1],
-        cfg=False,
-        prompt_lengths=[32, 64],
-        prompts=None,
-        negative_prompt=None,
-        num_inference_steps=2,
-    )
+    plan = _plan(recipe, [(512, 512), (1024, 1024)])
     cases = [(w, h, n) for (w, h, _, _, n) in plan.cases]
     assert cases == [(1024, 1024, 64), (1024, 1024, 32), (512, 512, 64), (512, 512, 32)]  # largest first
     # the compile pass recompiles on its first two calls; the first capture pass once, on its second call
@@ -108,17 +112,7 @@ def test_compiled_warmup_compiles_every_case_first_and_captures_again_after_a_re
 def test_uncompiled_warmup_captures_each_case_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     recipe, runner = LengthRecipe(), FakeRunner()
-    plan = plan_warmup(
-        recipe,
-        None,
-        [(512, 512)],
-        batch_sizes=[1],
-        cfg=False,
-        prompt_lengths=[32, 64],
-        prompts=None,
-        negative_prompt=None,
-        num_inference_steps=2,
-    )
+    plan = _plan(recipe, [(512, 512)])
     pipe = FakePipe(runner, [0], set())
     report = run_warmup(pipe, recipe, plan, [runner], torch.device("cpu"), compiled=False, progress=False)
     assert [p for p, *_ in pipe.calls] == ["capture", "capture"]
