@@ -211,12 +211,15 @@ class Fake:
 
 
 @contextlib.contextmanager
-def fake_capture(monkeypatch: pytest.MonkeyPatch, log: list[str] | None = None) -> Iterator[Fake]:
+def fake_capture(
+    monkeypatch: pytest.MonkeyPatch, log: list[str] | None = None, graph: BreakableCUDAGraph | None = None
+) -> Iterator[Fake]:
     """What :func:`accel.bcg.capture` does, minus CUDA: open, run the block, close, reset on error.
 
-    Each dummy segment appends ``seg<i>`` to ``log`` when replayed.
+    Each dummy segment appends ``seg<i>`` to ``log`` when replayed. ``graph``: capture into this
+    one (a new one otherwise).
     """
-    graph = BreakableCUDAGraph()
+    graph = BreakableCUDAGraph() if graph is None else graph
     cap = bcg._Capture(graph, pool=None, error_mode="thread_local", device=torch.device("cpu"))
     log = [] if log is None else log
     made = [0]

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_bcg_cpu import fake_capture
 
 from accel import GraphRunner, RunnerStats, bcg, tree
 from accel import runner as runner_mod
@@ -276,11 +277,6 @@ class FakePool:
         pass
 
 
-class DummySegment:
-    def replay(self) -> None:
-        pass
-
-
 @dataclasses.dataclass
 class FakeCuda:
     fail_next_capture: bool = False
@@ -304,18 +300,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
             state.fail_next_capture = False
             raise RuntimeError("simulated capture failure")
         state.captures += 1
-        cap = bcg._Capture(graph, pool=None, error_mode="thread_local", device=torch.device("cpu"))
-
-        def open_() -> None:
-            cap.open_segment = DummySegment()
-
-        def close_() -> None:
-            seg, cap.open_segment = cap.open_segment, None
-            if seg is not None:
-                graph.segments.append(seg)
-
-        cap.open, cap.close = open_, close_  # type: ignore[method-assign]
-        with bcg._run_capture(cap):
+        with fake_capture(monkeypatch, graph=graph):
             yield graph
 
     FakePool.resident = 0

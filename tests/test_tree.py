@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from diffusers.utils import BaseOutput
+from test_bcg_cpu import fake_capture
 from transformers.utils import ModelOutput
 
 from accel import bcg, tree
@@ -198,34 +199,18 @@ def test_namedtuple_and_dataclass_arguments_no_longer_pin_pool_tensors() -> None
         assert not any(t is a or t is b for t in tree.tensors(out))
 
 
-class Segment:
-    def replay(self) -> None:
-        pass
-
-
-def test_a_break_records_views_of_pool_tensors_inside_a_namedtuple_argument() -> None:
+def test_a_break_records_views_of_pool_tensors_inside_a_namedtuple_argument(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same through a (CPU-faked) capture: what the break holds for replay are the views."""
     a, b = fresh()
-    graph = bcg.BreakableCUDAGraph()
-    cap = bcg._Capture(graph, pool=None, error_mode="thread_local", device=torch.device("cpu"))
-    cap.pool_map = FakePoolMap(a, b)  # type: ignore[assignment]
-
-    def open_() -> None:
-        cap.open_segment = Segment()
-
-    def close_() -> None:
-        seg, cap.open_segment = cap.open_segment, None
-        if seg is not None:
-            graph.segments.append(seg)
-
-    cap.open, cap.close = open_, close_  # type: ignore[method-assign]
 
     @bcg.eager_on_graph(name="sum pair")
     def sum_pair(pair: Pair, *, extra: Fields) -> torch.Tensor:
         return pair.a.sum() + pair.b.sum() + extra.a.sum()
 
-    with bcg._run_capture(cap):
+    with fake_capture(monkeypatch) as fake:
+        fake.cap.pool_map = FakePoolMap(a, b)
         out = sum_pair(Pair(a, b), extra=Fields(a, None))
+    graph = fake.graph
     (brk,) = graph.breaks
     held = tree.tensors((brk.args, brk.kwargs))
     assert len(held) == 3 and not any(t is a or t is b for t in held)
