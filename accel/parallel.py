@@ -23,7 +23,8 @@ launch`` builds a :class:`ParallelSession`. Contract:
   branch's signatures.
 * Ulysses: ``module.enable_parallelism(ContextParallelConfig(ulysses_degree=M, mesh=...))`` with
   the recipe's plan (:meth:`Recipe.context_parallel_plan`); calls are first made splittable
-  (:meth:`Recipe.prepare_context_parallel`). The all-to-alls run inside graph segments. Every rank
+  (:meth:`Recipe.prepare_context_parallel`). Query, key and value travel in one all-to-all
+  (:mod:`accel.ulysses`). The all-to-alls run inside graph segments. Every rank
   of a Ulysses group sees the same calls, so they capture the same signatures in the same order;
   after any call that captured (or failed to), the group agrees on the outcome (a gloo all-reduce)
   and, if any rank failed, every rank drops that call's new graphs and runs it eagerly, so their
@@ -70,7 +71,7 @@ import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.hooks.hooks import BaseState, StateManager
 
-from . import tree
+from . import tree, ulysses
 from .guard import CallGuard
 from .hook import GraphHook, module_device
 from .options import AcceleratorOptions
@@ -397,8 +398,11 @@ def _enable_ulysses(module: torch.nn.Module, degree: int, mesh: Any, plan: dict[
         _restore_parallel_state(module, subs, had_registry, had_forward, processors, had_config, module_config)
         raise
     _invalidate_child_registries(module)
+    fused = ulysses.install()
 
     def undo() -> None:
+        if fused:
+            ulysses.uninstall()
         with contextlib.suppress(Exception):
             remove_context_parallel(module, plan)
         _restore_parallel_state(module, subs, had_registry, had_forward, processors, had_config, module_config)

@@ -8,7 +8,8 @@ denoiser's. A :class:`~accel.guard.CallGuard` on the scheduler serialises calls 
 denoisers' weights once per call (components check theirs as they are called);
 :mod:`accel.warmup` plans and runs the captures. Noise, scheduler steps, guidance and
 post-processing stay eager. With ``parallel=`` one image is computed by several processes
-(:mod:`accel.parallel`), and the components stay eager.
+(:mod:`accel.parallel`); each rank runs the components (which hold no collectives) with its own
+graphs.
 :meth:`PipelineAccelerator.restore` gives the pipeline back exactly as it was.
 """
 
@@ -66,8 +67,6 @@ def _component(pipe: Any, name: str) -> torch.nn.Module | None:
 
 def _components(pipe: Any, options: AcceleratorOptions) -> list[str]:
     """Names of the non-denoiser modules that get graphs under ``options``."""
-    if options.parallel is not None:  # every rank would repeat them alike; not measured yet
-        return []
     names = list(TEXT_ENCODER_NAMES) if options.text_encoder else []
     if options.vae:
         names.append(VAE_DECODER)
@@ -447,10 +446,11 @@ def accelerate_pipeline(
         text_encoder: graphs for the text encoders too (``text_encoder``, ``text_encoder_2``,
             ``text_encoder_3``), one per token length, captured by :meth:`PipelineAccelerator.warmup`
             from the prompts it is given (or on first use with ``capture_on_miss``). Embeddings
-            stay bit-identical to eager: nothing is padded. Off with ``parallel=``.
+            stay bit-identical to eager: nothing is padded. With ``parallel=`` every rank runs its
+            own (they hold no collectives).
         vae: graphs for the VAE's decoder, one per latent shape, captured by the warm-up in the
             same memory pool as the denoiser's graphs, so the decode's activations reuse the
-            pool instead of adding to it. Off with ``parallel=``.
+            pool instead of adding to it. With ``parallel=`` every rank decodes with its own.
         auto_breaks: when a capture fails on an operation a graph cannot hold (a host sync, a
             data-dependent shape), run the function that did it as an eager break and capture
             again; the graph is kept only if it equals an eager run bit for bit. Off: the failure

@@ -27,7 +27,9 @@ a negative prompt), Z-Image 9 steps without guidance; ``--steps`` overrides both
 
 ``--profile`` runs one more call of every variant under ``torch.profiler`` and adds a second
 table: rank 0's kernel time in that call by kind (communication, attention, GEMM, copies, the
-rest; CPU op time on a machine without CUDA), which says where a parallel layout's time goes.
+rest; CPU op time on a machine without CUDA) and the time its GPU ran no kernel at all, which
+says where a parallel layout's time goes; results.json adds the largest kernels and the kernel
+pairs around the longest idle stretches.
 ``--skip-parallel-eager`` leaves out the eager parallel variants (slow, and only a reference).
 
 Outputs under ``--out``: ``results.json`` and ``results.md`` (device, versions, the tables); rank 0
@@ -107,8 +109,11 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def profile_call(pipe: Any, kw: dict[str, Any], device: torch.device, together: bool) -> dict[str, float]:
-    """Milliseconds of one call's kernels by kind (self CPU time of its ops without CUDA)."""
+def profile_call(
+    pipe: Any, kw: dict[str, Any], device: torch.device, together: bool, top: int = 20
+) -> tuple[dict[str, float], list[tuple[str, float, int]]]:
+    """Milliseconds of one call's kernels by kind (self CPU time of its ops without CUDA), and the
+    ``top`` kernels (or ops) by time as (name, ms, count)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -121,11 +126,39 @@ def profile_call(pipe: Any, kw: dict[str, Any], device: torch.device, together: 
         pipe(**kw, generator=torch.Generator(device).manual_seed(SEED))
         sync(device)
     ms = dict.fromkeys(KIND_NAMES, 0.0)
+    each: list[tuple[str, float, int]] = []
     for event in prof.key_averages():
         if cuda and event.device_type != DeviceType.CUDA:
             continue  # a CPU op's device time would count its kernels twice
-        ms[kernel_kind(event.key)] += (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e3
-    return ms
+        t = (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e3
+        ms[kernel_kind(event.key)] += t
+        each.append((event.key[:120], round(t, 3), event.count))
+    if cuda:
+        ms["idle"], gaps = gpu_gaps(prof.events(), top)
+        each += [(f"idle after {a} / before {b}", round(t, 3), n) for (a, b), (t, n) in gaps]
+    return ms, sorted(each, key=lambda e: -e[1])[:top]
+
+
+def gpu_gaps(events: Any, top: int) -> tuple[float, list[tuple[tuple[str, str], tuple[float, int]]]]:
+    """Milliseconds the GPU ran no kernel between the call's first and last kernel, and the
+    ``top`` (kernel before, kernel after) pairs around the idle time, by total idle ms."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name[:60]) for e in events if e.device_type == DeviceType.CUDA
+    )
+    idle = 0.0
+    pairs: dict[tuple[str, str], tuple[float, int]] = {}
+    end, last = None, ""
+    for start, stop, name in kernels:
+        if end is not None and start > end:
+            gap = (start - end) / 1e3
+            idle += gap
+            t, n = pairs.get((last, name), (0.0, 0))
+            pairs[(last, name)] = (t + gap, n + 1)
+        if end is None or stop >= end:
+            end, last = stop, name
+    return idle, sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
 
 
 def settings(model: str, steps: int | None) -> dict[str, Any]:
@@ -245,7 +278,7 @@ def run_variant(
         times, latents = timed_calls(pipe, kw, args.runs, device, together)
         row.update(median_s=statistics.median(times), times_s=times, status="ok")
         if args.profile:
-            row["profile_ms"] = profile_call(pipe, kw, device, together)
+            row["profile_ms"], row["profile_top"] = profile_call(pipe, kw, device, together)
         if accelerated:
             stats = pipe.accel.stats()["transformer"]
             row.update(replays=stats.replays, eager_calls=stats.eager_calls, captures=stats.captures)
@@ -286,14 +319,16 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 def profile_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| model | resolution | variant | " + " | ".join(KIND_NAMES) + " | sum |",
-        "|---|---|---|" + "---|" * (len(KIND_NAMES) + 1),
+        "| model | resolution | variant | " + " | ".join(KIND_NAMES) + " | sum | GPU idle |",
+        "|---|---|---|" + "---|" * (len(KIND_NAMES) + 2),
     ]
     for r in rows:
         if "profile_ms" in r:
             ms = r["profile_ms"]
             cells = " | ".join(f"{ms[k]:.1f}" for k in KIND_NAMES)
-            lines.append(f"| {r['model']} | {r['resolution']} | {r['variant']} | {cells} | {sum(ms.values()):.1f} |")
+            busy = sum(ms[k] for k in KIND_NAMES)
+            idle = f"{ms['idle']:.1f}" if "idle" in ms else "-"
+            lines.append(f"| {r['model']} | {r['resolution']} | {r['variant']} | {cells} | {busy:.1f} | {idle} |")
     return lines
 
 

@@ -7,8 +7,9 @@ what the ranks wrote:
 * ``cfg``: Qwen-Image's two guidance branches on two GPUs equal one GPU's eager latents bit for
   bit, eagerly and with graphs (text buckets off: padding is the one thing that is not exact).
 * ``ulysses``: graphs equal the same Ulysses run eagerly bit for bit, for Qwen-Image (diffusers'
-  plan) and Z-Image (ours); both stay near one GPU; with the default text buckets the masked
-  all-gather runs inside the graphs too. Every rank returns the same latents.
+  plan) and Z-Image (ours); both stay near one GPU; with the default text buckets the text mask
+  travels inside the graphs too. Every rank returns the same latents. The text encoder replays
+  its own graphs on every rank.
 * The processes exit by themselves once done (no ``shutdown()``, no ``destroy_process_group``):
   the exit handler releases the graphs before the process group goes.
 * A killed rank makes the other exit with an error within ``parallel_timeout_s``.
@@ -127,6 +128,7 @@ def test_qwen_image_cfg_is_exact_and_ulysses_graphs_equal_ulysses_eager(tmp_path
         _exact(r["cfg_graphs"], ref, f"cfg graphs on rank {r['rank']}")
         _exact(r["uly_graphs"], r["uly_eager"], f"ulysses graphs vs ulysses eager on rank {r['rank']}")
         assert r["cfg_replays"] > 0 and r["uly_replays"] > 0, "no graph was replayed"
+        assert r["cfg_te_replays"] > 0 and r["uly_te_replays"] > 0, "the text encoder ran eagerly"
     for key in ("uly_eager", "uly_graphs", "uly_buckets"):
         _exact(r1[key], r0[key], f"{key}: rank 1 vs rank 0")
     print(
@@ -140,7 +142,7 @@ def test_z_image_ulysses_graphs_equal_ulysses_eager(tmp_path: Path) -> None:
     r0, r1 = _run("z-image", tmp_path, 900)
     for r in (r0, r1):
         _exact(r["uly_graphs"], r["uly_eager"], f"ulysses graphs vs ulysses eager on rank {r['rank']}")
-        assert r["uly_replays"] > 0
+        assert r["uly_replays"] > 0 and r["uly_te_replays"] > 0
         assert "one batched call" in r["cfg_error"]
     _exact(r1["uly_graphs"], r0["uly_graphs"], "rank 1 vs rank 0")
     print(f"z-image ulysses vs one GPU: {_rel(r0['uly_eager'], r0['ref']):.2e}")
@@ -232,8 +234,8 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
         report = pipe.accel.warmup([(RES, RES)], prompts=[PROMPT], negative_prompt=NEGATIVE, progress=False)
         log.info("warm-up:\n%s", report)
 
-    def replays() -> int:
-        return pipe.accel.stats()["transformer"].replays
+    def replays(module: str = "transformer") -> int:
+        return pipe.accel.stats()[module].replays
 
     res["ref"] = run()
     if name == "qwen-image":
@@ -243,6 +245,7 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
         warm()
         res["cfg_graphs"] = run()
         res["cfg_replays"] = replays()
+        res["cfg_te_replays"] = replays("text_encoder")
         log.info("%s", pipe.accel.report())
     else:
         try:
@@ -255,6 +258,7 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
     warm()
     res["uly_graphs"] = run()
     res["uly_replays"] = replays()
+    res["uly_te_replays"] = replays("text_encoder")
     log.info("%s", pipe.accel.report())
     if name == "qwen-image":
         accelerate_pipeline(pipe, parallel="ulysses")  # default buckets: a masked all-gather in the graph
