@@ -17,7 +17,8 @@ place (while at least one install is held) a forward-only version that:
 
 The data movement is exact: every element lands where diffusers' version puts it, so only the
 attention kernel's reading order can differ (within a run, graphs and eager agree bit for bit).
-Calls it does not cover go to diffusers' version unchanged: gradients wanted, ``return_lse``
+Calls it does not cover go to diffusers' version unchanged: inside ``torch.compile`` (compiled
+blocks; inductor fuses diffusers' copies into their producers), gradients wanted, ``return_lse``
 (ring attention), a key sequence of another length than the query's, a mask of another type or
 shape, an unknown diffusers (the class or its helper missing).
 """
@@ -107,6 +108,10 @@ class FusedUlyssesAttention:
 def _covers(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None, return_lse: bool
 ) -> bool:
+    if torch.compiler.is_compiling():
+        # Inductor fuses diffusers' permuting copies into the kernels that make q, k and v;
+        # writes into slices of one buffer it cannot (measured: slower compiled blocks).
+        return False
     if return_lse or query.shape != key.shape or key.shape != value.shape:
         return False
     if len({query.dtype, key.dtype, value.dtype}) != 1 or not query.is_floating_point():

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", action="store_true", help="one more call per variant under torch.profiler: kernel time by kind"
     )
     p.add_argument("--skip-parallel-eager", action="store_true", help="leave out the eager parallel variants")
+    p.add_argument(
+        "--only", nargs="+", metavar="LABEL", help='run only these variants, e.g. "1 GPU graphs" "ulysses graphs"'
+    )
     return p
 
 
@@ -398,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         for res in args.resolutions:
             refs: dict[str, torch.Tensor] = {}
             for label, parallel, mode in variants(model, world, args.compile, not args.skip_parallel_eager):
+                if args.only and label not in args.only:
+                    continue
                 row = run_variant(pipe, model, res, label, parallel, mode, args, ctx)
                 dist.barrier()
                 if row is None:
