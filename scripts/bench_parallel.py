@@ -20,9 +20,9 @@ and runs, per resolution, the same pipeline call (same prompt, seed and steps) i
 Latency: the wall time of the whole pipeline call on rank 0 (``output_type="latent"`` by default:
 text encoding and denoising, no VAE decode, which every rank repeats alike), from a barrier and
 an idle GPU to the last kernel, median of ``--runs`` after one warm-up call. Graph variants report
-their warm-up (capture) seconds. ``diff`` is the largest difference of the final latents from the
-one-GPU run of the same kind (eager against eager, graphs against graphs), relative to the largest
-latent: 0 means bit-identical. Models run with their usual settings: Qwen-Image true CFG (scale 4,
+their warm-up (capture) seconds. ``diff`` is the largest difference of the final latents (of the
+decoded pixels with ``--output-type pil``) from the one-GPU run of the same kind (eager against
+eager, graphs against graphs), relative to the largest value: 0 means bit-identical. Models run with their usual settings: Qwen-Image true CFG (scale 4,
 a negative prompt), Z-Image 9 steps without guidance; ``--steps`` overrides both.
 
 ``--profile`` runs one more call of every variant under ``torch.profiler`` and adds a second
@@ -234,7 +234,8 @@ def sync(device: torch.device) -> None:
 def timed_calls(
     pipe: Any, kw: dict[str, Any], runs: int, device: torch.device, together: bool
 ) -> tuple[list[float], Any]:
-    """One warm-up call, then ``runs`` timed calls; every rank calls when ``together``."""
+    """One warm-up call, then ``runs`` timed calls; every rank calls when ``together``. Returns
+    the times and the last call's output (:func:`as_tensor`)."""
     times, out = [], None
     for i in range(runs + 1):
         sync(device)
@@ -245,8 +246,16 @@ def timed_calls(
         sync(device)
         if i:
             times.append(time.perf_counter() - t0)
-    latents = out.float().cpu() if isinstance(out, torch.Tensor) else torch.tensor(0.0)
-    return times, latents
+    return times, as_tensor(out)
+
+
+def as_tensor(images: Any) -> torch.Tensor:
+    """A call's output as one float tensor on the CPU: latents as they are, PIL images as pixels."""
+    if isinstance(images, torch.Tensor):
+        return images.float().cpu()
+    import numpy as np
+
+    return torch.from_numpy(np.stack([np.asarray(im) for im in images])).float()
 
 
 def run_variant(
@@ -351,7 +360,9 @@ def write(out: Path, env: dict[str, Any], config: dict[str, Any], rows: list[dic
         f"(true CFG), Z-Image {settings('z-image', config['steps'])['num_inference_steps']} (no guidance)",
         "",
         "Latency = one pipeline call on rank 0, barrier to last kernel. diff = largest difference of the final "
-        "latents from the one-GPU run of the same mode, relative to the largest latent.",
+        + ("pixels" if config["output_type"] == "pil" else "latents")
+        + " from the one-GPU run of the same mode, relative to the largest "
+        + ("pixel value." if config["output_type"] == "pil" else "latent."),
         "",
         *table(rows),
         "",

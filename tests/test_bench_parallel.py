@@ -60,3 +60,13 @@ def test_two_processes_write_latency_and_profile_tables(tmp_path: Path) -> None:
     assert ms["attention"] > 0 and ms["gemm"] > 0
     md = (out / "results.md").read_text()
     assert "| qwen-image | 64 | ulysses graphs |" in md and "time of one profiled call on rank 0" in md
+
+
+def test_decoded_images_are_compared_pixel_by_pixel() -> None:
+    from PIL import Image
+
+    a = bench_parallel.as_tensor([Image.new("RGB", (4, 2), (10, 20, 30)), Image.new("RGB", (4, 2), (0, 0, 0))])
+    assert a.shape == (2, 2, 4, 3) and a.dtype.is_floating_point
+    assert a[0, 1, 3].tolist() == [10.0, 20.0, 30.0] and a[1].abs().sum() == 0
+    b = bench_parallel.as_tensor([Image.new("RGB", (4, 2), (10, 20, 31)), Image.new("RGB", (4, 2), (0, 0, 0))])
+    assert (a - b).abs().max() == 1  # one level of one channel: a difference, not "exact"
