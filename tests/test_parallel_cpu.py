@@ -194,6 +194,9 @@ def test_two_processes_cfg_exact_ulysses_close_errors_clear(tmp_path: Path) -> N
     # (computed, received): rank 0 computes every conditional call (with and without guidance),
     # rank 1 only the unconditional ones.
     assert r0["counts"] == (2 * STEPS, STEPS) and r1["counts"] == (STEPS, 2 * STEPS)
+    # Every rank runs the text encoder and the VAE decoder through its own runners (no collectives).
+    for r in results:
+        assert r["accelerated"] == ["text_encoder", "transformer", "vae.decoder"], r["accelerated"]
     # Ulysses: the same computation split differently, every rank the same latents.
     for key, ref in (("uly", "ref_cfg"), ("z_uly", "z_ref")):
         _assert_exact(r0[key], r1[key])
@@ -325,6 +328,7 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
         res["cfg"], res["nocfg"] = run(pipe, **qwen_kw()), run(pipe, **qwen_kw(cfg=False))
         hook = pipe.accel.parallel._hooks["transformer"]
         res["counts"] = (hook.computed, hook.skipped)
+        res["accelerated"] = sorted(pipe.accel.stats())
         try:
             run(pipe, **qwen_kw(size=SIZE if rank == 0 else SIZE - 16))
         except ParallelError as e:
