@@ -47,7 +47,7 @@ def test_text_encoder_and_vae_decoder_get_runners_and_restore_gives_them_back() 
     assert type(pipe.vae.decoder).forward is decoder_forward
 
 
-def test_components_can_be_left_out_and_stay_out_under_parallel() -> None:
+def test_components_can_be_left_out_and_run_on_every_rank_under_parallel() -> None:
     pipe = build_pipeline("qwen-image", "tiny")
     accelerate_pipeline(pipe, text_encoder=False)
     assert set(pipe.accel.runners) == {"transformer", "vae.decoder"}
@@ -55,8 +55,10 @@ def test_components_can_be_left_out_and_stay_out_under_parallel() -> None:
     assert set(pipe.accel.runners) == {"transformer", "text_encoder"}
     assert graph_hook_of(pipe.vae.decoder) is None
     pipe.accel.restore()
-    # One image on several processes keeps them eager: every rank would repeat them alike.
-    assert _components(pipe, AcceleratorOptions(parallel="cfg")) == []
+    # One image on several processes: every rank runs them with graphs of its own (they hold no
+    # collectives); leaving one out still leaves it out.
+    assert _components(pipe, AcceleratorOptions(parallel="cfg")) == ["text_encoder", "vae.decoder"]
+    assert _components(pipe, AcceleratorOptions(parallel="ulysses", vae=False)) == ["text_encoder"]
     assert _components(pipe, AcceleratorOptions()) == ["text_encoder", "vae.decoder"]
 
 
