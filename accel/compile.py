@@ -18,11 +18,13 @@ seconds. Deleting the folder clears it. A second process still traces every bloc
 what it skips is AOTAutograd's and inductor's work, found in that folder. AOTAutograd's cache
 refuses graphs that enter or leave an autocast region (Z-Image's rotary embedding turns autocast
 off inside every block) unless those two functions are marked cacheable:
-:func:`cache_autocast_regions` does that.
+:func:`cache_autocast_regions` does that. And a compiled module's calls run under
+:func:`tracing_settings`, so that dynamo's first attempt at a block is not thrown away.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -33,7 +35,13 @@ import torch
 
 from .options import default_compile_cache_dir
 
-__all__ = ["cache_autocast_regions", "compile_repeated_blocks", "compiled_graph_count", "use_compile_cache"]
+__all__ = [
+    "cache_autocast_regions",
+    "compile_repeated_blocks",
+    "compiled_graph_count",
+    "tracing_settings",
+    "use_compile_cache",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +87,20 @@ def cache_autocast_regions() -> list[str]:
         return []
     table.update(dict.fromkeys(marked, torch.__version__))
     return marked
+
+
+def tracing_settings() -> contextlib.AbstractContextManager[Any]:
+    """Dynamo settings for calls of a module whose blocks are compiled (where dynamo traces).
+
+    With ``dynamic=True`` dynamo first makes every Python float a block reads (a norm's ``eps``)
+    symbolic; inductor's pass that turns them into tensors gives up on the blocks of both models,
+    and dynamo traces the block again with the floats as constants: each process traced its first
+    block twice, warm cache or not. Specialising floats from the start gives those same constant
+    floats at once (measured on the CPU with inductor, tiny Z-Image: outputs bit-equal, a warm
+    start 5.6 s -> 3.9 s). Only for the duration of a call; the rest of the process keeps
+    dynamo's defaults.
+    """
+    return torch._dynamo.config.patch(specialize_float=True)
 
 
 def compiled_graph_count() -> int:

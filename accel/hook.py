@@ -157,6 +157,9 @@ class GraphHook(ModelHook):
         # the stock call runs untouched, so CPU results equal eager exactly.
         if self.active and module_device(module).type == "cuda":
             args, kwargs = self.recipe.prepare(args, kwargs)
+        if self.compiled:
+            with compile_mod.tracing_settings():
+                return self.runner(*args, **kwargs)
         return self.runner(*args, **kwargs)
 
     def _recipe_forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -46,3 +46,31 @@ def test_autocast_regions_become_cacheable_for_aotautograd(monkeypatch: pytest.M
     assert all(inductor_config.unsafe_marked_cacheable_functions[m] == torch.__version__ for m in marked)
     for node in nodes:
         check_node_safe(node)  # no longer refused
+
+
+def test_compiled_modules_are_called_with_floats_specialised() -> None:
+    """Dynamo's first trace of a block with symbolic floats is thrown away (inductor cannot
+    tensorify them) and traced again; a compiled module's calls specialise floats from the start.
+    The rest of the process keeps dynamo's default."""
+    from accel import accelerate_pipeline
+    from accel.hook import graph_hook_of
+    from pipelines.builders import build_pipeline
+
+    default = torch._dynamo.config.specialize_float
+    pipe = build_pipeline("z-image", "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    seen: list[bool] = []
+    pipe.transformer.layers[0].register_forward_pre_hook(
+        lambda m, a: seen.append(torch._dynamo.config.specialize_float)
+    )
+    accelerate_pipeline(pipe)
+    hook = graph_hook_of(pipe.transformer)
+    kw = dict(prompt="a fox", height=32, width=32, num_inference_steps=1, output_type="latent")
+    pipe(**kw)
+    assert seen and not any(seen) and default is False  # uncompiled: dynamo's default
+    seen.clear()
+    hook.compiled = True  # as compile=True on a GPU leaves it
+    pipe(**kw)
+    assert seen and all(seen)
+    assert torch._dynamo.config.specialize_float is default
+    pipe.accel.restore()
