@@ -4,8 +4,8 @@ diffusers' ``TemplatedUlyssesAttention`` sends query, key and value in three all
 after a permuting copy, and copies each again into the attention's layout on arrival: per
 attention, four all-to-alls (and an all-gather where a mask comes) and eight copies of a
 sequence shard; inside a graph, every collective also leaves the GPU idle for tens of
-microseconds. :func:`install` puts in its
-place (while at least one install is held) a forward-only version that:
+microseconds. :func:`install` puts in its place (while at least one install is held) a
+forward-only version that:
 
 * writes the three into one buffer laid out ``[rank, token, batch, q|k|v, head, dim]`` (three
   permuting copies, as before) and sends it in **one** all-to-all, whose larger message NCCL moves
@@ -20,7 +20,7 @@ attention kernel's reading order can differ (within a run, graphs and eager agre
 Calls it does not cover go to diffusers' version unchanged: inside ``torch.compile`` (compiled
 blocks; inductor fuses diffusers' copies into their producers), gradients wanted, ``return_lse``
 (ring attention), a key sequence of another length than the query's, a mask of another type or
-shape, an unknown diffusers (the class or its helper missing).
+shape. On a diffusers without the class, :func:`install` changes nothing and says so.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ text encoding and denoising, no VAE decode, which every rank repeats alike), fro
 an idle GPU to the last kernel, median of ``--runs`` after one warm-up call. Graph variants report
 their warm-up (capture) seconds. ``diff`` is the largest difference of the final latents (of the
 decoded pixels with ``--output-type pil``) from the one-GPU run of the same kind (eager against
-eager, graphs against graphs), relative to the largest value: 0 means bit-identical. Models run with their usual settings: Qwen-Image true CFG (scale 4,
-a negative prompt), Z-Image 9 steps without guidance; ``--steps`` overrides both.
+eager, graphs against graphs), relative to the largest value: 0 means bit-identical. Models run
+with their usual settings: Qwen-Image true CFG (scale 4, a negative prompt), Z-Image 9 steps
+without guidance; ``--steps`` overrides both.
 
 ``--profile`` runs one more call of every variant under ``torch.profiler`` and adds a second
 table: rank 0's kernel time in that call by kind (communication, attention, GEMM, copies, the
