@@ -51,12 +51,15 @@ class WarmupReport:
     """Per-resolution warm-up cost, largest resolution first.
 
     ``compiled_graphs`` counts the graphs inductor compiled during the warm-up (recompiles
-    included; 0 without compile); ``skipped`` says why nothing was captured, if so.
+    included; 0 without compile); ``capture_passes`` is 2 where inductor compiled again during
+    the first capture pass and every case was captured once more (rows count the graphs kept,
+    their seconds both passes); ``skipped`` says why nothing was captured, if so.
     """
 
     rows: list[WarmupRow]
     compiled_graphs: int = 0
     skipped: str | None = None
+    capture_passes: int = 1
 
     @property
     def total_seconds(self) -> float:
@@ -87,6 +90,11 @@ class WarmupReport:
         lines.append(total + (f" {self.total_compile_seconds:9.2f}" if compiled else ""))
         if compiled:
             lines.append(f"inductor compiled {self.compiled_graphs} graph(s)")
+        if self.capture_passes > 1:
+            lines.append(
+                f"every case captured {self.capture_passes} times: inductor compiled again during capture "
+                "(the earlier graphs were dropped; capture s counts every pass)"
+            )
         return "\n".join(lines)
 
 
@@ -289,6 +297,7 @@ def run_warmup(
     assert pool is not None
     rows: dict[tuple[int, int], WarmupRow] = {}
     graphs0 = compiled_graph_count() if compiled else 0
+    passes = 1
     progress_config = dict(getattr(pipe, "_progress_bar_config", {}))
     pipe.set_progress_bar_config(disable=True)
     try:
@@ -312,7 +321,11 @@ def run_warmup(
                 stack.enter_context(r.capturing())
             # A recompile during capture drops the graphs (at the next call's weight check):
             # those cases are captured once more, over the newest kernels.
-            for _ in range(2 if compiled else 1):
+            for attempt in range(2 if compiled else 1):
+                if attempt:
+                    for row in rows.values():
+                        row.captures = 0  # the first pass's graphs are dropped: count those kept
+                passes = attempt + 1
                 graphs = compiled_graph_count() if compiled else 0
                 bar = _progress(len(plan.cases), progress, "capturing graphs")
                 for case in plan.cases:
@@ -335,4 +348,4 @@ def run_warmup(
     finally:
         pipe._progress_bar_config = progress_config
     graphs = compiled_graph_count() - graphs0 if compiled else 0
-    return WarmupReport(list(rows.values()), compiled_graphs=graphs)
+    return WarmupReport(list(rows.values()), compiled_graphs=graphs, capture_passes=passes)

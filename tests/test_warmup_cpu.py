@@ -106,7 +106,9 @@ def test_compiled_warmup_compiles_every_case_first_and_captures_again_after_a_re
     assert report.compiled_graphs == compiles[0] == (3 if recompile_during_capture else 2)
     assert [(r.width, r.height) for r in report.rows] == [(1024, 1024), (512, 512)]
     assert all(r.compile_seconds > 0 for r in report.rows)
-    assert report.total_captures == 4 * passes
+    # Graphs kept, not captures made: a second pass replaces the first pass's graphs.
+    assert report.total_captures == 4 and report.capture_passes == passes
+    assert ("every case captured 2 times" in str(report)) == recompile_during_capture
 
 
 def test_uncompiled_warmup_captures_each_case_once(monkeypatch: pytest.MonkeyPatch) -> None:
