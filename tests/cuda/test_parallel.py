@@ -261,7 +261,7 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
     res["uly_te_replays"] = replays("text_encoder")
     log.info("%s", pipe.accel.report())
     if name == "qwen-image":
-        accelerate_pipeline(pipe, parallel="ulysses")  # default buckets: a masked all-gather in the graph
+        accelerate_pipeline(pipe, parallel="ulysses")  # default buckets: the text mask travels in the graph
         warm()
         res["uly_buckets"] = run()
     torch.save(res, out / f"rank{rank}.pt")
