@@ -19,7 +19,8 @@ what it skips is AOTAutograd's and inductor's work, found in that folder. AOTAut
 refuses graphs that enter or leave an autocast region (Z-Image's rotary embedding turns autocast
 off inside every block) unless those two functions are marked cacheable:
 :func:`cache_autocast_regions` does that. And a compiled module's calls run under
-:func:`tracing_settings`, so that dynamo's first attempt at a block is not thrown away.
+:func:`tracing_settings`, so that dynamo's first attempt at a block is not thrown away and
+sizes equal by chance at the first trace are not compiled in as equal.
 """
 
 from __future__ import annotations
@@ -93,22 +94,29 @@ def cache_autocast_regions() -> list[str]:
 def tracing_settings() -> Iterator[None]:
     """Dynamo settings for calls of a module whose blocks are compiled (where dynamo traces).
 
-    With ``dynamic=True`` dynamo first makes every Python float a block reads (a norm's ``eps``)
-    symbolic; inductor's pass that turns them into tensors gives up on the blocks of both models,
-    and dynamo traces the block again with the floats as constants: each process traced its first
-    block twice, warm cache or not. Specialising floats from the start gives those same constant
-    floats at once (measured on the CPU with inductor, tiny Z-Image: outputs bit-equal, a warm
-    start 5.6 s -> 3.9 s). Only for the duration of a call; the rest of the process keeps
-    dynamo's defaults. Entered on every call of a compiled module, replays included: a plain
-    attribute swap (``config.patch`` costs about 20 times as much per call).
+    * Floats specialised. With ``dynamic=True`` dynamo first makes every Python float a block
+      reads (a norm's ``eps``) symbolic; inductor's pass that turns them into tensors gives up on
+      the blocks of both models, and dynamo traces the block again with the floats as constants:
+      each process traced its first block twice, warm cache or not. Specialising floats from the
+      start gives those same constant floats at once (measured on the CPU with inductor, tiny
+      Z-Image: outputs bit-equal, a warm start 5.6 s -> 3.9 s).
+    * No duck sizing. Dynamo gives sizes that happen to be equal at the first trace one symbol
+      and guards on the equality: at 1024x1024 Qwen-Image's 4096 image tokens equal the rows of
+      its text RoPE table, so the next resolution failed that guard and compiled every variant of
+      the block a second time (4 graphs where 2 serve every resolution; on the H200 about 4 s of
+      a warm start and 8 s of a cold one).
+
+    Only for the duration of a call; the rest of the process keeps the defaults. Entered on every
+    call of a compiled module, replays included: plain attribute swaps (``config.patch`` costs
+    about 20 times as much per call).
     """
-    config = torch._dynamo.config
-    before = config.specialize_float
-    config.specialize_float = True
+    dynamo, shapes = torch._dynamo.config, torch.fx.experimental._config
+    before = dynamo.specialize_float, shapes.use_duck_shape
+    dynamo.specialize_float, shapes.use_duck_shape = True, False
     try:
         yield
     finally:
-        config.specialize_float = before
+        dynamo.specialize_float, shapes.use_duck_shape = before
 
 
 def compiled_graph_count() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -48,10 +49,11 @@ def test_autocast_regions_become_cacheable_for_aotautograd(monkeypatch: pytest.M
         check_node_safe(node)  # no longer refused
 
 
-def test_compiled_modules_are_called_with_floats_specialised() -> None:
+def test_compiled_modules_are_called_with_floats_specialised_and_no_duck_sizing() -> None:
     """Dynamo's first trace of a block with symbolic floats is thrown away (inductor cannot
-    tensorify them) and traced again; a compiled module's calls specialise floats from the start.
-    The rest of the process keeps dynamo's default."""
+    tensorify them) and traced again; a compiled module's calls specialise floats from the start,
+    and do not share one symbol between sizes equal by chance. The rest of the process keeps
+    dynamo's defaults."""
     from accel import accelerate_pipeline
     from accel.hook import graph_hook_of
     from pipelines.builders import build_pipeline
@@ -61,7 +63,9 @@ def test_compiled_modules_are_called_with_floats_specialised() -> None:
     pipe.set_progress_bar_config(disable=True)
     seen: list[bool] = []
     pipe.transformer.layers[0].register_forward_pre_hook(
-        lambda m, a: seen.append(torch._dynamo.config.specialize_float)
+        lambda m, a: seen.append(
+            torch._dynamo.config.specialize_float and not torch.fx.experimental._config.use_duck_shape
+        )
     )
     accelerate_pipeline(pipe)
     hook = graph_hook_of(pipe.transformer)
@@ -73,4 +77,27 @@ def test_compiled_modules_are_called_with_floats_specialised() -> None:
     pipe(**kw)
     assert seen and all(seen)
     assert torch._dynamo.config.specialize_float is default
+    assert torch.fx.experimental._config.use_duck_shape is True
     pipe.accel.restore()
+
+
+def test_sizes_equal_by_chance_at_the_first_trace_do_not_recompile() -> None:
+    """Qwen-Image at 1024x1024: its image tokens equal its text RoPE table's rows (4096). With
+    dynamo's duck sizing both got one symbol, and the next resolution compiled again."""
+    from torch._dynamo.testing import CompileCounter
+
+    from accel.compile import tracing_settings
+
+    def tokens_and_table(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return x.sum() + table.sum()
+
+    for settings, graphs in ((contextlib.nullcontext, 2), (tracing_settings, 1)):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        fn = torch.compile(tokens_and_table, backend=counter, dynamic=True)
+        with settings():
+            fn(torch.randn(4096), torch.randn(4096))  # equal by chance
+            fn(torch.randn(2304), torch.randn(4096))  # 768x768: 2304 image tokens
+            fn(torch.randn(1024), torch.randn(4096))
+        assert counter.frame_count == graphs, settings
+    torch._dynamo.reset()
