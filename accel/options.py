@@ -131,11 +131,12 @@ class AcceleratorOptions:
     text_encoder: bool = True
     vae: bool = True
     auto_breaks: bool = False
+    cfg_batch: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
-        for name in ("capture_on_miss", "compile", "text_encoder", "vae", "auto_breaks"):
+        for name in ("capture_on_miss", "compile", "text_encoder", "vae", "auto_breaks", "cfg_batch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _positive_int("max_entries", self.max_entries)

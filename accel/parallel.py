@@ -69,9 +69,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.hooks.hooks import BaseState, StateManager
 
 from . import tree, ulysses
+from .cfg_batch import ContextProbe
 from .guard import CallGuard
 from .hook import GraphHook, module_device
 from .options import AcceleratorOptions
@@ -218,18 +218,6 @@ def _first_difference(what: str, per_rank: list[Any]) -> str:
 # --------------------------------------------------------------------------------------------
 # The hook on each denoiser
 # --------------------------------------------------------------------------------------------
-class _ContextProbe(StateManager):
-    """Hears the ``CacheContext`` that diffusers' ``cache_context`` sets on stateful hooks."""
-
-    def __init__(self) -> None:
-        super().__init__(BaseState)
-
-    @property
-    def name(self) -> str | None:
-        context = self._context
-        return context if isinstance(context, str) or context is None else getattr(context, "name", None)
-
-
 @dataclasses.dataclass
 class _Pair:
     """The guidance branches called since the last exchange: outputs, and each call's number and
@@ -256,7 +244,7 @@ class ParallelHook(ModelHook):
         self.session = session
         self.name = name
         self.graph_hook = graph_hook
-        self.context = _ContextProbe()
+        self.context = ContextProbe()
         self.pair = _Pair()
         self.computed = 0
         self.skipped = 0

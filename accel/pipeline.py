@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .cfg_batch import CFGBatchHook, apply_cfg_batch, cfg_batch_hook_of, remove_cfg_batch
 from .guard import CallGuard
 from .hook import HOOK_NAME, GraphHook, apply_graph_runner, module_device, release_graph_runner
 from .options import (
@@ -97,6 +98,7 @@ class PipelineAccelerator:
         self._denoisers: list[str] = []
         self._guard: CallGuard | None = None
         self._parallel: ParallelSession | None = None
+        self._cfg_batch: dict[str, CFGBatchHook] = {}
         self._own_pool: GraphPool | None = None
         self._restored = False
         try:
@@ -130,6 +132,8 @@ class PipelineAccelerator:
                 # Collective: every rank of the launch builds its session here, or all fail.
                 denoisers = {n: self._hooks[n] for n in self._denoisers}
                 self._parallel = ParallelSession(pipe, denoisers, self._guard, options)
+            elif options.cfg_batch:
+                self._apply_cfg_batch()
         except BaseException:
             self._uninstall()
             raise
@@ -150,7 +154,22 @@ class PipelineAccelerator:
         for name in self._denoisers:
             self._hooks[name].follow_weights()
 
+    def _apply_cfg_batch(self) -> None:
+        # Only where graphs run (CUDA, not eager mode): elsewhere the pipeline stays unchanged.
+        if self._guard is None or self.options.mode == "eager" or not torch.cuda.is_available():
+            return
+        for name in self._denoisers:
+            module, hook = getattr(self.pipe, name), self._hooks[name]
+            if module_device(module).type != "cuda" or not hook.active:
+                continue
+            if hook.recipe.cfg_parallel_support(module) is not None or cfg_batch_hook_of(module) is not None:
+                continue  # branches batched by the pipeline itself, or by another pipeline's hook
+            self._cfg_batch[name] = apply_cfg_batch(module, hook.recipe, self._guard, name=name)
+
     def _uninstall(self) -> None:
+        for name in list(self._cfg_batch):
+            remove_cfg_batch(getattr(self.pipe, name), self._guard)
+        self._cfg_batch.clear()
         if self._parallel is not None:
             self._parallel.close()
             self._parallel = None
@@ -337,6 +356,9 @@ class PipelineAccelerator:
                 lines.append(f"    capture failed: {reason}")
             for site in h.runner.found_breaks:
                 lines.append(f"    capture broke at: {site}")
+            if name in self._cfg_batch:
+                b = self._cfg_batch[name]
+                lines.append(f"    guidance branches: {b.joined} pairs run as one batch, {b.alone} calls alone")
             if not s.entries and h.active:
                 why = self._why_no_graphs(device) or (
                     "nothing warmed up yet: call pipe.accel.warmup(...) or pass capture_on_miss=True"
@@ -410,6 +432,7 @@ def accelerate_pipeline(
     text_encoder: bool = True,
     vae: bool = True,
     auto_breaks: bool = False,
+    cfg_batch: bool = True,
 ) -> Any:
     """Make ``pipe``'s denoising loop replay CUDA graphs; returns ``pipe`` with ``pipe.accel``.
 
@@ -457,6 +480,9 @@ def accelerate_pipeline(
             is named (function, file and line) in :meth:`PipelineAccelerator.report`. Marks only
             functions that are pure functions of their inputs safely; the equality check is
             the guard.
+        cfg_batch: where a pipeline calls the denoiser once per guidance branch (Qwen-Image's
+            true CFG) and the recipe pads both texts anyway, run the two as one call at twice
+            the batch (one GPU, CUDA only; see :mod:`accel.cfg_batch`). Off: one call each.
 
     Raises:
         TypeError: ``pipe`` is not a diffusers pipeline.
@@ -485,6 +511,7 @@ def accelerate_pipeline(
         text_encoder=text_encoder,
         vae=vae,
         auto_breaks=auto_breaks,
+        cfg_batch=cfg_batch,
     )
     existing = pipe.__dict__.get("accel")
     if isinstance(existing, PipelineAccelerator):

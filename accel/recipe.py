@@ -98,6 +98,15 @@ class Recipe:
         end of the pair fills it in place."""
         raise NotImplementedError(f"the {self.name} recipe cannot describe its model's output for parallel='cfg'")
 
+    def batch_cfg(
+        self, module: torch.nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The two guidance branches' calls ``[(args, kwargs), ...]`` joined into one call whose
+        output is theirs stacked along the batch dimension (accel/cfg_batch.py); None to run
+        them one after the other. Join only calls already normalised to within bf16 noise of
+        eager: a batch changes which kernels run, so never where output is promised bit for bit."""
+        return None
+
     def context_parallel_plan(self, module: torch.nn.Module, degree: int) -> dict[str, Any]:
         """diffusers' context-parallel plan (``_cp_plan``) for Ulysses over ``degree`` ranks;
         ValueError, in one line, where the model cannot be split so."""

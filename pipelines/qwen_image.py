@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from accel import tree
 from accel.bcg import eager_on_graph
 from accel.options import GenerationDefaults
 from accel.recipe import Recipe
@@ -47,6 +48,9 @@ PATCH_PIXELS = 16  # VAE factor 8 times patch size 2
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 # True CFG's two calls per step, by the cache_context the pipeline runs them under.
 CFG_BRANCHES = {"cond": 0, "uncond": 1}
+# A denoiser call's per-sample arguments, when two calls are joined into one batch.
+BATCHED_TENSORS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance")
+PER_SAMPLE_LISTS = ("img_shapes", "txt_seq_lens")
 
 _patch_lock = threading.Lock()
 _patch_users: dict[str, int] = {}
@@ -77,6 +81,20 @@ def _mark_mask_helper(modname: str) -> Callable[[], None]:
                 mod.compute_text_seq_len_from_mask = _patch_originals.pop(modname)
 
     return undo
+
+
+def _pad_text(kwargs: dict[str, Any], length: int) -> dict[str, Any]:
+    """``kwargs`` with the text right-padded with masked zeros to ``length`` tokens (a mask of
+    ones is made where the call had none)."""
+    text = kwargs["encoder_hidden_states"]
+    batch, have, width = text.shape
+    mask = kwargs.get("encoder_hidden_states_mask")
+    if mask is None:
+        mask = torch.ones(batch, have, dtype=torch.long, device=text.device)
+    if length > have:
+        text = torch.cat([text, text.new_zeros(batch, length - have, width)], dim=1)
+        mask = torch.cat([mask, mask.new_zeros(batch, length - have)], dim=1)
+    return {**kwargs, "encoder_hidden_states": text, "encoder_hidden_states_mask": mask}
 
 
 class QwenImageRecipe(Recipe):
@@ -123,7 +141,7 @@ class QwenImageRecipe(Recipe):
         image = kwargs.get("hidden_states")
         if isinstance(image, torch.Tensor) and image.dim() == 3 and image.shape[1] > BUCKET_MAX_IMAGE_TOKENS:
             return args, kwargs  # compute-bound: the masked kernel would cost more than it saves
-        batch, length, width = text.shape
+        length = text.shape[1]
         bucket = self.bucket(length)
         if bucket is None:
             if not self._too_long_said:
@@ -134,13 +152,7 @@ class QwenImageRecipe(Recipe):
                     self.buckets[-1],
                 )
             return args, kwargs
-        mask = kwargs.get("encoder_hidden_states_mask")
-        if mask is None:
-            mask = torch.ones(batch, length, dtype=torch.long, device=text.device)
-        if bucket > length:
-            text = torch.cat([text, text.new_zeros(batch, bucket - length, width)], dim=1)
-            mask = torch.cat([mask, mask.new_zeros(batch, bucket - length)], dim=1)
-        return args, {**kwargs, "encoder_hidden_states": text, "encoder_hidden_states_mask": mask}
+        return args, _pad_text(kwargs, bucket)
 
     @contextlib.contextmanager
     def capture_scope(self, module: torch.nn.Module) -> Iterator[list]:
@@ -204,6 +216,41 @@ class QwenImageRecipe(Recipe):
             return Transformer2DModelOutput(sample=out)
         return (out,)
 
+    def batch_cfg(
+        self, module: torch.nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        # Only where text is padded anyway (within bf16 noise of eager already): both texts go
+        # to the larger of their two buckets, exact in real arithmetic like any padding.
+        if len(calls) != 2 or not self.buckets or self._per_sample_shapes or any(a for a, _ in calls):
+            return None
+        (_, first), (_, second) = calls
+        if set(first) != set(second):
+            return None
+        prepared = []
+        for kwargs in (first, second):
+            text, image = kwargs.get("encoder_hidden_states"), kwargs.get("hidden_states")
+            if not (isinstance(text, torch.Tensor) and text.dim() == 3 and isinstance(image, torch.Tensor)):
+                return None
+            if image.dim() != 3 or image.shape[1] > BUCKET_MAX_IMAGE_TOKENS or self.bucket(text.shape[1]) is None:
+                return None  # exact text lengths here: output promised bit for bit
+            prepared.append(self.prepare((), kwargs)[1])
+        length = max(k["encoder_hidden_states"].shape[1] for k in prepared)
+        first, second = (_pad_text(k, length) for k in prepared)
+        joined: dict[str, Any] = {}
+        for key, a in first.items():
+            b = second[key]
+            if key in BATCHED_TENSORS and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+                if a.dim() == 0 or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+                    return None
+                joined[key] = torch.cat([a, b])
+            elif key in PER_SAMPLE_LISTS and isinstance(a, list) and isinstance(b, list):
+                joined[key] = a + b
+            elif tree.tensors(a) or tree.tensors(b) or a != b:
+                return None  # a tensor or setting the recipe does not know how to join
+            else:
+                joined[key] = a
+        return (), joined
+
     def prepare_context_parallel(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], degree: int
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -218,14 +265,8 @@ class QwenImageRecipe(Recipe):
             return args, kwargs
         # The text is split along its length too: right-pad it with masked zeros to a multiple of
         # the degree (exact in real arithmetic, as the buckets are).
-        batch, length, width = text.shape
-        extra = -length % degree
-        mask = kwargs.get("encoder_hidden_states_mask")
-        if mask is None:
-            mask = torch.ones(batch, length, dtype=torch.long, device=text.device)
-        text = torch.cat([text, text.new_zeros(batch, extra, width)], dim=1)
-        mask = torch.cat([mask, mask.new_zeros(batch, extra)], dim=1)
-        return args, {**kwargs, "encoder_hidden_states": text, "encoder_hidden_states_mask": mask}
+        length = text.shape[1]
+        return args, _pad_text(kwargs, length + -length % degree)
 
     # -- warm-up ---------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:

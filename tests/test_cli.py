@@ -457,12 +457,13 @@ def test_graph_options_reach_accelerate_pipeline_and_the_report(
     # Runners are listed denoiser first, then each graphed component.
     assert report.index("  transformer (") < report.index("  text_encoder (") < report.index("  vae.decoder (")
 
-    argv = ["--no-text-encoder-graphs", "--no-vae-graphs", "--auto-breaks", "--report"]
+    argv = ["--no-text-encoder-graphs", "--no-vae-graphs", "--auto-breaks", "--no-cfg-batch", "--report"]
     assert main([*argv, "--out", str(tmp_path / "b"), *FAST]) == 0
     (kwargs, pipe), report = seen[-1], capsys.readouterr().out
-    assert kwargs == {"mode": "bcg", "text_encoder": False, "vae": False, "auto_breaks": True}
+    assert kwargs == {"mode": "bcg", "text_encoder": False, "vae": False, "auto_breaks": True, "cfg_batch": False}
     assert (pipe.accel.options.text_encoder, pipe.accel.options.vae, pipe.accel.options.auto_breaks) == (
         False, False, True)  # fmt: skip
+    assert pipe.accel.options.cfg_batch is False
     assert list(pipe.accel.runners) == ["transformer"]
     assert "  transformer (" in report and "text_encoder" not in report and "vae.decoder" not in report
 
@@ -476,13 +477,13 @@ def test_graph_options_reach_accelerate_pipeline_and_the_report(
 
 def test_help_lists_the_graph_options() -> None:
     args = build_parser().parse_args([])
-    assert (args.text_encoder_graphs, args.vae_graphs, args.auto_breaks) == (True, True, False)
+    assert (args.text_encoder_graphs, args.vae_graphs, args.auto_breaks, args.cfg_batch) == (True, True, False, True)
     text = build_parser().format_help()
-    for flag in ("--no-text-encoder-graphs", "--no-vae-graphs", "--auto-breaks"):
+    for flag in ("--no-text-encoder-graphs", "--no-vae-graphs", "--no-cfg-batch", "--auto-breaks"):
         assert flag in text, flag
     # In the acceleration options, after --compile-cache and before --device.
-    order = ["\n  --compile-cache DIR", "\n  --no-text-encoder-graphs", "\n  --no-vae-graphs", "\n  --auto-breaks",
-             "\n  --device DEVICE"]  # fmt: skip
+    order = ["\n  --compile-cache DIR", "\n  --no-text-encoder-graphs", "\n  --no-vae-graphs", "\n  --no-cfg-batch",
+             "\n  --auto-breaks", "\n  --device DEVICE"]  # fmt: skip
     assert [text.index(o) for o in order] == sorted(text.index(o) for o in order)
 
 

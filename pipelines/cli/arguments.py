@@ -234,6 +234,13 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         help="run the VAE decoder eagerly (default: a graph per latent shape, in the denoiser's graph pool)",
     )
     p.add_argument(
+        "--no-cfg-batch",
+        dest="cfg_batch",
+        action="store_false",
+        help="run true CFG's two denoiser calls one after the other (default: one call at twice the batch "
+        "where the text is padded anyway, e.g. Qwen-Image up to 768x768)",
+    )
+    p.add_argument(
         "--auto-breaks",
         action="store_true",
         help="when a capture fails on an operation a graph cannot hold, run the function that did it eagerly "

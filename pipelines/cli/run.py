@@ -176,6 +176,8 @@ def _run(args: argparse.Namespace) -> int:
             options["vae"] = False
         if args.auto_breaks:
             options["auto_breaks"] = True
+        if not args.cfg_batch:
+            options["cfg_batch"] = False
         try:
             accelerate_pipeline(pipe, mode=mode, **options)
         except (TypeError, ValueError) as e:  # e.g. a hub pipeline with no denoiser to accelerate

@@ -1,0 +1,171 @@
+"""Both guidance branches of a step in one batched denoiser call, on one GPU.
+
+True-CFG pipelines (Qwen-Image) call the denoiser twice per step, the prompt then the negative
+prompt, each at batch 1. At small resolutions such a call is bound by reading the weights and by
+kernels too small to fill the GPU, so one call at batch 2 costs far less than two at batch 1.
+:func:`apply_cfg_batch` puts a :class:`CFGBatchHook` outside a denoiser's graph hook. Contract:
+
+* Which call is which branch is the recipe's knowledge (:meth:`Recipe.cfg_branch`, the same as for
+  ``parallel="cfg"``): the pipeline must read neither branch's output before the second call.
+* The first branch's call returns an uncomputed output of the right structure
+  (:meth:`Recipe.cfg_output_like`). The second call joins both into one batch
+  (:meth:`Recipe.batch_cfg`), runs it, fills the first output in place and returns its own half.
+* Where the recipe cannot join them (shapes it will not pad to one, a call it does not know), the
+  two run one after the other, unchanged. A first branch left alone (a call without guidance, an
+  exception) is computed before the scheduler's step reads it, or before any other call.
+* What changes is the batch, not the arithmetic in real numbers: recipes join only calls already
+  normalised to within bf16 noise of eager (Qwen-Image's padded text), never where the library
+  promises bit-for-bit output.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers.hooks.hooks import BaseState, StateManager
+
+from . import tree
+from .guard import CallGuard
+from .recipe import Recipe
+
+__all__ = [
+    "CFG_BATCH_HOOK_NAME",
+    "CFGBatchHook",
+    "ContextProbe",
+    "apply_cfg_batch",
+    "cfg_batch_hook_of",
+    "remove_cfg_batch",
+]
+
+logger = logging.getLogger(__name__)
+
+CFG_BATCH_HOOK_NAME = "bcg_cfg_batch"
+
+
+class ContextProbe(StateManager):
+    """Hears the ``CacheContext`` that diffusers' ``cache_context`` sets on stateful hooks."""
+
+    def __init__(self) -> None:
+        super().__init__(BaseState)
+
+    @property
+    def name(self) -> str | None:
+        context = self._context
+        return context if isinstance(context, str) or context is None else getattr(context, "name", None)
+
+
+class CFGBatchHook(ModelHook):
+    """Outermost hook of a denoiser: holds the first guidance branch until the second comes.
+
+    Stateful only so that diffusers tells it the current ``cache_context`` name.
+
+    Attributes:
+        joined: pairs run as one batched call.
+        alone: first branches run by themselves (no second came, or it could not join).
+    """
+
+    _is_stateful = True
+
+    def __init__(self, recipe: Recipe, name: str) -> None:
+        super().__init__()
+        self.recipe = recipe
+        self.name = name
+        self.context = ContextProbe()
+        self._pending: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
+        self.joined = 0
+        self.alone = 0
+
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.context.set_context(None)
+        self._pending = None
+        return module
+
+    def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        forward = self.fn_ref.original_forward
+        branch = self.recipe.cfg_branch(self.context.name)
+        if branch == 1 and self._pending is not None:
+            first_args, first_kwargs, first_out = self._pending
+            self._pending = None
+            joined = self.recipe.batch_cfg(module, [(first_args, first_kwargs), (args, kwargs)])
+            if joined is None:
+                self._fill(first_out, forward(*first_args, **first_kwargs))
+                self.alone += 1
+                return forward(*args, **kwargs)
+            out = forward(*joined[0], **joined[1])
+            halves = _split_batch(out, 2)
+            self._fill(first_out, halves[0])
+            self.joined += 1
+            return halves[1]
+        self.flush()
+        if branch == 0:
+            out = self.recipe.cfg_output_like(module, args, kwargs)
+            self._pending = (args, kwargs, out)
+            return out
+        return forward(*args, **kwargs)
+
+    def flush(self) -> None:
+        """Compute a first branch still waiting for its pair (before anything reads it)."""
+        if self._pending is None:
+            return
+        args, kwargs, out = self._pending
+        self._pending = None
+        self._fill(out, self.fn_ref.original_forward(*args, **kwargs))
+        self.alone += 1
+
+    def discard(self) -> None:
+        """Forget a waiting first branch (its pipeline call raised; nobody will read it)."""
+        self._pending = None
+
+    def _fill(self, placeholder: Any, computed: Any) -> None:
+        dst, src = tree.tensors(placeholder), tree.tensors(computed)
+        if len(dst) != len(src) or any(d.shape != s.shape or d.dtype != s.dtype for d, s in zip(dst, src)):
+            raise RuntimeError(
+                f"{self.name}: the {self.recipe.name} recipe described the first guidance branch's output as "
+                f"{[(tuple(d.shape), d.dtype) for d in dst]} but the model returned "
+                f"{[(tuple(s.shape), s.dtype) for s in src]}"
+            )
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+def _split_batch(out: Any, parts: int) -> list[Any]:
+    """``out`` cut into ``parts`` equal slices along every tensor's batch dimension."""
+
+    def cut(i: int) -> Any:
+        def piece(t: torch.Tensor) -> torch.Tensor:
+            size = t.shape[0] // parts
+            return t[i * size : (i + 1) * size]
+
+        return tree.map_tensors(piece, out)
+
+    return [cut(i) for i in range(parts)]
+
+
+def apply_cfg_batch(module: torch.nn.Module, recipe: Recipe, guard: CallGuard, *, name: str) -> CFGBatchHook:
+    """Put a :class:`CFGBatchHook` on ``module`` (outside every hook it has), listening to
+    ``guard`` so that a waiting branch is computed before each scheduler step and dropped where
+    a call begins. Undo with :func:`remove_cfg_batch`."""
+    hook = CFGBatchHook(recipe, name)
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, CFG_BATCH_HOOK_NAME)
+    guard.listen(hook, begin=hook.discard, step=hook.flush, end=hook.flush)
+    return hook
+
+
+def cfg_batch_hook_of(module: torch.nn.Module) -> CFGBatchHook | None:
+    """The module's :class:`CFGBatchHook`, if it has one."""
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.get_hook(CFG_BATCH_HOOK_NAME) if registry is not None else None
+    return hook if isinstance(hook, CFGBatchHook) else None
+
+
+def remove_cfg_batch(module: torch.nn.Module, guard: CallGuard | None) -> None:
+    """Take the :class:`CFGBatchHook` off ``module`` (and off ``guard``), if it has one."""
+    hook = cfg_batch_hook_of(module)
+    if hook is None:
+        return
+    if guard is not None:
+        guard.unlisten(hook)
+    module._diffusers_hook.remove_hook(CFG_BATCH_HOOK_NAME, recurse=False)

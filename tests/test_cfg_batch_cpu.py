@@ -1,0 +1,161 @@
+"""accel.cfg_batch on the CPU: true CFG's two denoiser calls joined into one batch.
+
+accelerate_pipeline installs the hook only where graphs run (CUDA); here it is applied by hand
+to a tiny Qwen-Image pipeline, whose recipe pads and joins the two calls itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from accel import accelerate_pipeline
+from accel.cfg_batch import apply_cfg_batch, cfg_batch_hook_of, remove_cfg_batch
+from accel.hook import graph_hook_of
+from pipelines.builders import build_pipeline
+from pipelines.qwen_image import BUCKET_MAX_IMAGE_TOKENS, QwenImageRecipe
+
+
+def _call(pipe: Any, **kw: Any) -> torch.Tensor:
+    args = dict(prompt="a red fox in the snow", negative_prompt="blurry", width=64, height=64)
+    args.update(num_inference_steps=3, true_cfg_scale=4.0, output_type="latent")
+    args.update(kw)
+    return pipe(**args, generator=torch.Generator().manual_seed(7)).images
+
+
+@pytest.fixture(scope="module")
+def qwen() -> Any:
+    pipe = build_pipeline("qwen-image", "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _batched(pipe: Any, **options: Any) -> Any:
+    accelerate_pipeline(pipe, **options)
+    hook = graph_hook_of(pipe.transformer)
+    assert hook is not None
+    return apply_cfg_batch(pipe.transformer, hook.recipe, pipe.accel._guard, name="transformer")
+
+
+def test_not_installed_without_cuda(qwen: Any) -> None:
+    accelerate_pipeline(qwen)
+    assert cfg_batch_hook_of(qwen.transformer) is None  # the CPU pipeline stays unchanged
+    qwen.accel.restore()
+    with pytest.raises(ValueError, match="cfg_batch must be True or False"):
+        accelerate_pipeline(qwen, cfg_batch="yes")
+
+
+def test_joined_pair_equals_two_calls(qwen: Any) -> None:
+    reference = _call(qwen)
+    unguided = _call(qwen, true_cfg_scale=1.0)
+    hook = _batched(qwen)
+    try:
+        out = _call(qwen)
+        assert (hook.joined, hook.alone) == (3, 0)
+    finally:
+        remove_cfg_batch(qwen.transformer, qwen.accel._guard)
+        qwen.accel.restore()
+    assert cfg_batch_hook_of(qwen.transformer) is None
+    # Padding and the batch change the summation order only (fp32 here, bf16 noise on a GPU).
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+    assert (reference - unguided).abs().max() > 100 * (out - reference).abs().max()
+
+
+def test_first_branch_without_a_second_is_computed_before_the_step(qwen: Any) -> None:
+    """Without guidance each step makes one call under cache_context("cond"): it waits for a
+    pair that never comes, and is computed before the scheduler reads it, unchanged."""
+    reference = _call(qwen, true_cfg_scale=1.0)
+    hook = _batched(qwen)
+    try:
+        out = _call(qwen, true_cfg_scale=1.0)
+        assert (hook.joined, hook.alone) == (0, 3)
+    finally:
+        remove_cfg_batch(qwen.transformer, qwen.accel._guard)
+        qwen.accel.restore()
+    assert torch.equal(out, reference)
+
+
+def test_exact_text_lengths_are_never_joined(qwen: Any) -> None:
+    """text_buckets=None promises eager's output bit for bit: the pair runs as two calls."""
+    reference = _call(qwen)
+    hook = _batched(qwen, text_buckets=None)
+    try:
+        out = _call(qwen)
+        assert (hook.joined, hook.alone) == (0, 3)
+    finally:
+        remove_cfg_batch(qwen.transformer, qwen.accel._guard)
+        qwen.accel.restore()
+    assert torch.equal(out, reference)
+
+
+def test_a_pair_left_by_a_failed_call_is_dropped(qwen: Any) -> None:
+    hook = _batched(qwen)
+    try:
+
+        def fail(*a: Any, **k: Any) -> None:
+            if qwen.transformer._diffusers_hook.get_hook("bcg_cfg_batch").context.name == "uncond":
+                raise RuntimeError("boom")
+
+        handle = qwen.transformer.register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="boom"):
+            _call(qwen)
+        handle.remove()
+        assert hook._pending is not None  # the first branch of the failed step
+        reference_joined = hook.joined
+        _call(qwen)  # the new call drops it where it begins
+        assert hook.joined == reference_joined + 3
+    finally:
+        remove_cfg_batch(qwen.transformer, qwen.accel._guard)
+        qwen.accel.restore()
+
+
+def _kwargs(text: int, image: int = 16, *, mask: bool = False) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(text)
+    out: dict[str, Any] = {
+        "hidden_states": torch.randn(1, image, 8, generator=g),
+        "timestep": torch.tensor([0.5]),
+        "guidance": None,
+        "encoder_hidden_states": torch.randn(1, text, 4, generator=g),
+        "encoder_hidden_states_mask": torch.ones(1, text, dtype=torch.long) if mask else None,
+        "img_shapes": [[(1, 4, 4)]],
+        "attention_kwargs": None,
+        "return_dict": False,
+    }
+    return out
+
+
+def test_recipe_joins_two_texts_at_the_larger_bucket() -> None:
+    recipe = QwenImageRecipe()
+    joined = recipe.batch_cfg(torch.nn.Identity(), [((), _kwargs(5)), ((), _kwargs(70, mask=True))])
+    assert joined is not None and joined[0] == ()
+    kw = joined[1]
+    first, second = _kwargs(5), _kwargs(70)
+    assert kw["encoder_hidden_states"].shape == (2, 128, 4)
+    assert torch.equal(kw["encoder_hidden_states"][0, :5], first["encoder_hidden_states"][0])
+    assert torch.equal(kw["encoder_hidden_states"][1, :70], second["encoder_hidden_states"][0])
+    assert not kw["encoder_hidden_states"][0, 5:].any() and not kw["encoder_hidden_states"][1, 70:].any()
+    assert kw["encoder_hidden_states_mask"].sum(1).tolist() == [5, 70]
+    assert torch.equal(kw["hidden_states"], torch.cat([first["hidden_states"], second["hidden_states"]]))
+    assert kw["timestep"].tolist() == [0.5, 0.5] and kw["img_shapes"] == [[(1, 4, 4)], [(1, 4, 4)]]
+    assert kw["guidance"] is None and kw["return_dict"] is False
+
+
+@pytest.mark.parametrize(
+    "why, second",
+    [
+        ("image above the padded sizes", _kwargs(5, BUCKET_MAX_IMAGE_TOKENS + 1)),
+        ("other image shape", _kwargs(5, 32)),
+        ("text longer than every bucket", _kwargs(2000)),
+        ("unknown tensor argument", {**_kwargs(5), "attention_kwargs": {"scale": torch.ones(1)}}),
+        ("other setting", {**_kwargs(5), "return_dict": True}),
+    ],
+)
+def test_recipe_refuses_what_it_cannot_join(why: str, second: dict[str, Any]) -> None:
+    recipe = QwenImageRecipe()
+    first = _kwargs(5, second["hidden_states"].shape[1]) if why == "image above the padded sizes" else _kwargs(5)
+    assert recipe.batch_cfg(torch.nn.Identity(), [((), first), ((), second)]) is None, why
+    assert (
+        QwenImageRecipe(text_buckets=None).batch_cfg(torch.nn.Identity(), [((), _kwargs(5)), ((), _kwargs(5))]) is None
+    )
