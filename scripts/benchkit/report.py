@@ -79,7 +79,9 @@ def _header(results: dict, paired: bool) -> list[str]:
         "Step = one denoiser forward of step 0's first call, median; x = speed-up vs eager measured in the same "
         "process. Z-Image runs as Turbo (guidance 0, 9 steps); Qwen-Image with true CFG (2 calls per step, "
         f"{cfg['steps_e2e']} steps end to end, negative prompt), and bcg pads its text to a length bucket with a "
-        "mask, so its output differs from the unpadded stock call by bf16 noise."
+        "mask, so its output differs from the unpadded stock call by bf16 noise. Where it pads, bcg's end-to-end "
+        "calls also join the two guidance branches into one call at batch 2 (cfg_batch); its step is still one "
+        "branch's forward at batch 1."
     )
     L.append("")
     return L
