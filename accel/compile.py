@@ -20,12 +20,15 @@ refuses graphs that enter or leave an autocast region (Z-Image's rotary embeddin
 off inside every block) unless those two functions are marked cacheable:
 :func:`cache_autocast_regions` does that. And a compiled module's calls run under
 :func:`tracing_settings`, so that dynamo's first attempt at a block is not thrown away and
-sizes equal by chance at the first trace are not compiled in as equal.
+sizes equal by chance at the first trace are not compiled in as equal; the blocks themselves are
+called through :func:`calls_without_views`, so that the first block (given views) and the rest
+share their compiled graphs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -119,6 +122,34 @@ def tracing_settings() -> Iterator[None]:
         dynamo.specialize_float, shapes.use_duck_shape = before
 
 
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value._base is not None else value
+    if type(value) in (tuple, list):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def calls_without_views(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` given its tensor arguments (also inside tuples and lists) as plain tensors where
+    they are views: ``detach()`` keeps the memory, sizes and strides and drops the base.
+
+    Dynamo guards on whether an input is a view, and on its base's sizes: a model's first block
+    gets views (its embeddings), the blocks after it get the previous block's outputs, so every
+    block variant compiled twice (CPU inductor, tiny models, three resolutions: Qwen-Image 4
+    graphs -> 2, Z-Image 3 -> 2, outputs bit-equal). Blocks only read their inputs, so the
+    aliasing the base records changes nothing. With autograd on, calls pass through as they are.
+    """
+
+    @functools.wraps(call)
+    def without_views(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            return call(*args, **kwargs)
+        return call(*_detached(args), **{k: _detached(v) for k, v in kwargs.items()})
+
+    return without_views
+
+
 def compiled_graph_count() -> int:
     """Graphs dynamo has compiled in this process so far (recompiles included)."""
     from torch._dynamo.utils import counters
@@ -145,6 +176,8 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str, cache_dir: Path 
     cache_autocast_regions()
     previous = [m.__dict__.get("_compiled_call_impl") for m in blocks]
     module.compile_repeated_blocks(**COMPILE_OPTIONS)
+    for m in blocks:
+        m._compiled_call_impl = calls_without_views(m._compiled_call_impl)
     logger.info(
         "%s: compiling %d %s blocks with inductor (dynamic shapes) on first use; kernel cache in %s",
         name,

@@ -101,3 +101,33 @@ def test_sizes_equal_by_chance_at_the_first_trace_do_not_recompile() -> None:
             fn(torch.randn(1024), torch.randn(4096))
         assert counter.frame_count == graphs, settings
     torch._dynamo.reset()
+
+
+def test_blocks_given_views_and_plain_tensors_share_one_compiled_graph() -> None:
+    """A model's first block gets views (embeddings), the next ones plain tensors: dynamo guards
+    on view-ness, so each block variant compiled twice."""
+    from torch._dynamo.testing import CompileCounter
+
+    from accel.compile import calls_without_views
+
+    def block(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], scale: float = 2.0) -> torch.Tensor:
+        return x * scale + rope[0].sum() + rope[1].sum()
+
+    table = torch.randn(8, 16)
+    rope = (table[:4], table[4:])  # the same table slices for every block
+    first = (torch.randn(1, 4, 16).view(4, 16), rope)  # an embedding, reshaped: a view
+    later = (torch.randn(4, 16), rope)  # the previous block's output
+    for wrap, graphs in ((lambda f: f, 2), (calls_without_views, 1)):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        fn = wrap(torch.compile(block, backend=counter, dynamic=True))
+        with torch.no_grad():
+            for args in (first, later):
+                assert torch.equal(fn(*args), block(*args))
+        assert counter.frame_count == graphs, wrap
+    # With autograd on the call is left alone (detaching would cut the graph).
+    x = torch.randn(4, 16, requires_grad=True)
+    out = calls_without_views(block)(x[:], (x[:2], x[2:]))
+    out.sum().backward()
+    assert x.grad is not None
+    torch._dynamo.reset()
