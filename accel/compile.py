@@ -105,9 +105,9 @@ def tracing_settings() -> Iterator[None]:
       Z-Image: outputs bit-equal, a warm start 5.6 s -> 3.9 s).
     * No duck sizing. Dynamo gives sizes that happen to be equal at the first trace one symbol
       and guards on the equality: at 1024x1024 Qwen-Image's 4096 image tokens equal the rows of
-      its text RoPE table, so the next resolution failed that guard and compiled every variant of
-      the block a second time (4 graphs where 2 serve every resolution; on the H200 about 4 s of
-      a warm start and 8 s of a cold one).
+      its text RoPE table, so the next resolution with the same block variant (unpadded text:
+      above 768x768 with the recipe, anywhere in the stock pipeline) failed that guard and
+      compiled again (CPU inductor, tiny stock Qwen-Image at 1024, 768 and 512: 4 graphs -> 2).
 
     Only for the duration of a call; the rest of the process keeps the defaults. Entered on every
     call of a compiled module, replays included: plain attribute swaps (``config.patch`` costs
