@@ -11,8 +11,12 @@ kernels too small to fill the GPU, so one call at batch 2 costs far less than tw
   (:meth:`Recipe.cfg_output_like`). The second call joins both into one batch
   (:meth:`Recipe.batch_cfg`), runs it, fills the first output in place and returns its own half.
 * Where the recipe cannot join them (shapes it will not pad to one, a call it does not know), the
-  two run one after the other, unchanged. A first branch left alone (a call without guidance, an
-  exception) is computed before the scheduler's step reads it, or before any other call.
+  two run one after the other, unchanged. A first branch left alone (a call without guidance) is
+  computed before the scheduler's step reads it, or before any other call; one left by a call that
+  raised is dropped where the next pipeline call begins.
+* Only inside a pipeline call (between the :class:`~accel.guard.CallGuard`'s begin and end): a
+  denoiser called directly, under a ``cache_context`` or not, runs as it is. Pipelines that share
+  the denoiser but not the scheduler each register their guard.
 * What changes is the batch, not the arithmetic in real numbers: recipes join only calls already
   normalised to within bf16 noise of eager (Qwen-Image's padded text), never where the library
   promises bit-for-bit output.
@@ -75,6 +79,9 @@ class CFGBatchHook(ModelHook):
         self.name = name
         self.context = ContextProbe()
         self._pending: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
+        self._in_call = False
+        # Who applied it (an accelerator's id) -> the guard of that accelerator's pipeline.
+        self.users: dict[int, CallGuard] = {}
         self.joined = 0
         self.alone = 0
 
@@ -83,8 +90,19 @@ class CFGBatchHook(ModelHook):
         self._pending = None
         return module
 
+    def begin(self) -> None:
+        self._pending = None  # left by a call that raised: nobody reads it
+        self._in_call = True
+
+    def end(self) -> None:
+        self.flush()
+        self._in_call = False
+
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         forward = self.fn_ref.original_forward
+        if not self._in_call:
+            self.flush()
+            return forward(*args, **kwargs)
         branch = self.recipe.cfg_branch(self.context.name)
         if branch == 1 and self._pending is not None:
             first_args, first_kwargs, first_out = self._pending
@@ -115,10 +133,6 @@ class CFGBatchHook(ModelHook):
         self._fill(out, self.fn_ref.original_forward(*args, **kwargs))
         self.alone += 1
 
-    def discard(self) -> None:
-        """Forget a waiting first branch (its pipeline call raised; nobody will read it)."""
-        self._pending = None
-
     def _fill(self, placeholder: Any, computed: Any) -> None:
         dst, src = tree.tensors(placeholder), tree.tensors(computed)
         if len(dst) != len(src) or any(d.shape != s.shape or d.dtype != s.dtype for d, s in zip(dst, src)):
@@ -144,13 +158,16 @@ def _split_batch(out: Any, parts: int) -> list[Any]:
     return [cut(i) for i in range(parts)]
 
 
-def apply_cfg_batch(module: torch.nn.Module, recipe: Recipe, guard: CallGuard, *, name: str) -> CFGBatchHook:
-    """Put a :class:`CFGBatchHook` on ``module`` (outside every hook it has), listening to
-    ``guard`` so that a waiting branch is computed before each scheduler step and dropped where
-    a call begins. Undo with :func:`remove_cfg_batch`."""
-    hook = CFGBatchHook(recipe, name)
-    HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, CFG_BATCH_HOOK_NAME)
-    guard.listen(hook, begin=hook.discard, step=hook.flush, end=hook.flush)
+def apply_cfg_batch(module: torch.nn.Module, recipe: Recipe, guard: CallGuard, *, name: str, user: Any) -> CFGBatchHook:
+    """Put a :class:`CFGBatchHook` on ``module`` (outside every hook it has) on behalf of
+    ``user``, or join the one it has; it listens to ``guard`` (where calls begin and end, and
+    before each scheduler step). Undo with :func:`remove_cfg_batch` and the same ``user``."""
+    hook = cfg_batch_hook_of(module)
+    if hook is None:
+        hook = CFGBatchHook(recipe, name)
+        HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, CFG_BATCH_HOOK_NAME)
+    hook.users[id(user)] = guard
+    guard.listen(hook, begin=hook.begin, step=hook.flush, end=hook.end)
     return hook
 
 
@@ -161,11 +178,13 @@ def cfg_batch_hook_of(module: torch.nn.Module) -> CFGBatchHook | None:
     return hook if isinstance(hook, CFGBatchHook) else None
 
 
-def remove_cfg_batch(module: torch.nn.Module, guard: CallGuard | None) -> None:
-    """Take the :class:`CFGBatchHook` off ``module`` (and off ``guard``), if it has one."""
+def remove_cfg_batch(module: torch.nn.Module, user: Any) -> None:
+    """``user`` lets go of ``module``'s :class:`CFGBatchHook`; the last user takes it off."""
     hook = cfg_batch_hook_of(module)
-    if hook is None:
+    if hook is None or id(user) not in hook.users:
         return
-    if guard is not None:
+    guard = hook.users.pop(id(user))
+    if all(g is not guard for g in hook.users.values()):
         guard.unlisten(hook)
-    module._diffusers_hook.remove_hook(CFG_BATCH_HOOK_NAME, recurse=False)
+    if not hook.users:
+        module._diffusers_hook.remove_hook(CFG_BATCH_HOOK_NAME, recurse=False)

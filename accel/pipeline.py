@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .cfg_batch import CFGBatchHook, apply_cfg_batch, cfg_batch_hook_of, remove_cfg_batch
+from .cfg_batch import CFGBatchHook, apply_cfg_batch, remove_cfg_batch
 from .guard import CallGuard
 from .hook import HOOK_NAME, GraphHook, apply_graph_runner, module_device, release_graph_runner
 from .options import (
@@ -162,13 +162,13 @@ class PipelineAccelerator:
             module, hook = getattr(self.pipe, name), self._hooks[name]
             if module_device(module).type != "cuda" or not hook.active:
                 continue
-            if hook.recipe.cfg_parallel_support(module) is not None or cfg_batch_hook_of(module) is not None:
-                continue  # branches batched by the pipeline itself, or by another pipeline's hook
-            self._cfg_batch[name] = apply_cfg_batch(module, hook.recipe, self._guard, name=name)
+            if hook.recipe.cfg_parallel_support(module) is not None:
+                continue  # the pipeline batches its branches itself (or the recipe does not know)
+            self._cfg_batch[name] = apply_cfg_batch(module, hook.recipe, self._guard, name=name, user=self)
 
     def _uninstall(self) -> None:
         for name in list(self._cfg_batch):
-            remove_cfg_batch(getattr(self.pipe, name), self._guard)
+            remove_cfg_batch(getattr(self.pipe, name), self)
         self._cfg_batch.clear()
         if self._parallel is not None:
             self._parallel.close()

@@ -36,7 +36,7 @@ def _batched(pipe: Any, **options: Any) -> Any:
     accelerate_pipeline(pipe, **options)
     hook = graph_hook_of(pipe.transformer)
     assert hook is not None
-    return apply_cfg_batch(pipe.transformer, hook.recipe, pipe.accel._guard, name="transformer")
+    return apply_cfg_batch(pipe.transformer, hook.recipe, pipe.accel._guard, name="transformer", user=pipe.accel)
 
 
 def test_not_installed_without_cuda(qwen: Any) -> None:
@@ -55,7 +55,7 @@ def test_joined_pair_equals_two_calls(qwen: Any) -> None:
         out = _call(qwen)
         assert (hook.joined, hook.alone) == (3, 0)
     finally:
-        remove_cfg_batch(qwen.transformer, qwen.accel._guard)
+        remove_cfg_batch(qwen.transformer, qwen.accel)
         qwen.accel.restore()
     assert cfg_batch_hook_of(qwen.transformer) is None
     # Padding and the batch change the summation order only (fp32 here, bf16 noise on a GPU).
@@ -72,7 +72,7 @@ def test_first_branch_without_a_second_is_computed_before_the_step(qwen: Any) ->
         out = _call(qwen, true_cfg_scale=1.0)
         assert (hook.joined, hook.alone) == (0, 3)
     finally:
-        remove_cfg_batch(qwen.transformer, qwen.accel._guard)
+        remove_cfg_batch(qwen.transformer, qwen.accel)
         qwen.accel.restore()
     assert torch.equal(out, reference)
 
@@ -85,7 +85,7 @@ def test_exact_text_lengths_are_never_joined(qwen: Any) -> None:
         out = _call(qwen)
         assert (hook.joined, hook.alone) == (0, 3)
     finally:
-        remove_cfg_batch(qwen.transformer, qwen.accel._guard)
+        remove_cfg_batch(qwen.transformer, qwen.accel)
         qwen.accel.restore()
     assert torch.equal(out, reference)
 
@@ -107,8 +107,57 @@ def test_a_pair_left_by_a_failed_call_is_dropped(qwen: Any) -> None:
         _call(qwen)  # the new call drops it where it begins
         assert hook.joined == reference_joined + 3
     finally:
-        remove_cfg_batch(qwen.transformer, qwen.accel._guard)
+        remove_cfg_batch(qwen.transformer, qwen.accel)
         qwen.accel.restore()
+
+
+def test_direct_calls_outside_a_pipeline_call_run_as_they_are(qwen: Any) -> None:
+    """A denoiser called by the user's own loop under cache_context("cond") gets its output."""
+    seen: list[dict[str, Any]] = []
+    handle = qwen.transformer.register_forward_pre_hook(lambda m, a, k: seen.append(dict(k)), with_kwargs=True)
+    try:
+        _call(qwen)
+    finally:
+        handle.remove()
+    kwargs = {**seen[0], "return_dict": False}
+    with torch.no_grad():
+        reference = qwen.transformer(**kwargs)[0]
+    hook = _batched(qwen)
+    try:
+        with torch.no_grad(), qwen.transformer.cache_context("cond"):
+            out = qwen.transformer(**kwargs)[0]
+        assert (hook.joined, hook.alone) == (0, 0)
+    finally:
+        remove_cfg_batch(qwen.transformer, qwen.accel)
+        qwen.accel.restore()
+    assert torch.equal(out, reference)
+
+
+def test_pipelines_sharing_the_denoiser_but_not_the_scheduler(qwen: Any) -> None:
+    """Each pipeline's guard tells the shared hook where its calls begin, step and end: a call
+    without guidance through the second pipeline is computed before its own scheduler steps."""
+    import copy
+
+    other = type(qwen)(**{**qwen.components, "scheduler": copy.deepcopy(qwen.scheduler)})
+    other.set_progress_bar_config(disable=True)
+    reference = _call(other, true_cfg_scale=1.0)
+    guided = _call(other)
+    hook = _batched(qwen)
+    accelerate_pipeline(other)
+    second = apply_cfg_batch(other.transformer, hook.recipe, other.accel._guard, name="transformer", user=other.accel)
+    assert second is hook and other.accel._guard is not qwen.accel._guard
+    try:
+        assert torch.equal(_call(other, true_cfg_scale=1.0), reference)
+        assert (hook.joined, hook.alone) == (0, 3)
+        torch.testing.assert_close(_call(other), guided, rtol=1e-4, atol=1e-4)
+        assert hook.joined == 3
+        remove_cfg_batch(qwen.transformer, qwen.accel)
+        assert cfg_batch_hook_of(other.transformer) is hook  # the other pipeline still uses it
+    finally:
+        remove_cfg_batch(other.transformer, other.accel)
+        other.accel.restore()
+        qwen.accel.restore()
+    assert cfg_batch_hook_of(qwen.transformer) is None
 
 
 def _kwargs(text: int, image: int = 16, *, mask: bool = False) -> dict[str, Any]:
