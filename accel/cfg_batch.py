@@ -24,7 +24,6 @@ kernels too small to fill the GPU, so one call at batch 2 costs far less than tw
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -43,8 +42,6 @@ __all__ = [
     "cfg_batch_hook_of",
     "remove_cfg_batch",
 ]
-
-logger = logging.getLogger(__name__)
 
 CFG_BATCH_HOOK_NAME = "bcg_cfg_batch"
 
