@@ -6,13 +6,15 @@ to a tiny Qwen-Image pipeline, whose recipe pads and joins the two calls itself.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from accel import accelerate_pipeline
-from accel.cfg_batch import apply_cfg_batch, cfg_batch_hook_of, remove_cfg_batch
+from accel.cfg_batch import CFGBatchHook, apply_cfg_batch, cfg_batch_hook_of, remove_cfg_batch
 from accel.hook import graph_hook_of
 from pipelines.builders import build_pipeline
 from pipelines.qwen_image import BUCKET_MAX_IMAGE_TOKENS, QwenImageRecipe
@@ -32,11 +34,19 @@ def qwen() -> Any:
     return pipe
 
 
-def _batched(pipe: Any, **options: Any) -> Any:
+@contextlib.contextmanager
+def _batched(pipe: Any, **options: Any) -> Iterator[CFGBatchHook]:
+    """The pipeline accelerated with ``options`` and the hook applied as on a GPU; undone after."""
     accelerate_pipeline(pipe, **options)
-    hook = graph_hook_of(pipe.transformer)
-    assert hook is not None
-    return apply_cfg_batch(pipe.transformer, hook.recipe, pipe.accel._guard, name="transformer", user=pipe.accel)
+    graph_hook = graph_hook_of(pipe.transformer)
+    assert graph_hook is not None
+    try:
+        yield apply_cfg_batch(
+            pipe.transformer, graph_hook.recipe, pipe.accel._guard, name="transformer", user=pipe.accel
+        )
+    finally:
+        remove_cfg_batch(pipe.transformer, pipe.accel)
+        pipe.accel.restore()
 
 
 def test_not_installed_without_cuda(qwen: Any) -> None:
@@ -50,13 +60,9 @@ def test_not_installed_without_cuda(qwen: Any) -> None:
 def test_joined_pair_equals_two_calls(qwen: Any) -> None:
     reference = _call(qwen)
     unguided = _call(qwen, true_cfg_scale=1.0)
-    hook = _batched(qwen)
-    try:
+    with _batched(qwen) as hook:
         out = _call(qwen)
         assert (hook.joined, hook.alone) == (3, 0)
-    finally:
-        remove_cfg_batch(qwen.transformer, qwen.accel)
-        qwen.accel.restore()
     assert cfg_batch_hook_of(qwen.transformer) is None
     # Padding and the batch change the summation order only (fp32 here, bf16 noise on a GPU).
     torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
@@ -67,32 +73,23 @@ def test_first_branch_without_a_second_is_computed_before_the_step(qwen: Any) ->
     """Without guidance each step makes one call under cache_context("cond"): it waits for a
     pair that never comes, and is computed before the scheduler reads it, unchanged."""
     reference = _call(qwen, true_cfg_scale=1.0)
-    hook = _batched(qwen)
-    try:
+    with _batched(qwen) as hook:
         out = _call(qwen, true_cfg_scale=1.0)
         assert (hook.joined, hook.alone) == (0, 3)
-    finally:
-        remove_cfg_batch(qwen.transformer, qwen.accel)
-        qwen.accel.restore()
     assert torch.equal(out, reference)
 
 
 def test_exact_text_lengths_are_never_joined(qwen: Any) -> None:
     """text_buckets=None promises eager's output bit for bit: the pair runs as two calls."""
     reference = _call(qwen)
-    hook = _batched(qwen, text_buckets=None)
-    try:
+    with _batched(qwen, text_buckets=None) as hook:
         out = _call(qwen)
         assert (hook.joined, hook.alone) == (0, 3)
-    finally:
-        remove_cfg_batch(qwen.transformer, qwen.accel)
-        qwen.accel.restore()
     assert torch.equal(out, reference)
 
 
 def test_a_pair_left_by_a_failed_call_is_dropped(qwen: Any) -> None:
-    hook = _batched(qwen)
-    try:
+    with _batched(qwen) as hook:
 
         def fail(*a: Any, **k: Any) -> None:
             if qwen.transformer._diffusers_hook.get_hook("bcg_cfg_batch").context.name == "uncond":
@@ -106,9 +103,6 @@ def test_a_pair_left_by_a_failed_call_is_dropped(qwen: Any) -> None:
         reference_joined = hook.joined
         _call(qwen)  # the new call drops it where it begins
         assert hook.joined == reference_joined + 3
-    finally:
-        remove_cfg_batch(qwen.transformer, qwen.accel)
-        qwen.accel.restore()
 
 
 def test_direct_calls_outside_a_pipeline_call_run_as_they_are(qwen: Any) -> None:
@@ -122,14 +116,10 @@ def test_direct_calls_outside_a_pipeline_call_run_as_they_are(qwen: Any) -> None
     kwargs = {**seen[0], "return_dict": False}
     with torch.no_grad():
         reference = qwen.transformer(**kwargs)[0]
-    hook = _batched(qwen)
-    try:
+    with _batched(qwen) as hook:
         with torch.no_grad(), qwen.transformer.cache_context("cond"):
             out = qwen.transformer(**kwargs)[0]
         assert (hook.joined, hook.alone) == (0, 0)
-    finally:
-        remove_cfg_batch(qwen.transformer, qwen.accel)
-        qwen.accel.restore()
     assert torch.equal(out, reference)
 
 
@@ -142,21 +132,15 @@ def test_pipelines_sharing_the_denoiser_but_not_the_scheduler(qwen: Any) -> None
     other.set_progress_bar_config(disable=True)
     reference = _call(other, true_cfg_scale=1.0)
     guided = _call(other)
-    hook = _batched(qwen)
-    accelerate_pipeline(other)
-    second = apply_cfg_batch(other.transformer, hook.recipe, other.accel._guard, name="transformer", user=other.accel)
-    assert second is hook and other.accel._guard is not qwen.accel._guard
-    try:
+    with _batched(qwen) as hook, _batched(other) as second:
+        assert second is hook and other.accel._guard is not qwen.accel._guard
         assert torch.equal(_call(other, true_cfg_scale=1.0), reference)
         assert (hook.joined, hook.alone) == (0, 3)
         torch.testing.assert_close(_call(other), guided, rtol=1e-4, atol=1e-4)
         assert hook.joined == 3
-        remove_cfg_batch(qwen.transformer, qwen.accel)
-        assert cfg_batch_hook_of(other.transformer) is hook  # the other pipeline still uses it
-    finally:
-        remove_cfg_batch(other.transformer, other.accel)
-        other.accel.restore()
-        qwen.accel.restore()
+        remove_cfg_batch(qwen.transformer, qwen.accel)  # the first pipeline lets go
+        assert cfg_batch_hook_of(other.transformer) is hook  # the other one still uses it
+    assert cfg_batch_hook_of(qwen.transformer) is None
     assert cfg_batch_hook_of(qwen.transformer) is None
 
 
