@@ -69,6 +69,15 @@ def test_joined_pair_equals_two_calls(qwen: Any) -> None:
     assert (reference - unguided).abs().max() > 100 * (out - reference).abs().max()
 
 
+def test_two_images_per_prompt_join_into_a_batch_of_four(qwen: Any) -> None:
+    reference = _call(qwen, num_images_per_prompt=2)
+    with _batched(qwen) as hook:
+        out = _call(qwen, num_images_per_prompt=2)
+        assert (hook.joined, hook.alone) == (3, 0)
+    assert out.shape[0] == 2 and not torch.equal(out[0], out[1])
+    torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
+
+
 def test_first_branch_without_a_second_is_computed_before_the_step(qwen: Any) -> None:
     """Without guidance each step makes one call under cache_context("cond"): it waits for a
     pair that never comes, and is computed before the scheduler reads it, unchanged."""
