@@ -97,8 +97,7 @@ class CFGBatchHook(ModelHook):
 
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         forward = self.fn_ref.original_forward
-        if not self._in_call:
-            self.flush()
+        if not self._in_call:  # nothing waits outside a call: end() flushed, begin() dropped
             return forward(*args, **kwargs)
         branch = self.recipe.cfg_branch(self.context.name)
         if branch == 1 and self._pending is not None:

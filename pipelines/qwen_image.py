@@ -226,16 +226,16 @@ class QwenImageRecipe(Recipe):
         (_, first), (_, second) = calls
         if set(first) != set(second):
             return None
-        prepared = []
+        buckets = []
         for kwargs in (first, second):
             text, image = kwargs.get("encoder_hidden_states"), kwargs.get("hidden_states")
             if not (isinstance(text, torch.Tensor) and text.dim() == 3 and isinstance(image, torch.Tensor)):
                 return None
-            if image.dim() != 3 or image.shape[1] > BUCKET_MAX_IMAGE_TOKENS or self.bucket(text.shape[1]) is None:
+            bucket = self.bucket(text.shape[1])
+            if image.dim() != 3 or image.shape[1] > BUCKET_MAX_IMAGE_TOKENS or bucket is None:
                 return None  # exact text lengths here: output promised bit for bit
-            prepared.append(self.prepare((), kwargs)[1])
-        length = max(k["encoder_hidden_states"].shape[1] for k in prepared)
-        first, second = (_pad_text(k, length) for k in prepared)
+            buckets.append(bucket)
+        first, second = (_pad_text(k, max(buckets)) for k in (first, second))
         joined: dict[str, Any] = {}
         for key, a in first.items():
             b = second[key]
