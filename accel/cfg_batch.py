@@ -1,4 +1,4 @@
-"""Both guidance branches of a step in one batched denoiser call, on one GPU.
+"""Both guidance branches of a step in one batched denoiser call, on one GPU or one Ulysses group.
 
 True-CFG pipelines (Qwen-Image) call the denoiser twice per step, the prompt then the negative
 prompt, each at batch 1. At small resolutions such a call is bound by reading the weights and by
@@ -20,6 +20,9 @@ kernels too small to fill the GPU, so one call at batch 2 costs far less than tw
 * What changes is the batch, not the arithmetic in real numbers: recipes join only calls already
   normalised to within bf16 noise of eager (Qwen-Image's padded text), never where the library
   promises bit-for-bit output.
+* Under ``parallel="ulysses"`` the hook sits outside the :class:`~accel.parallel.ParallelHook`:
+  the joined call is what every rank of the group computes together, and the recipe is told the
+  group's size (``degree``), since each rank then computes a share of the sequence.
 """
 
 from __future__ import annotations
@@ -70,10 +73,11 @@ class CFGBatchHook(ModelHook):
 
     _is_stateful = True
 
-    def __init__(self, recipe: Recipe, name: str) -> None:
+    def __init__(self, recipe: Recipe, name: str, degree: int = 1) -> None:
         super().__init__()
         self.recipe = recipe
         self.name = name
+        self.degree = degree
         self.context = ContextProbe()
         self._pending: tuple[tuple[Any, ...], dict[str, Any], Any] | None = None
         self._in_call = False
@@ -103,7 +107,7 @@ class CFGBatchHook(ModelHook):
         if branch == 1 and self._pending is not None:
             first_args, first_kwargs, first_out = self._pending
             self._pending = None
-            joined = self.recipe.batch_cfg(module, [(first_args, first_kwargs), (args, kwargs)])
+            joined = self.recipe.batch_cfg(module, [(first_args, first_kwargs), (args, kwargs)], degree=self.degree)
             if joined is None:
                 self._fill(first_out, forward(*first_args, **first_kwargs))
                 self.alone += 1
@@ -154,13 +158,21 @@ def _split_batch(out: Any, parts: int) -> list[Any]:
     return [cut(i) for i in range(parts)]
 
 
-def apply_cfg_batch(module: torch.nn.Module, recipe: Recipe, guard: CallGuard, *, name: str, user: Any) -> CFGBatchHook:
+def apply_cfg_batch(
+    module: torch.nn.Module, recipe: Recipe, guard: CallGuard, *, name: str, user: Any, degree: int = 1
+) -> CFGBatchHook:
     """Put a :class:`CFGBatchHook` on ``module`` (outside every hook it has) on behalf of
     ``user``, or join the one it has; it listens to ``guard`` (where calls begin and end, and
-    before each scheduler step). Undo with :func:`remove_cfg_batch` and the same ``user``."""
+    before each scheduler step). ``degree``: the Ulysses ranks a call is split over, 1 on one
+    GPU. Undo with :func:`remove_cfg_batch` and the same ``user``."""
     hook = cfg_batch_hook_of(module)
+    if hook is not None and hook.degree != degree:
+        raise ValueError(
+            f"{name}: its guidance branches are already joined for {hook.degree} Ulysses rank(s), not {degree}; "
+            "restore() the other accelerator first"
+        )
     if hook is None:
-        hook = CFGBatchHook(recipe, name)
+        hook = CFGBatchHook(recipe, name, degree)
         HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, CFG_BATCH_HOOK_NAME)
     hook.users[id(user)] = guard
     guard.listen(hook, begin=hook.begin, step=hook.flush, end=hook.end)

@@ -132,7 +132,7 @@ class PipelineAccelerator:
                 # Collective: every rank of the launch builds its session here, or all fail.
                 denoisers = {n: self._hooks[n] for n in self._denoisers}
                 self._parallel = ParallelSession(pipe, denoisers, self._guard, options)
-            elif options.cfg_batch:
+            if options.cfg_batch:
                 self._apply_cfg_batch()
         except BaseException:
             self._uninstall()
@@ -156,15 +156,22 @@ class PipelineAccelerator:
 
     def _apply_cfg_batch(self) -> None:
         # Only where graphs run (CUDA, not eager mode): elsewhere the pipeline stays unchanged.
+        # Under "cfg" layouts each rank computes one branch whole: nothing to join.
         if self._guard is None or self.options.mode == "eager" or not torch.cuda.is_available():
             return
+        layout = self._parallel.layout if self._parallel is not None else None
+        if layout is not None and layout.cfg > 1:
+            return
+        degree = layout.ulysses if layout is not None else 1
         for name in self._denoisers:
             module, hook = getattr(self.pipe, name), self._hooks[name]
             if module_device(module).type != "cuda" or not hook.active:
                 continue
             if hook.recipe.cfg_parallel_support(module) is not None:
                 continue  # the pipeline batches its branches itself (or the recipe does not know)
-            self._cfg_batch[name] = apply_cfg_batch(module, hook.recipe, self._guard, name=name, user=self)
+            self._cfg_batch[name] = apply_cfg_batch(
+                module, hook.recipe, self._guard, name=name, user=self, degree=degree
+            )
 
     def _uninstall(self) -> None:
         for name in list(self._cfg_batch):
@@ -327,6 +334,11 @@ class PipelineAccelerator:
         """Counters of each denoiser's runner, by component name."""
         return {name: h.runner.stats() for name, h in self._hooks.items()}
 
+    def guidance_batches(self) -> dict[str, tuple[int, int]]:
+        """Per denoiser whose guidance branches may be joined (``cfg_batch``): (pairs run as one
+        batched call, first branches run alone)."""
+        return {name: (b.joined, b.alone) for name, b in self._cfg_batch.items()}
+
     def graph_memory_bytes(self) -> int:
         """Device memory held for graphs: the graph pool(s), static inputs and boundary buffers."""
         stats = [h.runner.stats() for h in self._hooks.values()]
@@ -357,8 +369,8 @@ class PipelineAccelerator:
             for site in h.runner.found_breaks:
                 lines.append(f"    capture broke at: {site}")
             if name in self._cfg_batch:
-                b = self._cfg_batch[name]
-                lines.append(f"    guidance branches: {b.joined} pairs run as one batch, {b.alone} calls alone")
+                joined, alone = self.guidance_batches()[name]
+                lines.append(f"    guidance branches: {joined} pairs run as one batch, {alone} calls alone")
             if not s.entries and h.active:
                 why = self._why_no_graphs(device) or (
                     "nothing warmed up yet: call pipe.accel.warmup(...) or pass capture_on_miss=True"
@@ -481,8 +493,11 @@ def accelerate_pipeline(
             functions that are pure functions of their inputs safely; the equality check is
             the guard.
         cfg_batch: where a pipeline calls the denoiser once per guidance branch (Qwen-Image's
-            true CFG) and the recipe pads both texts anyway, run the two as one call at twice
-            the batch (one GPU, CUDA only; see :mod:`accel.cfg_batch`). Off: one call each.
+            true CFG) and the recipe finds it pays (Qwen-Image: up to 768x768 on one GPU, where
+            it pads text anyway; up to 1024x1024 under ``parallel="ulysses"`` on 2 ranks), run
+            the two as one call at twice the batch (CUDA only; not under ``"cfg"`` layouts,
+            which put the branches on different ranks; see :mod:`accel.cfg_batch`). Off: one
+            call each.
 
     Raises:
         TypeError: ``pipe`` is not a diffusers pipeline.

@@ -99,12 +99,14 @@ class Recipe:
         raise NotImplementedError(f"the {self.name} recipe cannot describe its model's output for parallel='cfg'")
 
     def batch_cfg(
-        self, module: torch.nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
+        self, module: torch.nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], *, degree: int = 1
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """The two guidance branches' calls ``[(args, kwargs), ...]`` joined into one call whose
         output is theirs stacked along the batch dimension (accel/cfg_batch.py); None to run
-        them one after the other. Join only calls already normalised to within bf16 noise of
-        eager: a batch changes which kernels run, so never where output is promised bit for bit."""
+        them one after the other. ``degree`` is the number of Ulysses ranks the joined call's
+        sequence will be split over (1 on one GPU): each rank computes ``1/degree`` of it. Join
+        only calls already normalised to within bf16 noise of eager: a batch changes which
+        kernels run, so never where output is promised bit for bit."""
         return None
 
     def context_parallel_plan(self, module: torch.nn.Module, degree: int) -> dict[str, Any]:

@@ -217,10 +217,11 @@ class QwenImageRecipe(Recipe):
         return (out,)
 
     def batch_cfg(
-        self, module: torch.nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
+        self, module: torch.nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], *, degree: int = 1
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        # Only where text is padded anyway (within bf16 noise of eager already): both texts go
-        # to the larger of their two buckets, exact in real arithmetic like any padding.
+        # Only where each rank's share of the image is launch-bound (one GPU: where text is padded
+        # anyway, within bf16 noise of eager already; Ulysses: where it is split, never bit for
+        # bit). Both texts go to the larger of their two buckets, exact in real arithmetic.
         if len(calls) != 2 or not self.buckets or self._per_sample_shapes or any(a for a, _ in calls):
             return None
         (_, first), (_, second) = calls
@@ -232,8 +233,8 @@ class QwenImageRecipe(Recipe):
             if not (isinstance(text, torch.Tensor) and text.dim() == 3 and isinstance(image, torch.Tensor)):
                 return None
             bucket = self.bucket(text.shape[1])
-            if image.dim() != 3 or image.shape[1] > BUCKET_MAX_IMAGE_TOKENS or bucket is None:
-                return None  # exact text lengths here: output promised bit for bit
+            if image.dim() != 3 or image.shape[1] > BUCKET_MAX_IMAGE_TOKENS * degree or bucket is None:
+                return None  # one GPU keeps exact text lengths here: output promised bit for bit
             buckets.append(bucket)
         first, second = (_pad_text(k, max(buckets)) for k in (first, second))
         joined: dict[str, Any] = {}

@@ -16,6 +16,9 @@ and runs, per resolution, the same pipeline call (same prompt, seed and steps) i
 * ``ulysses eager`` / ``ulysses graphs`` (``parallel="ulysses"``): diffusers' Ulysses context
   parallelism over all ranks.
 * ``cfg+ulysses eager`` / ``graphs`` on 4 or more ranks.
+* with ``--branches-apart``, Qwen-Image's ``ulysses graphs`` again with ``cfg_batch=False``
+  (``ulysses graphs, branches apart``): its two guidance calls one after the other rather than
+  joined into one batch-2 call (see ``accel.cfg_batch``).
 
 Latency: the wall time of the whole pipeline call on rank 0 (``output_type="latent"`` by default:
 text encoding and denoising, no VAE decode, which every rank repeats alike), from a barrier and
@@ -91,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", action="store_true", help="one more call per variant under torch.profiler: kernel time by kind"
     )
     p.add_argument("--skip-parallel-eager", action="store_true", help="leave out the eager parallel variants")
+    p.add_argument(
+        "--branches-apart",
+        action="store_true",
+        help="also run Qwen-Image's Ulysses graph variants with cfg_batch=False (guidance calls not joined)",
+    )
     p.add_argument(
         "--only", nargs="+", metavar="LABEL", help='run only these variants, e.g. "1 GPU graphs" "ulysses graphs"'
     )
@@ -172,9 +180,10 @@ def settings(model: str, steps: int | None) -> dict[str, Any]:
 
 
 def variants(
-    model: str, world: int, compile: bool = False, parallel_eager: bool = True
-) -> list[tuple[str, str | None, str]]:
-    """(label, parallel, mode) in the order they run; compiled variants last (mode ``bcg+compile``)."""
+    model: str, world: int, compile: bool = False, parallel_eager: bool = True, apart: bool = False
+) -> list[tuple[str, str | None, str, bool]]:
+    """(label, parallel, mode, cfg_batch) in the order they run; compiled variants last (mode
+    ``bcg+compile``); with ``apart``, Qwen-Image's Ulysses graph variants also with cfg_batch off."""
     layouts = []
     if model == "qwen-image":  # Z-Image batches its guidance branches into one call
         if world == 2:
@@ -182,13 +191,22 @@ def variants(
         elif world % 2 == 0:
             layouts.append("cfg+ulysses")
     layouts.append("ulysses")
-    out: list[tuple[str, str | None, str]] = [("1 GPU eager", None, "eager"), ("1 GPU graphs", None, "bcg")]
+    apart = apart and model == "qwen-image"
+    out: list[tuple[str, str | None, str, bool]] = [
+        ("1 GPU eager", None, "eager", True),
+        ("1 GPU graphs", None, "bcg", True),
+    ]
     for parallel in layouts:
-        out += [(f"{parallel} eager", parallel, "eager")] if parallel_eager else []
-        out += [(f"{parallel} graphs", parallel, "bcg")]
+        out += [(f"{parallel} eager", parallel, "eager", True)] if parallel_eager else []
+        out += [(f"{parallel} graphs", parallel, "bcg", True)]
+        if apart and parallel == "ulysses":
+            out += [(f"{parallel} graphs, branches apart", parallel, "bcg", False)]
     if compile:
-        out += [("1 GPU graphs+compile", None, "bcg+compile")]
-        out += [(f"{parallel} graphs+compile", parallel, "bcg+compile") for parallel in layouts]
+        out += [("1 GPU graphs+compile", None, "bcg+compile", True)]
+        for parallel in layouts:
+            out += [(f"{parallel} graphs+compile", parallel, "bcg+compile", True)]
+            if apart and parallel == "ulysses":
+                out += [(f"{parallel} graphs+compile, branches apart", parallel, "bcg+compile", False)]
     return out
 
 
@@ -260,7 +278,15 @@ def as_tensor(images: Any) -> torch.Tensor:
 
 
 def run_variant(
-    pipe: Any, model: str, res: int, label: str, parallel: str | None, mode: str, args: argparse.Namespace, ctx: dict
+    pipe: Any,
+    model: str,
+    res: int,
+    label: str,
+    parallel: str | None,
+    mode: str,
+    args: argparse.Namespace,
+    ctx: dict,
+    cfg_batch: bool = True,
 ) -> dict[str, Any] | None:
     from accel import accelerate_pipeline
 
@@ -280,6 +306,7 @@ def run_variant(
                 compile=compiled,
                 parallel=parallel,
                 parallel_timeout_s=args.timeout,
+                cfg_batch=cfg_batch,
             )
             if mode != "eager":
                 t0 = time.perf_counter()
@@ -295,6 +322,7 @@ def run_variant(
         if accelerated:
             stats = pipe.accel.stats()["transformer"]
             row.update(replays=stats.replays, eager_calls=stats.eager_calls, captures=stats.captures)
+            row["joined_pairs"] = pipe.accel.guidance_batches().get("transformer", (0, 0))[0]
         row["_latents"] = latents
     except Exception as exc:  # a failed variant is a row, not a lost run
         row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:300])
@@ -412,10 +440,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"built {model} ({args.size}) in {time.perf_counter() - t0:.0f}s", flush=True)
         for res in args.resolutions:
             refs: dict[str, torch.Tensor] = {}
-            for label, parallel, mode in variants(model, world, args.compile, not args.skip_parallel_eager):
+            planned = variants(model, world, args.compile, not args.skip_parallel_eager, args.branches_apart)
+            for label, parallel, mode, cfg_batch in planned:
                 if args.only and label not in args.only:
                     continue
-                row = run_variant(pipe, model, res, label, parallel, mode, args, ctx)
+                row = run_variant(pipe, model, res, label, parallel, mode, args, ctx, cfg_batch)
                 dist.barrier()
                 if row is None:
                     continue

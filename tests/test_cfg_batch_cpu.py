@@ -184,6 +184,24 @@ def test_recipe_joins_two_texts_at_the_larger_bucket() -> None:
     assert kw["guidance"] is None and kw["return_dict"] is False
 
 
+def test_ulysses_ranks_join_what_one_gpu_keeps_apart() -> None:
+    # Each of 2 Ulysses ranks computes half of a 1024x1024 image's tokens: launch-bound again.
+    recipe, tokens = QwenImageRecipe(), 2 * BUCKET_MAX_IMAGE_TOKENS
+    calls = [((), _kwargs(5, tokens)), ((), _kwargs(70, tokens))]
+    assert recipe.batch_cfg(torch.nn.Identity(), calls) is None
+    joined = recipe.batch_cfg(torch.nn.Identity(), calls, degree=2)
+    assert joined is not None and joined[1]["hidden_states"].shape[:2] == (2, tokens)
+    assert joined[1]["encoder_hidden_states"].shape == (2, 128, 4)
+    over = [((), _kwargs(5, tokens + 1)), ((), _kwargs(70, tokens + 1))]
+    assert recipe.batch_cfg(torch.nn.Identity(), over, degree=2) is None
+
+
+def test_one_hook_per_module_and_degree(qwen: Any) -> None:
+    with _batched(qwen), pytest.raises(ValueError, match="already joined for 1 Ulysses rank"):
+        apply_cfg_batch(qwen.transformer, graph_hook_of(qwen.transformer).recipe, qwen.accel._guard,
+                        name="transformer", user=object(), degree=2)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "why, second",
     [

@@ -198,7 +198,8 @@ def test_two_processes_cfg_exact_ulysses_close_errors_clear(tmp_path: Path) -> N
     for r in results:
         assert r["accelerated"] == ["text_encoder", "transformer", "vae.decoder"], r["accelerated"]
     # Ulysses: the same computation split differently, every rank the same latents.
-    for key, ref in (("uly", "ref_cfg"), ("z_uly", "z_ref")):
+    assert r0["joined"] == r1["joined"] == (STEPS, 0)
+    for key, ref in (("uly", "ref_cfg"), ("uly_joined", "ref_cfg"), ("z_uly", "z_ref")):
         _assert_exact(r0[key], r1[key])
         torch.testing.assert_close(r0[key], r0[ref], rtol=1e-4, atol=1e-4)
         assert not torch.equal(r0[key], torch.zeros_like(r0[key]))
@@ -300,6 +301,7 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
     # CPU-only machine; the CPU stands in for one device per rank here.
     torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
     from accel import accelerate_pipeline
+    from accel.cfg_batch import apply_cfg_batch, remove_cfg_batch
     from accel.parallel import ParallelError
     from pipelines.builders import build_pipeline
 
@@ -338,6 +340,12 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
         pipe.accel.restore()
         accelerate_pipeline(pipe, parallel="ulysses")
         res["uly"] = run(pipe, **qwen_kw())
+        # Both branches as one call through the Ulysses group, the hook applied as on a GPU.
+        cfg = apply_cfg_batch(pipe.transformer, pipe.accel._hooks["transformer"].recipe, pipe.accel._guard,
+                              name="transformer", user=pipe.accel, degree=2)  # fmt: skip
+        res["uly_joined"] = run(pipe, **qwen_kw())
+        res["joined"] = (cfg.joined, cfg.alone)
+        remove_cfg_batch(pipe.transformer, pipe.accel)
         pipe.accel.restore()
         res["restored"] = _hook_state(pipe.transformer) == before
 

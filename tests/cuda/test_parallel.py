@@ -131,6 +131,11 @@ def test_qwen_image_cfg_is_exact_and_ulysses_graphs_equal_ulysses_eager(tmp_path
         assert r["cfg_te_replays"] > 0 and r["uly_te_replays"] > 0, "the text encoder ran eagerly"
     for key in ("uly_eager", "uly_graphs", "uly_buckets"):
         _exact(r1[key], r0[key], f"{key}: rank 1 vs rank 0")
+    for r in (r0, r1):
+        _exact(r["uly_buckets"], r["uly_joined_eager"], f"joined branches, graphs vs eager on rank {r['rank']}")
+        # Both calls (eager, then graphs) joined every step's pair; the warm-up's pairs come on top.
+        assert r["uly_joined"][0] >= 2 * STEPS and r["uly_joined"][1] == 0, r["uly_joined"]
+        assert r["uly_buckets_replays"] >= STEPS
     print(
         f"ulysses vs one GPU: {_rel(r0['uly_eager'], ref):.2e}; with text buckets: {_rel(r0['uly_buckets'], ref):.2e}"
     )
@@ -261,9 +266,15 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
     res["uly_te_replays"] = replays("text_encoder")
     log.info("%s", pipe.accel.report())
     if name == "qwen-image":
-        accelerate_pipeline(pipe, parallel="ulysses")  # default buckets: the text mask travels in the graph
+        # Default buckets: the text mask travels in the graph, and the two guidance calls of a
+        # step run as one batch-2 call (cfg_batch). First without graphs (no warm-up: each call
+        # misses and runs eagerly), then replayed.
+        accelerate_pipeline(pipe, parallel="ulysses")
+        res["uly_joined_eager"] = run()
         warm()
         res["uly_buckets"] = run()
+        res["uly_joined"] = pipe.accel.guidance_batches()["transformer"]
+        res["uly_buckets_replays"] = replays()
     torch.save(res, out / f"rank{rank}.pt")
     # Done: the process must now exit by itself, graphs alive, process group not destroyed here.
     (out / f"done{rank}").write_text(str(time.time()))
