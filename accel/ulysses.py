@@ -84,7 +84,9 @@ class FusedUlyssesAttention:
         # [batch, all tokens, local heads, dim] each: strided views of what arrived, no copies.
         q, k, v = got[..., :width].unflatten(-1, (3, local, dim)).unbind(2)
         if attn_mask is not None:
-            attn_mask = (got[..., width] != 0)[:, None, None, :]
+            # Contiguous along the keys: SDPA's memory-efficient kernel takes no other mask, and
+            # above batch 1 the received column's key axis has a stride of the batch size.
+            attn_mask = (got[..., width] != 0).contiguous()[:, None, None, :]
         out = forward_op(
             None,  # no autograd context: _save_ctx=False
             q,
