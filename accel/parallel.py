@@ -24,7 +24,9 @@ launch`` builds a :class:`ParallelSession`. Contract:
 * Ulysses: ``module.enable_parallelism(ContextParallelConfig(ulysses_degree=M, mesh=...))`` with
   the recipe's plan (:meth:`Recipe.context_parallel_plan`); calls are first made splittable
   (:meth:`Recipe.prepare_context_parallel`). Query, key and value travel in one all-to-all
-  (:mod:`accel.ulysses`). The all-to-alls run inside graph segments. Every rank
+  (:mod:`accel.ulysses`). Where the recipe joins a step's two guidance calls
+  (:mod:`accel.cfg_batch`, whose hook sits outside this one), the joined call is what the group
+  computes. The all-to-alls run inside graph segments. Every rank
   of a Ulysses group sees the same calls, so they capture the same signatures in the same order;
   after any call that captured (or failed to), the group agrees on the outcome (a gloo all-reduce)
   and, if any rank failed, every rank drops that call's new graphs and runs it eagerly, so their
