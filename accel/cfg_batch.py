@@ -67,6 +67,7 @@ class CFGBatchHook(ModelHook):
     Stateful only so that diffusers tells it the current ``cache_context`` name.
 
     Attributes:
+        degree: the Ulysses ranks each call is split over (1: one GPU); the recipe is told it.
         joined: pairs run as one batched call.
         alone: first branches run by themselves (no second came, or it could not join).
     """
