@@ -20,6 +20,10 @@ What the stock forward needs (diffusers 0.42):
 * On several GPUs (``parallel=``): true CFG's two calls run under ``cache_context("cond")`` and
   ``("uncond")``, one per rank, exact; Ulysses uses diffusers' own ``_cp_plan``, with the text
   right-padded (masked) to a multiple of the number of ranks where its length does not split.
+* The two calls join into one batch-2 call (``cfg_batch``) where each GPU's share of the image is
+  at most :data:`BUCKET_MAX_IMAGE_TOKENS`: up to 768x768 on one GPU, up to 1024x1024 on two
+  Ulysses ranks (measured on 2 H200s: 1.33x one GPU at 512x512 joined against 1.00x apart;
+  1-3% faster than apart at 1024x1024).
 """
 
 from __future__ import annotations
