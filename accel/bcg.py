@@ -25,6 +25,17 @@ Contract (see the project's design notes):
   values it will see at every replay, and the constants it returns (which later segments were
   recorded under) are the real ones. The capture pass's final output is still only recorded:
   replay to get real values.
+* A *decision* (``eager_on_graph(decision=True)``) is a break whose result is a small host value
+  (a bool, an int, a string, None, or a tuple of them) that picks what the code does next. A
+  capture records the values its decisions took (:attr:`BreakableCUDAGraph.path`); the segments
+  after a decision are the continuation for that value only. :mod:`accel.branches` keeps one chain
+  per path and picks the chain at replay; a chain's own replay never follows another value.
+* ``keeps_inputs=True`` marks a break that keeps its tensor arguments past the call (a cache
+  storing a residual): it is handed owned copies of them at capture and at every replay, never
+  the graph's memory, which the next replay rewrites.
+* A call whose first breaks already ran (a replay that left its chain's path, see
+  :mod:`accel.branches`) is run again under :func:`rerun`: those breaks return what they returned
+  then, without running again, so their host effects (a step counter) happen once per call.
 
 This module knows nothing of diffusers.
 """
@@ -48,11 +59,13 @@ __all__ = [
     "BreakError",
     "BreakableCUDAGraph",
     "CopyBackError",
+    "Memo",
     "NestedBreakError",
     "break_graph",
     "capture",
     "eager_on_graph",
     "is_capturing",
+    "rerun",
 ]
 
 logger = logging.getLogger(__name__)
@@ -69,25 +82,53 @@ class NestedBreakError(BreakError):
 
 
 class CopyBackError(BreakError):
-    """A break's replay output does not match the boundary buffer recorded at capture."""
+    """A break's replay output does not match the boundary buffer recorded at capture.
+
+    ``output`` is what the break returned, for a caller that finishes the call another way.
+    """
+
+    def __init__(self, message: str, output: Any = None) -> None:
+        super().__init__(message)
+        self.output = output
 
 
-_ACTIVE: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar("bcg_active_capture", default=None)
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """How a marked function behaves as a break."""
+
+    inline_nested: bool = False
+    decision: bool = False
+    keeps_inputs: bool = False
+
+
+# What this thread's marked functions answer to: an open capture, a re-run, or nothing (plain calls).
+_ACTIVE: contextvars.ContextVar[_Capture | _Rerun | None] = contextvars.ContextVar("bcg_active_capture", default=None)
 
 
 def is_capturing() -> bool:
     """True while a breakable capture is active in this thread (also while a break runs in it)."""
-    return _ACTIVE.get() is not None
+    return isinstance(_ACTIVE.get(), _Capture)
 
 
-def eager_on_graph(fn: F | None = None, *, name: str | None = None, inline_nested: bool = False) -> Any:
+def eager_on_graph(
+    fn: F | None = None,
+    *,
+    name: str | None = None,
+    inline_nested: bool = False,
+    decision: bool = False,
+    keeps_inputs: bool = False,
+) -> Any:
     """Mark ``fn`` as an eager break.
 
     Usable as ``@eager_on_graph`` or ``@eager_on_graph(name="...")``. Outside a capture the
     wrapper is ``fn`` itself (one context-variable lookup more). ``inline_nested=True`` lets
     marked functions called from inside ``fn`` run as plain calls instead of raising
     :class:`NestedBreakError`; the debug mode uses it to run a whole forward as one break.
+    ``decision=True``: ``fn`` returns a small host value that picks the continuation (see the
+    module's contract). ``keeps_inputs=True``: ``fn`` keeps its tensor arguments, so under a
+    capture it gets owned copies of them.
     """
+    kind = _Kind(inline_nested, decision, keeps_inputs)
 
     def decorate(f: F) -> F:
         label = name or getattr(f, "__qualname__", None) or repr(f)
@@ -97,12 +138,90 @@ def eager_on_graph(fn: F | None = None, *, name: str | None = None, inline_neste
             cap = _ACTIVE.get()
             if cap is None:
                 return f(*args, **kwargs)
-            return cap.run_break(f, label, args, kwargs, inline_nested)
+            return cap.run_break(f, label, args, kwargs, kind)
 
         wrapper.__bcg_eager__ = True  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return decorate(fn) if fn is not None else decorate
+
+
+_DECISION_TYPES = (bool, int, str, type(None))
+
+
+def check_decision(value: Any, name: str) -> Any:
+    """``value`` if it can be a decision (a small hashable host value), else BreakError naming the break."""
+    if isinstance(value, _DECISION_TYPES) or (
+        isinstance(value, tuple) and all(isinstance(v, _DECISION_TYPES) for v in value)
+    ):
+        return value
+    raise BreakError(
+        f"decision {name!r} returned a {type(value).__name__}; a decision returns a bool, an int, a string, "
+        "None, or a tuple of those"
+    )
+
+
+class Memo:
+    """What the first breaks of a call returned, in order, for running the call again.
+
+    ``entries`` is a list of ``(name, value)``; :meth:`take` hands them out in order and checks
+    that the same break asks for each (the code took another way otherwise, and nothing of the
+    rest could be trusted).
+    """
+
+    def __init__(self, entries: list[tuple[str, Any]]) -> None:
+        self.entries = list(entries)
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def fresh(self) -> Memo:
+        """The same entries, handed out from the start again."""
+        return Memo(self.entries)
+
+    @property
+    def pending(self) -> bool:
+        return self._next < len(self.entries)
+
+    def take(self, name: str) -> Any:
+        want, value = self.entries[self._next]
+        if want != name:
+            raise BreakError(
+                f"running a call again reached break {name!r} where the first run had {want!r} "
+                f"(break {self._next}): the call is not deterministic"
+            )
+        self._next += 1
+        return value
+
+
+class _Rerun:
+    """Marked functions during a call run again outside any capture: the memo's breaks return
+    their recorded values, later ones run as plain calls."""
+
+    def __init__(self, memo: Memo) -> None:
+        self.memo = memo
+
+    def run_break(
+        self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any], kind: _Kind
+    ) -> Any:
+        if self.memo.pending:
+            return self.memo.take(name)
+        return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def rerun(memo: Memo | None) -> Iterator[None]:
+    """Run a call again whose first breaks already ran: each of them returns its value from
+    ``memo`` instead of running (see the module's contract). ``None``: nothing to skip."""
+    if memo is None or not len(memo):
+        yield
+        return
+    token = _ACTIVE.set(_Rerun(memo.fresh()))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 @eager_on_graph(name="break_graph")
@@ -174,11 +293,11 @@ def _copy_into(dst: tree.Flat, src: Any, break_name: str, root: str = "output") 
         leaves, key = tree.flatten_key(src)
         if key != dst.key:
             why = _structure_mismatch(dst, leaves, tree.flatten(src)[1], root)
-            raise CopyBackError(f"break {break_name!r}: {why}")
+            raise CopyBackError(f"break {break_name!r}: {why}", src)
     for i, (d, s) in enumerate(zip(dst.leaves, leaves)):
         why = _leaf_mismatch(d, s)
         if why is not None:
-            raise CopyBackError(f"break {break_name!r}: {root}{tree.leaf_paths(dst.spec)[i]}: {why}")
+            raise CopyBackError(f"break {break_name!r}: {root}{tree.leaf_paths(dst.spec)[i]}: {why}", src)
         if isinstance(d, torch.Tensor) and (s.data_ptr() != d.data_ptr() or s.stride() != d.stride()):
             d.copy_(s)
 
@@ -257,30 +376,63 @@ def _views_of_pool_tensors(obj: Any, pool_map: _PoolMap) -> Any:
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Break:
-    """One eager break: the call to repeat at replay and the boundary buffer its output goes to."""
+    """One eager break: the call to repeat at replay and the boundary buffer its output goes to.
+
+    A decision has no buffer: ``value`` is what it returned at capture, the value the segments
+    after it were recorded for.
+    """
 
     fn: Callable[..., Any]
     name: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     buffer: Any
-    inline_nested: bool
+    kind: _Kind
+    value: Any = None
     flat_buffer: tree.Flat = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.flat_buffer = tree.Flat(self.buffer)
 
-    def __call__(self) -> None:
-        """Run the break again and copy its output into the boundary buffer."""
-        if self.inline_nested:
+    @property
+    def decision(self) -> bool:
+        return self.kind.decision
+
+    def run(self) -> Any:
+        """Run the function again on the recorded arguments; returns what it returned."""
+        args, kwargs = self.args, self.kwargs
+        if self.kind.keeps_inputs:
+            args, kwargs = _owned(args), _owned(kwargs)
+        if self.kind.inline_nested:
             token = _ACTIVE.set(None)
             try:
-                out = self.fn(*self.args, **self.kwargs)
+                return self.fn(*args, **kwargs)
             finally:
                 _ACTIVE.reset(token)
-        else:
-            out = self.fn(*self.args, **self.kwargs)
+        return self.fn(*args, **kwargs)
+
+    def __call__(self) -> Any:
+        """Run the break again: a decision returns its value; other breaks copy their output
+        into the boundary buffer (and return None)."""
+        out = self.run()
+        if self.kind.decision:
+            return check_decision(out, self.name)
         _copy_into(self.flat_buffer, out, self.name)
+        return None
+
+    def memo_value(self) -> Any:
+        """What this break returned in the replay that just ran it (its buffer holds it)."""
+        return self.value if self.kind.decision else self.buffer
+
+    def set_from(self, value: Any) -> None:
+        """Take ``value`` as this break's output without running it (a re-run's memo)."""
+        if not self.kind.decision and value is not self.buffer:
+            _copy_into(self.flat_buffer, value, self.name)
+
+
+def _owned(obj: Any) -> Any:
+    """``obj`` with every tensor cloned (a break that keeps its inputs must not keep graph memory)."""
+    return tree.map_tensors(lambda t: t.clone(), obj, into_objects=False)
 
 
 class BreakableCUDAGraph:
@@ -302,6 +454,11 @@ class BreakableCUDAGraph:
     def break_names(self) -> list[str]:
         return [b.name for b in self.breaks]
 
+    @property
+    def path(self) -> tuple[Any, ...]:
+        """The values this capture's decisions took, in order (empty without decisions)."""
+        return tuple(b.value for b in self.breaks if b.kind.decision)
+
     def boundary_bytes(self) -> int:
         """Bytes held by boundary buffers (outside the pool)."""
         seen: dict[int, int] = {}
@@ -312,11 +469,17 @@ class BreakableCUDAGraph:
         return sum(seen.values())
 
     def replay(self) -> None:
-        """Replay every segment and run every break, in order, on the current stream."""
+        """Replay every segment and run every break, in order, on the current stream.
+
+        A decision that comes out otherwise than at capture raises :class:`CopyBackError`: the
+        segments after it belong to the other value (:mod:`accel.branches` switches chains).
+        """
         segments = self.segments
         for i, brk in enumerate(self.breaks):
             segments[i].replay()
-            brk()
+            value = brk()
+            if brk.kind.decision and value != brk.value:
+                raise CopyBackError(f"decision {brk.name!r} came out {value!r}, captured for {brk.value!r}", value)
         segments[-1].replay()
 
     def reset(self) -> None:
@@ -343,13 +506,16 @@ def _reset_generator_capture_state() -> None:
 
 
 class _Capture:
-    def __init__(self, graph: BreakableCUDAGraph, pool: Any, error_mode: str, device: torch.device) -> None:
+    def __init__(
+        self, graph: BreakableCUDAGraph, pool: Any, error_mode: str, device: torch.device, memo: Memo | None = None
+    ) -> None:
         self.graph = graph
         self.pool = pool
         self.error_mode = error_mode
         self.pool_map = _PoolMap(pool, device)
         self.open_segment: torch.cuda.CUDAGraph | None = None
         self.in_break = False
+        self.memo = memo
 
     def open(self) -> None:
         seg = torch.cuda.CUDAGraph()
@@ -378,7 +544,7 @@ class _Capture:
             _reset_generator_capture_state()
 
     def run_break(
-        self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inline_nested: bool
+        self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any], kind: _Kind
     ) -> Any:
         if self.in_break:
             raise NestedBreakError(
@@ -391,26 +557,39 @@ class _Capture:
             # from whatever the pool held: a Python constant it returns (a mask check's bool)
             # steers how the next segment is recorded.
             self.graph.segments[-1].replay()
-        self.in_break = True
-        token = _ACTIVE.set(None) if inline_nested else None
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            if token is not None:
-                _ACTIVE.reset(token)
-            self.in_break = False
+        if self.memo is not None and self.memo.pending:
+            # The call being captured already ran this break: its value, not a second run.
+            out = self.memo.take(name)
+            if not kind.decision:
+                out = tree.clone(out)  # this chain's own boundary buffer, outside the pool
+        else:
+            out = self._run(fn, args, kwargs, kind)
+        value = check_decision(out, name) if kind.decision else None
         self.graph.breaks.append(
             _Break(
                 fn=fn,
                 name=name,
                 args=_views_of_pool_tensors(args, self.pool_map),
                 kwargs=_views_of_pool_tensors(kwargs, self.pool_map),
-                buffer=out,
-                inline_nested=inline_nested,
+                buffer=None if kind.decision else out,
+                kind=kind,
+                value=value,
             )
         )
         self.open()
         return out
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], kind: _Kind) -> Any:
+        if kind.keeps_inputs:
+            args, kwargs = _owned(args), _owned(kwargs)
+        self.in_break = True
+        token = _ACTIVE.set(None) if kind.inline_nested else None
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if token is not None:
+                _ACTIVE.reset(token)
+            self.in_break = False
 
 
 @contextlib.contextmanager
@@ -420,6 +599,7 @@ def capture(
     pool: Any = None,
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "thread_local",
+    memo: Memo | None = None,
 ) -> Iterator[BreakableCUDAGraph]:
     """Capture the code in the ``with`` block into ``graph`` as segments and breaks.
 
@@ -427,15 +607,17 @@ def capture(
     graphs that should share memory); ``None`` makes one for this graph. ``stream`` is the
     capture stream (a fresh side stream if omitted; capture is illegal on the default stream).
     The caller warms the code up eagerly first and freezes the garbage collector around a
-    capture session. On error the graph is reset and the error propagates.
+    capture session. ``memo``: the call being captured already ran its first breaks (see
+    :func:`rerun`); they take their values from it. On error the graph is reset and the error
+    propagates.
     """
-    if _ACTIVE.get() is not None:
+    if isinstance(_ACTIVE.get(), _Capture):
         raise BreakError("a breakable capture is already active in this thread")
     if graph.segments:
         raise BreakError("this BreakableCUDAGraph already holds a capture; call reset() first")
     stream = stream if stream is not None else torch.cuda.Stream()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-    cap = _Capture(graph, pool, capture_error_mode, stream.device)
+    cap = _Capture(graph, pool, capture_error_mode, stream.device, memo.fresh() if memo is not None else None)
     with torch.cuda.stream(stream), _run_capture(cap):
         yield graph
 

@@ -15,6 +15,7 @@ the last one to let go removes it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from . import compile as compile_mod
 from . import discover
+from .caches import CacheBinding
+from .cfg_batch import ContextProbe
 from .options import RECIPE_DEFAULT, AcceleratorOptions
 from .pool import GraphPool
 from .recipe import GenericRecipe, Recipe, recipe_for, version_supported
@@ -63,7 +66,11 @@ class GraphHook(ModelHook):
         inactive_reason: why graphs are off, for reports (None while active).
         compiled: the repeated blocks were compiled by this hook.
         recompile_drops: how often a recompile dropped this module's graphs (compiled only).
+        caches: the step caches found on a denoiser (None for a component).
     """
+
+    # Stateful only so that diffusers tells it the current cache_context (the step caches' branch).
+    _is_stateful = True
 
     def __init__(
         self,
@@ -107,6 +114,9 @@ class GraphHook(ModelHook):
         self._compiles: int | None = None
         self.recompile_drops = 0
         self._offloaded: str | None = None
+        self.caches: CacheBinding | None = None
+        self.context = ContextProbe()
+        self._refused_by_caches: str | None = None
         # What removing the hook must undo beyond the registry's own bookkeeping.
         self._drop_registry = False
         self._drop_forward_attr = False
@@ -137,14 +147,23 @@ class GraphHook(ModelHook):
                 if undo is not None:
                     self.compiled = True
                     self._undo.append(undo)
+        if not self.component:
+            self.caches = CacheBinding(module, self.name, HOOK_NAME)
+            self.caches.context_name = lambda: self.context.name
         self.follow_weights()
         return module
 
     def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
         self.runner.release()
         self.runner.unmark()
+        if self.caches is not None:
+            self.caches.close()
         while self._undo:
             self._undo.pop()()
+        return module
+
+    def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
+        self.context.set_context(None)
         return module
 
     # -- per call ----------------------------------------------------------------------------
@@ -157,10 +176,12 @@ class GraphHook(ModelHook):
         # the stock call runs untouched, so CPU results equal eager exactly.
         if self.active and module_device(module).type == "cuda":
             args, kwargs = self.recipe.prepare(args, kwargs)
-        if self.compiled:
-            with compile_mod.tracing_settings():
-                return self.runner(*args, **kwargs)
-        return self.runner(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            if self.caches is not None:
+                stack.enter_context(self.caches.call_context())
+            if self.compiled:
+                stack.enter_context(compile_mod.tracing_settings())
+            return self.runner(*args, **kwargs)
 
     def _recipe_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._forward is None:
@@ -187,7 +208,11 @@ class GraphHook(ModelHook):
         warm-up), never per step.
         """
         module = self._module_ref() if self._module_ref is not None else None
-        if module is None or not (self.active or self._offloaded):
+        if module is None:
+            return
+        # Also without graphs: a denoiser without CacheMixin gets its caches' context from it.
+        caches_allow = self._follow_caches()
+        if not (self.active or self._offloaded) or not caches_allow:
             return
         # Offload hooks sit on a pipeline's top-level components: the VAE's, not its decoder's.
         root = self.offload_root() if self.offload_root is not None else None
@@ -227,6 +252,33 @@ class GraphHook(ModelHook):
             if moved and self._drop_graphs("inductor compiled again (a new shape)", logging.INFO):
                 self.recompile_drops += 1
             self._compiles = compiles
+
+    def _follow_caches(self) -> bool:
+        """Install rules for the step caches found on the denoiser, or switch graphs off while a
+        hook nobody wrote a rule for is on it; False while graphs are off for that reason."""
+        caches = self.caches
+        if caches is None:
+            return True
+        changed = caches.refresh(graphs=self._recipe_installed and not self._offloaded)
+        if not self._recipe_installed:
+            return True
+        if caches.refused is not None:
+            if self._refused_by_caches is None:
+                self.runner.release()
+                self._deactivate(caches.refused)
+            self._refused_by_caches = caches.refused
+            return False
+        if self._refused_by_caches is not None:
+            logger.info("%s: the hooks that kept graphs off are gone; graphs are used again", self.name)
+            self._refused_by_caches = None
+            self.active = True
+            self.runner.enabled = True
+            self.inactive_reason = None
+        if changed:
+            self._drop_graphs("the step caches on it changed", logging.INFO)
+        self.runner.key_extra = caches.key if caches.active else None
+        self.runner.state = caches if caches.active else None
+        return True
 
     def _drop_graphs(self, why: str, level: int) -> int:
         dropped = self.runner.invalidate()

@@ -771,7 +771,7 @@ class ParallelSession:
         agree = self.ulysses_control is not None and runner.enabled
         if agree:
             before = runner.stats(memory=False)
-            keys = {s.key for s in runner.signatures}
+            keys = set(runner.keys)
             blocked = set(runner.blocked)
         out = hook.fn_ref.original_forward(*args, **kwargs)
         if agree:
@@ -783,7 +783,7 @@ class ParallelSession:
     def _agree_on_capture(self, hook: ParallelHook, keys: set[Hashable], blocked: set[Hashable]) -> None:
         """After a call that captured (or failed to) on this Ulysses group: all keep it or none."""
         runner = hook.graph_hook.runner
-        new = [s.key for s in runner.signatures if s.key not in keys]
+        new = [k for k in runner.keys if k not in keys]
         failed = [k for k in runner.blocked if k not in blocked]
         flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
         self._collective(

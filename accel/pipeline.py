@@ -128,6 +128,11 @@ class PipelineAccelerator:
                     offload_root=_component(pipe, name.split(".")[0]),
                 )
             self._guard = CallGuard.attach(pipe, self, self._follow_weights)
+            if self._guard is not None:
+                for name in self._denoisers:
+                    caches = self._hooks[name].caches
+                    if caches is not None:
+                        self._guard.listen(caches, begin=caches.new_call, end=caches.end_call)
             if options.parallel is not None:
                 # Collective: every rank of the launch builds its session here, or all fail.
                 denoisers = {n: self._hooks[n] for n in self._denoisers}
@@ -181,6 +186,10 @@ class PipelineAccelerator:
             self._parallel.close()
             self._parallel = None
         if self._guard is not None:
+            for name in self._denoisers:
+                caches = self._hooks[name].caches
+                if caches is not None:
+                    self._guard.unlisten(caches)
             self._guard.detach(self)
             self._guard = None
         for name in reversed(list(self._hooks)):

@@ -18,15 +18,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from . import bcg, discover, tree
+from .branches import Chain, GraphTree, PathMiss, path_label
 from .pool import GraphPool
 from .signature import Signature, describe_diff, flatten
 
-__all__ = ["GraphMemoryBudgetError", "GraphRunner", "RunnerStats", "capture_session"]
+__all__ = ["GraphMemoryBudgetError", "GraphRunner", "RunnerStats", "StepState", "capture_session"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,13 @@ class GraphMemoryBudgetError(RuntimeError):
 
 @dataclasses.dataclass
 class RunnerStats:
-    """Counters of one runner. Byte counts are filled by :meth:`GraphRunner.stats`."""
+    """Counters of one runner. Byte counts are filled by :meth:`GraphRunner.stats`.
+
+    ``captures`` counts captured chains: a new signature's first path, and every later path of a
+    call with decisions (``path_captures`` of them). ``path_misses``: replays that took a
+    decision value without a graph; ``path_switches``: replays that moved to another path's chain
+    at a decision. ``paths_per_entry``: the captured decision paths of each signature.
+    """
 
     captures: int = 0
     replays: int = 0
@@ -56,8 +63,12 @@ class RunnerStats:
     capture_failures: int = 0
     evictions: int = 0
     capture_seconds: float = 0.0
+    path_captures: int = 0
+    path_misses: int = 0
+    path_switches: int = 0
     entries: int = 0
     segments_per_entry: list[int] = dataclasses.field(default_factory=list)
+    paths_per_entry: list[list[str]] = dataclasses.field(default_factory=list)
     pool_bytes: int = 0
     static_bytes: int = 0
     boundary_bytes: int = 0
@@ -66,26 +77,32 @@ class RunnerStats:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass
-class _Entry:
-    """One captured signature.
+class StepState(Protocol):
+    """State that a call's breaks keep across calls (a step cache's counters and tensors).
 
-    ``output`` is what the capture returned: buffers in the pool that every replay rewrites.
-    ``flat_output`` is the same value flattened once, so a replay's copy of it is one rebuild.
+    A capture runs the call several times (warm-up runs, the capture pass, a verification); the
+    runner takes a snapshot first and restores it after each of those runs, so a capture has the
+    effect of exactly one call.
     """
 
+    def snapshot(self) -> Any: ...
+
+    def restore(self, snapshot: Any) -> None: ...
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One captured signature: its static inputs, and a chain per decision path taken so far."""
+
+    key: Hashable
     signature: Signature
     static_inputs: list[torch.Tensor]
-    graph: bcg.BreakableCUDAGraph
-    output: Any
-    flat_output: tree.Flat
-    keepalive: list[Any]
-    capture_seconds: float
+    tree: GraphTree
+    blocked_paths: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
 
-    def copy_output(self) -> Any:
-        """The output with every tensor cloned: the graph's output buffers are rewritten by the
-        next replay of any graph in the pool, so nothing returned may alias them."""
-        return self.flat_output.clone()
+    @property
+    def capture_seconds(self) -> float:
+        return sum(c.capture_seconds for c in self.tree.chains.values())
 
 
 # Capture sessions of all threads together: the first to open takes the collector's state and
@@ -162,6 +179,10 @@ class GraphRunner:
 
     Attributes:
         found_breaks: every function and line a capture of this runner failed on.
+        key_extra: called at every call, its result is part of what a call is matched on (a
+            step cache's current guidance branch, whose state the graph reads by address).
+        state: the :class:`StepState` a capture must leave as one call would (set by whoever
+            installs stateful breaks).
     """
 
     def __init__(
@@ -197,6 +218,8 @@ class GraphRunner:
         self.verify = verify
         self.max_auto_breaks = max_auto_breaks
         self.found_breaks: list[discover.BreakSite] = []
+        self.key_extra: Callable[[], Hashable] | None = None
+        self.state: StepState | None = None
         # The callable ``fn`` stands for, when ``fn`` wraps it (a hook's forward wraps the
         # module's): refused as a break like ``fn`` itself.
         self.entry: Callable[..., Any] | None = None
@@ -217,32 +240,54 @@ class GraphRunner:
         if not self.enabled:
             return self.fn(*args, **kwargs)
         sig, leaves = flatten(args, kwargs)
-        entry = self._entries.get(sig.key)
+        key = sig.key if self.key_extra is None else (sig.key, self.key_extra())
+        entry = self._entries.get(key)
         if entry is not None:
             try:
                 return self._replay(entry, leaves)
+            except PathMiss as miss:
+                return self._on_path_miss(entry, miss, args, kwargs)
             except bcg.CopyBackError as exc:
                 # A break returned another constant than at capture (say a mask check that came
                 # out the other way): the graph's later segments assumed the old one. This call
-                # runs eagerly; the graph stays for calls like the captured one.
-                self._say_once(("copy-back", sig.key, str(exc)), f"{self.name}: {exc}; this call runs eagerly")
+                # runs eagerly, its breaks so far not again; the graph stays for calls like the
+                # captured one.
+                self._say_once(("copy-back", key, str(exc)), f"{self.name}: {exc}; this call runs eagerly")
                 self._stats.eager_calls += 1
-                return self.fn(*args, **kwargs)
-        if not self._capturable(sig, leaves):
+                with bcg.rerun(getattr(exc, "memo", None)):
+                    return self.fn(*args, **kwargs)
+        if not self._capturable(key, leaves):
             self._stats.eager_calls += 1
             return self.fn(*args, **kwargs)
-        if self._capturing or self.capture_on_miss or sig.key in self._recapture:
-            entry = self._capture(sig, leaves)
+        if self._capturing or self.capture_on_miss or key in self._recapture:
+            entry = self._capture(key, sig, leaves)
             if entry is not None:
                 return self._replay(entry, leaves)
         else:
             self._stats.misses += 1
-            if sig.key not in self._said:  # the reason compares against every entry: only when said
-                self._say_once(
-                    sig.key, f"{self.name}: no graph for this call; running eagerly. {self._miss_reason(sig)}"
-                )
+            if key not in self._said:  # the reason compares against every entry: only when said
+                self._say_once(key, f"{self.name}: no graph for this call; running eagerly. {self._miss_reason(sig)}")
         self._stats.eager_calls += 1
         return self.fn(*args, **kwargs)
+
+    def _on_path_miss(self, entry: _Entry, miss: PathMiss, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Finish a call whose replay took a decision value without a graph: capture that path
+        (in a warm-up, or with ``capture_on_miss``) or run the call again eagerly, its breaks so
+        far answered from the miss's memo."""
+        self._stats.path_misses += 1
+        path = miss.path
+        if (self._capturing or self.capture_on_miss) and not any(path == p[: len(path)] for p in entry.blocked_paths):
+            chain = self._capture_path(entry, miss)
+            if chain is not None:
+                return self._replay(entry, None, memo=miss.memo)
+        self._say_once(
+            ("path", entry.key, path),
+            f"{self.name}: no graph for decision path {path_label(path)} of a captured call; running it eagerly"
+            + ("" if self.capture_on_miss else " (warm up with calls that take it, or enable capture on first use)"),
+        )
+        self._stats.eager_calls += 1
+        with bcg.rerun(miss.memo):
+            return self.fn(*args, **kwargs)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[GraphRunner]:
@@ -257,17 +302,23 @@ class GraphRunner:
     def capture(self, *args: Any, **kwargs: Any) -> bool:
         """Capture this call's signature now (no output). True if a graph exists afterwards."""
         sig, leaves = flatten(args, kwargs)
-        if sig.key in self._entries:
+        key = sig.key if self.key_extra is None else (sig.key, self.key_extra())
+        if key in self._entries:
             return True
-        if not self._capturable(sig, leaves):
+        if not self._capturable(key, leaves):
             return False
         with capture_session():
-            return self._capture(sig, leaves) is not None
+            return self._capture(key, sig, leaves) is not None
 
     @property
     def signatures(self) -> list[Signature]:
         """Captured signatures, least recently used first."""
         return [e.signature for e in self._entries.values()]
+
+    @property
+    def keys(self) -> list[Hashable]:
+        """What each captured entry is matched on (its signature's key, with ``key_extra``)."""
+        return list(self._entries)
 
     @property
     def blocked(self) -> dict[Hashable, str]:
@@ -278,10 +329,12 @@ class GraphRunner:
         """A snapshot of the counters; ``memory`` adds byte counts (reads the allocator)."""
         s = dataclasses.replace(self._stats)
         s.entries = len(self._entries)
-        s.segments_per_entry = [e.graph.num_segments for e in self._entries.values()]
+        s.segments_per_entry = [e.tree.num_segments for e in self._entries.values()]
+        s.paths_per_entry = [[path_label(p) for p in e.tree.paths] for e in self._entries.values()]
+        s.path_switches = sum(e.tree.switches for e in self._entries.values())
         if memory:
             s.static_bytes = sum(t.untyped_storage().nbytes() for e in self._entries.values() for t in e.static_inputs)
-            s.boundary_bytes = sum(e.graph.boundary_bytes() for e in self._entries.values())
+            s.boundary_bytes = sum(e.tree.boundary_bytes() for e in self._entries.values())
             s.pool_bytes = self.pool.resident_bytes() if self.pool is not None else 0
         return s
 
@@ -324,8 +377,8 @@ class GraphRunner:
             self._said.add(key)
             logger.log(level, message)
 
-    def _capturable(self, sig: Signature, leaves: list[torch.Tensor]) -> bool:
-        if sig.key in self._blocked:
+    def _capturable(self, key: Hashable, leaves: list[torch.Tensor]) -> bool:
+        if key in self._blocked:
             return False
         if not torch.cuda.is_available():
             global _said_no_cuda
@@ -335,12 +388,12 @@ class GraphRunner:
             return False
         if not leaves or any(t.device.type != "cuda" for t in leaves):
             self._say_once(
-                ("not-cuda", sig.key),
+                ("not-cuda", key),
                 f"{self.name}: call has no CUDA tensors or some on another device; running eagerly",
             )
             return False
         if self.pool is not None and any(t.device != self.pool.device for t in leaves):
-            self._say_once(("device", sig.key), f"{self.name}: inputs are not on {self.pool.device}; running eagerly")
+            self._say_once(("device", key), f"{self.name}: inputs are not on {self.pool.device}; running eagerly")
             return False
         return True
 
@@ -362,7 +415,7 @@ class GraphRunner:
     def _evictions_to_admit_one(self) -> int:
         return max(0, len(self._entries) + 1 - self.max_entries)
 
-    def _capture(self, sig: Signature, leaves: list[torch.Tensor]) -> _Entry | None:
+    def _capture(self, key: Hashable, sig: Signature, leaves: list[torch.Tensor]) -> _Entry | None:
         """Warm up and capture this signature; on success evict to make room and keep the entry.
 
         Nothing is evicted before the capture succeeded: a failed capture must not cost a good
@@ -374,9 +427,15 @@ class GraphRunner:
         with self._lock:
             if self.pool is None:
                 self.pool = GraphPool(leaves[0].device)
+            with torch.inference_mode(False), torch.no_grad():
+                # Allocated outside the pool, owned by the entry: graphs read them by address.
+                static_inputs = [torch.empty_like(t) for t in leaves]
+                for s, t in zip(static_inputs, leaves):
+                    s.copy_(t)
+            entry = _Entry(key, sig, static_inputs, GraphTree())
             for _ in range(self.max_auto_breaks + 1):
                 try:
-                    entry = self._attempt(sig, leaves)
+                    chain = self._attempt(entry, None)
                 except Exception as exc:  # never break generation: block this signature, run eagerly
                     site = self._locate(exc, sig, leaves)
                     if site is not None and self._mark(site):
@@ -386,40 +445,86 @@ class GraphRunner:
                         reason = f"{reason} (at {site})"
                         if not self.auto_breaks:
                             reason += "; auto_breaks=True would run that function as an eager break and retry"
-                    self._fail(sig, exc, reason)
+                    self._fail(key, exc, reason)
                     return None
                 for _ in range(self._evictions_to_admit_one()):
                     self._evict_lru()
-                self._entries[sig.key] = entry
-                self._recapture.discard(sig.key)
-                self._stats.captures += 1
-                self._stats.capture_seconds += entry.capture_seconds
-                logger.info(
-                    "%s: captured a graph in %.2fs (%d segments, breaks: %s)",
-                    self.name,
-                    entry.capture_seconds,
-                    entry.graph.num_segments,
-                    ", ".join(sorted(set(entry.graph.break_names))) or "none",
-                )
+                entry.tree.add(chain)
+                self._entries[key] = entry
+                self._recapture.discard(key)
+                self._count_capture(chain, "a graph")
                 return entry
-            self._fail(sig, None, f"still failing after {self.max_auto_breaks} automatic breaks")
+            self._fail(key, None, f"still failing after {self.max_auto_breaks} automatic breaks")
             return None
 
-    def _attempt(self, sig: Signature, leaves: list[torch.Tensor]) -> _Entry:
-        """One warm-up and capture of ``sig``; raises on any failure (nothing kept)."""
+    def _capture_path(self, entry: _Entry, miss: PathMiss) -> Chain | None:
+        """Capture the path a replay just took (``miss``) as a new chain of ``entry``, during that
+        very call: its static inputs already hold the call's inputs, and its breaks so far answer
+        from the memo. A failure blocks the path (it runs eagerly) and returns None."""
+        with self._lock:
+            try:
+                chain = self._attempt(entry, miss.memo)
+                if chain.path[: len(miss.path)] != miss.path:
+                    raise bcg.BreakError(
+                        f"the capture took decision path {path_label(chain.path)}, not the call's {path_label(miss.path)}"
+                    )
+                entry.tree.add(chain)
+            except Exception as exc:  # never break generation: this path runs eagerly
+                reason = f"{type(exc).__name__}: {exc}".strip()
+                entry.blocked_paths[miss.path] = reason
+                self._stats.capture_failures += 1
+                if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError, GraphMemoryBudgetError)):
+                    torch.cuda.empty_cache()
+                logger.warning(
+                    "%s: capture of decision path %s failed, it runs eagerly from now on: %s",
+                    self.name,
+                    path_label(miss.path),
+                    reason,
+                )
+                return None
+            self._stats.path_captures += 1
+            self._count_capture(chain, f"decision path {path_label(chain.path)}")
+            return chain
+
+    def _count_capture(self, chain: Chain, what: str) -> None:
+        self._stats.captures += 1
+        self._stats.capture_seconds += chain.capture_seconds
+        logger.info(
+            "%s: captured %s in %.2fs (%d segments, breaks: %s)",
+            self.name,
+            what,
+            chain.capture_seconds,
+            chain.graph.num_segments,
+            ", ".join(sorted(set(chain.graph.break_names))) or "none",
+        )
+
+    @contextlib.contextmanager
+    def _as_one_call(self) -> Iterator[Callable[[], None]]:
+        """Around a capture's runs: yields a function that puts :attr:`state` back as it was when
+        the block began (called after each run); the block leaves it so too."""
+        state = self.state
+        if state is None:
+            yield lambda: None
+            return
+        snapshot = state.snapshot()
+        try:
+            yield lambda: state.restore(snapshot)
+        finally:
+            state.restore(snapshot)
+
+    def _attempt(self, entry: _Entry, memo: bcg.Memo | None) -> Chain:
+        """One warm-up and capture of a path of ``entry``'s signature (the first if ``memo`` is
+        None); raises on any failure (nothing kept). The state breaks keep is left as it was."""
         pool = self.pool
         assert pool is not None
+        sig, static_inputs = entry.signature, entry.static_inputs
         target = self.fn
         if self.debug:
             target = bcg.eager_on_graph(self.fn, name=f"{self.name} (debug: whole call eager)", inline_nested=True)
         t0 = time.perf_counter()
         graph = bcg.BreakableCUDAGraph()
         try:
-            with torch.inference_mode(False), torch.no_grad():
-                # Allocated outside the pool, owned by the entry: graphs read them by address.
-                static_inputs = [torch.empty_like(t) for t in leaves]
-                for s, t in zip(static_inputs, leaves):
-                    s.copy_(t)
+            with torch.inference_mode(False), torch.no_grad(), self._as_one_call() as restore:
                 scope = self.capture_scope() if self.capture_scope is not None else contextlib.nullcontext([])
                 with pool.lock, scope as keepalive:
                     caller = torch.cuda.current_stream(pool.device)
@@ -429,43 +534,51 @@ class GraphRunner:
                     with torch.cuda.stream(pool.stream):
                         for _ in range(self.warmup_runs):
                             args, kwargs = sig.rebuild(static_inputs)
-                            self.fn(*args, **kwargs)
+                            with bcg.rerun(memo):
+                                self.fn(*args, **kwargs)
+                            restore()
                     pool.stream.synchronize()
                     args, kwargs = sig.rebuild(static_inputs)
-                    with bcg.capture(graph, pool=pool.handle_for(graph), stream=pool.stream):
+                    with bcg.capture(graph, pool=pool.handle_for(graph), stream=pool.stream, memo=memo):
                         output = target(*args, **kwargs)
                     caller.wait_stream(pool.stream)
                     pool.stream.synchronize()
-            if graph.num_segments > self.max_segments:
-                raise bcg.BreakError(f"{graph.num_segments} segments exceed max_segments={self.max_segments}")
-            if self.memory_budget is not None:
-                # The entries evicted to make room for this one do not count.
-                kept = list(self._entries.values())[self._evictions_to_admit_one() :]
-                held = self._graph_memory(kept, static_inputs, graph)
-                if held > self.memory_budget:
-                    raise GraphMemoryBudgetError(
-                        f"graph memory would be {held / 2**20:.0f} MiB, over the budget of "
-                        f"{self.memory_budget / 2**20:.0f} MiB"
-                    )
-            entry = _Entry(
-                sig, static_inputs, graph, output, tree.Flat(output), list(keepalive), time.perf_counter() - t0
-            )
-            if self.verify or self._marks:
-                self._verify(entry, *sig.rebuild(static_inputs))
-            return entry
+                    restore()
+                if graph.num_segments > self.max_segments:
+                    raise bcg.BreakError(f"{graph.num_segments} segments exceed max_segments={self.max_segments}")
+                if self.memory_budget is not None:
+                    # The entries evicted to make room for a new signature do not count.
+                    evicted = self._evictions_to_admit_one() if memo is None else 0
+                    kept = list(self._entries.values())[evicted:]
+                    held = self._graph_memory(kept, entry, graph)
+                    if held > self.memory_budget:
+                        raise GraphMemoryBudgetError(
+                            f"graph memory would be {held / 2**20:.0f} MiB, over the budget of "
+                            f"{self.memory_budget / 2**20:.0f} MiB"
+                        )
+                chain = Chain(graph, output, list(keepalive), time.perf_counter() - t0)
+                if self.verify or self._marks:
+                    self._verify(entry, chain, memo, restore)
+            return chain
         except BaseException:
             graph.reset()
             raise
 
-    def _verify(self, entry: _Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Raise unless one replay equals an eager run of the same inputs bit for bit.
+    def _verify(self, entry: _Entry, chain: Chain, memo: bcg.Memo | None, restore: Callable[[], None]) -> None:
+        """Raise unless one replay of ``chain`` equals an eager run of the same inputs bit for bit.
 
         Breaks found automatically are only as safe as the function's purity, which nothing can
         prove from outside; this comparison is the evidence, for the warmed inputs.
         """
+        args, kwargs = entry.signature.rebuild(entry.static_inputs)
         with torch.inference_mode(False), torch.no_grad():
-            expected = tree.clone(self.fn(*args, **kwargs))
-            got = self._replay_and_copy(entry)
+            with bcg.rerun(memo):
+                expected = tree.clone(self.fn(*args, **kwargs))
+            restore()
+            trial = GraphTree()
+            trial.add(chain)
+            got = self._replay_and_copy(entry, trial, None, memo)
+            restore()
         want, have = tree.tensors(expected), tree.tensors(got)
         same = len(want) == len(have) and all(
             a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, have)
@@ -516,33 +629,33 @@ class GraphRunner:
         while self._marks:
             self._marks.pop()()
 
-    def _fail(self, sig: Signature, exc: BaseException | None, reason: str) -> None:
-        self._recapture.discard(sig.key)
-        self._blocked[sig.key] = reason
+    def _fail(self, key: Hashable, exc: BaseException | None, reason: str) -> None:
+        self._recapture.discard(key)
+        self._blocked[key] = reason
         self._stats.capture_failures += 1
         if isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError, GraphMemoryBudgetError)):
             torch.cuda.empty_cache()
         logger.warning("%s: capture failed, this signature runs eagerly from now on: %s", self.name, reason)
 
-    def _graph_memory(
-        self, entries: list[_Entry], static_inputs: list[torch.Tensor], graph: bcg.BreakableCUDAGraph
-    ) -> int:
-        """Bytes of graph memory with ``entries`` and a new capture (its static inputs and graph):
-        the whole pool, plus static inputs and boundary buffers, which live outside it."""
+    def _graph_memory(self, entries: list[_Entry], entry: _Entry, graph: bcg.BreakableCUDAGraph) -> int:
+        """Bytes of graph memory with ``entries`` and a new capture (``graph``, a path of
+        ``entry``): the whole pool, plus static inputs and boundary buffers, which live outside it."""
         pool = self.pool.resident_bytes() if self.pool is not None else 0
-        inputs = [t for e in entries for t in e.static_inputs] + list(static_inputs)
-        graphs = [e.graph for e in entries] + [graph]
-        return pool + sum(t.untyped_storage().nbytes() for t in inputs) + sum(g.boundary_bytes() for g in graphs)
+        held = {id(e): e for e in [*entries, entry]}.values()
+        inputs = sum(t.untyped_storage().nbytes() for e in held for t in e.static_inputs)
+        return pool + inputs + sum(e.tree.boundary_bytes() for e in held) + graph.boundary_bytes()
 
-    def _replay(self, entry: _Entry, leaves: list[torch.Tensor]) -> Any:
-        out = self._replay_and_copy(entry, leaves)
-        self._entries.move_to_end(entry.signature.key)
+    def _replay(self, entry: _Entry, leaves: list[torch.Tensor] | None, memo: bcg.Memo | None = None) -> Any:
+        out = self._replay_and_copy(entry, entry.tree, leaves, memo)
+        self._entries.move_to_end(entry.key)
         self._stats.replays += 1
         return out
 
-    def _replay_and_copy(self, entry: _Entry, leaves: list[torch.Tensor] | None = None) -> Any:
-        """Replay ``entry`` on the current stream (``leaves`` copied into its static inputs
-        first) and return a copy of its output.
+    def _replay_and_copy(
+        self, entry: _Entry, graphs: GraphTree, leaves: list[torch.Tensor] | None, memo: bcg.Memo | None = None
+    ) -> Any:
+        """Replay ``graphs`` (``entry``'s tree, or a chain on trial) on the current stream
+        (``leaves`` copied into the static inputs first) and return a copy of its output.
 
         Ordered after the pool's last replay, so the inputs are not rewritten under a replay
         still reading them; marked done only after the copy, so no later replay (on any stream)
@@ -557,8 +670,10 @@ class GraphRunner:
                 if s is not t:
                     s.copy_(t)
             try:
-                entry.graph.replay()
-                out = entry.copy_output()
-            finally:  # a break that failed copy-back leaves segments in flight: order after them too
+                chain = graphs.replay(memo)
+                # The output buffers are rewritten by the next replay of any graph in the pool,
+                # so nothing returned may alias them.
+                out = chain.flat_output.clone()
+            finally:  # a break that failed leaves segments in flight: order after them too
                 pool.mark_replay_done(stream)
         return out

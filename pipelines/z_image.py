@@ -116,12 +116,41 @@ def resolve_split_hooks(module: torch.nn.Module) -> None:
             meta.cached_parameter_indices = {name: i for i, name in enumerate(names)}
 
 
+def _register_block_for_caches() -> None:
+    """Let diffusers' block caches (FirstBlockCache, MagCache) find Z-Image's hidden states.
+
+    diffusers 0.42 registers ``ZImageTransformerBlock`` for its caches with the default argument
+    name ``hidden_states``, but the block calls it ``x``: FirstBlockCache asks for
+    ``hidden_states`` by name and MagCache by the registered name, and both fail on the first
+    call. The registered metadata is corrected in place (hooks applied earlier hold that very
+    object), which only makes those caches work; nothing else reads it.
+    """
+    try:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+        from diffusers.models.transformers.transformer_z_image import ZImageTransformerBlock
+
+        meta = TransformerBlockRegistry.get(ZImageTransformerBlock)
+    except (ImportError, ValueError, AttributeError):  # another diffusers: its caches say what fails
+        return
+    params = list(inspect.signature(ZImageTransformerBlock.forward).parameters)[1:]
+    if "x" not in params:
+        return
+    indices = {p: i for i, p in enumerate(params)}
+    indices["hidden_states"] = indices["x"]
+    meta.hidden_states_argument_name = "x"
+    meta._cached_parameter_indices = indices
+
+
 class ZImageRecipe(Recipe):
     """Captions padded to their native multiple of 32 with a mask input; RoPE tables pinned."""
 
     name = "z-image"
     denoiser_classes = ("ZImageTransformer2DModel",)
     diffusers_versions = ">=0.42,<0.43"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _register_block_for_caches()
 
     def install(self, module: torch.nn.Module) -> Callable[[], None]:
         original = getattr(module, "_pad_with_ids", None)
