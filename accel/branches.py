@@ -194,5 +194,14 @@ class GraphTree:
 
 
 def path_label(path: tuple[Hashable, ...]) -> str:
-    """A short label for reports: ``()`` is the only path of a call without decisions."""
-    return "-".join(map(str, path)) if path else "(no decisions)"
+    """A short label for reports: runs of one value are counted (``True x60``); ``()`` is the
+    only path of a call without decisions."""
+    if not path:
+        return "(no decisions)"
+    runs: list[list[Any]] = []
+    for value in path:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return "-".join(str(v) if n == 1 else f"{v} x{n}" for v, n in runs)

@@ -27,6 +27,7 @@ kernels too small to fill the GPU, so one call at batch 2 costs far less than tw
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,9 +75,11 @@ class CFGBatchHook(ModelHook):
 
     _is_stateful = True
 
-    def __init__(self, recipe: Recipe, name: str, degree: int = 1) -> None:
+    def __init__(self, recipe: Recipe, name: str, degree: int = 1, paused: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self.recipe = recipe
+        # True while the branches must stay apart (a step cache keeps state per branch).
+        self.paused = paused
         self.name = name
         self.degree = degree
         self.context = ContextProbe()
@@ -103,6 +106,9 @@ class CFGBatchHook(ModelHook):
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         forward = self.fn_ref.original_forward
         if not self._in_call:  # nothing waits outside a call: end() flushed, begin() dropped
+            return forward(*args, **kwargs)
+        if self.paused is not None and self.paused():
+            self.flush()
             return forward(*args, **kwargs)
         branch = self.recipe.cfg_branch(self.context.name)
         if branch == 1 and self._pending is not None:
@@ -160,12 +166,20 @@ def _split_batch(out: Any, parts: int) -> list[Any]:
 
 
 def apply_cfg_batch(
-    module: torch.nn.Module, recipe: Recipe, guard: CallGuard, *, name: str, user: Any, degree: int = 1
+    module: torch.nn.Module,
+    recipe: Recipe,
+    guard: CallGuard,
+    *,
+    name: str,
+    user: Any,
+    degree: int = 1,
+    paused: Callable[[], bool] | None = None,
 ) -> CFGBatchHook:
     """Put a :class:`CFGBatchHook` on ``module`` (outside every hook it has) on behalf of
     ``user``, or join the one it has; it listens to ``guard`` (where calls begin and end, and
     before each scheduler step). ``degree``: the Ulysses ranks a call is split over, 1 on one
-    GPU. Undo with :func:`remove_cfg_batch` and the same ``user``."""
+    GPU. ``paused``: while it returns True, calls pass through one by one. Undo with
+    :func:`remove_cfg_batch` and the same ``user``."""
     hook = cfg_batch_hook_of(module)
     if hook is not None and hook.degree != degree:
         raise ValueError(
@@ -173,7 +187,7 @@ def apply_cfg_batch(
             "restore() the other accelerator first"
         )
     if hook is None:
-        hook = CFGBatchHook(recipe, name, degree)
+        hook = CFGBatchHook(recipe, name, degree, paused)
         HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, CFG_BATCH_HOOK_NAME)
     hook.users[id(user)] = guard
     guard.listen(hook, begin=hook.begin, step=hook.flush, end=hook.end)

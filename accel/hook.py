@@ -27,6 +27,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from . import compile as compile_mod
 from . import discover
 from .caches import CacheBinding
+from .caches.binding import is_registry_forward
 from .cfg_batch import ContextProbe
 from .options import RECIPE_DEFAULT, AcceleratorOptions
 from .pool import GraphPool
@@ -117,6 +118,8 @@ class GraphHook(ModelHook):
         self.caches: CacheBinding | None = None
         self.context = ContextProbe()
         self._refused_by_caches: str | None = None
+        # Set once removed: a wrapper someone put over this hook's forward may still call it.
+        self._removed = False
         # What removing the hook must undo beyond the registry's own bookkeeping.
         self._drop_registry = False
         self._drop_forward_attr = False
@@ -154,6 +157,7 @@ class GraphHook(ModelHook):
         return module
 
     def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
+        self._removed = True
         self.runner.release()
         self.runner.unmark()
         if self.caches is not None:
@@ -168,6 +172,8 @@ class GraphHook(ModelHook):
 
     # -- per call ----------------------------------------------------------------------------
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self._removed:
+            return self.fn_ref.original_forward(*args, **kwargs)
         if self.component:
             # A text encoder runs before the pipeline's per-call check (the scheduler's
             # set_timesteps), so a component checks its weights (offload, LoRA) as it is called.
@@ -359,7 +365,14 @@ def release_graph_runner(module: torch.nn.Module, user: Any) -> bool:
     if len(hook.users):
         return False
     registry = module._diffusers_hook
+    # A forward someone wrapped over ours after we came (cache-dit's enable_cache does) stays: it
+    # reaches the module's own forward through this hook, which passes calls through once removed.
+    outer = module.__dict__.get("forward")
+    wrapped_over = outer is not None and not is_registry_forward(outer)
     registry.remove_hook(HOOK_NAME, recurse=False)
+    if wrapped_over:
+        module.__dict__["forward"] = outer
+        return True
     if hook._drop_registry and not registry.hooks:
         del module._diffusers_hook
     if hook._drop_forward_attr:

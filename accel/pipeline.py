@@ -15,6 +15,7 @@ graphs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -174,8 +175,16 @@ class PipelineAccelerator:
                 continue
             if hook.recipe.cfg_parallel_support(module) is not None:
                 continue  # the pipeline batches its branches itself (or the recipe does not know)
+            caches = hook.caches
             self._cfg_batch[name] = apply_cfg_batch(
-                module, hook.recipe, self._guard, name=name, user=self, degree=degree
+                module,
+                hook.recipe,
+                self._guard,
+                name=name,
+                user=self,
+                degree=degree,
+                # Step caches keep their state per guidance branch: the branches stay apart.
+                paused=(lambda c=caches: c.present) if caches is not None else None,
             )
 
     def _uninstall(self) -> None:
@@ -309,18 +318,23 @@ class PipelineAccelerator:
                 r.pool = self._pool_for(device)
         compiled = any(h.compiled for h in self._hooks.values())
         components = [h.runner for n, h in self._hooks.items() if n not in self._denoisers and h.active]
-        report = run_warmup(
-            self.pipe,
-            primary.recipe,
-            plan,
-            runners,
-            device,
-            compiled=compiled,
-            progress=progress,
-            prompts=list(prompts) if prompts else None,
-            negative_prompt=negative_prompt,
-            components=components,
-        )
+        with contextlib.ExitStack() as forcing:
+            for name in self._denoisers:
+                caches = self._hooks[name].caches
+                if caches is not None and caches.active:
+                    forcing.enter_context(caches.forcing())
+            report = run_warmup(
+                self.pipe,
+                primary.recipe,
+                plan,
+                runners,
+                device,
+                compiled=compiled,
+                progress=progress,
+                prompts=list(prompts) if prompts else None,
+                negative_prompt=negative_prompt,
+                components=components,
+            )
         for hook in self._hooks.values():
             hook.follow_weights()
         for name, hook in self._hooks.items():
@@ -377,6 +391,15 @@ class PipelineAccelerator:
                 lines.append(f"    capture failed: {reason}")
             for site in h.runner.found_breaks:
                 lines.append(f"    capture broke at: {site}")
+            if h.caches is not None and h.caches.active:
+                for line in h.caches.describe():
+                    lines.append(f"    step cache, last call: {line}")
+                paths = [p for entry in s.paths_per_entry for p in entry]
+                lines.append(
+                    f"    decision paths with graphs: {', '.join(sorted(set(paths))) or 'none yet'}; "
+                    f"{s.path_captures} captured on the way, {s.path_misses} taken without a graph, "
+                    f"{s.path_switches} chain switches"
+                )
             if name in self._cfg_batch:
                 joined, alone = self.guidance_batches()[name]
                 lines.append(f"    guidance branches: {joined} pairs run as one batch, {alone} calls alone")

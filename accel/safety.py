@@ -47,7 +47,9 @@ def weights_fingerprint(module: torch.nn.Module) -> int:
     pipeline call, and on a 20B-parameter transformer ``parameters()``, ``buffers()`` and
     ``getattr`` probes (each a raised AttributeError) cost milliseconds of host time. A cast or a
     move replaces a tensor's storage (its address changes); ``load_state_dict`` and in-place
-    edits bump its version; a new adapter adds tensors.
+    edits bump its version; a new adapter adds tensors. The order of the walk does not count:
+    cache-dit swaps a denoiser's block list in and out during a call, which moves it to the end
+    of the module's children.
     """
     items: list[Any] = []
     for m in module.modules():
@@ -62,7 +64,7 @@ def weights_fingerprint(module: torch.nn.Module) -> int:
         if isinstance(scaling, dict):
             active = getattr(m, "active_adapters", ())  # only LoRA layers get here: probes are rare
             items.append((tuple(sorted(scaling.items())), tuple(active), bool(getattr(m, "disable_adapters", False))))
-    return hash(tuple(items))
+    return hash(frozenset(items))
 
 
 def offload_reason(module: torch.nn.Module) -> str | None:

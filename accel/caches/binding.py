@@ -25,6 +25,7 @@ for the others.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 from collections.abc import Callable, Hashable, Iterator
@@ -36,7 +37,7 @@ from diffusers.hooks.hooks import CacheContext, HookRegistry, _set_cache_context
 from . import cache_dit, diffusers_caches  # noqa: F401  (registers the rules)
 from .rules import CacheRule, rule_for_hook
 
-__all__ = ["CacheBinding", "find_caches"]
+__all__ = ["CacheBinding", "find_caches", "is_registry_forward"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ _BENIGN = ("ContextParallelSplitHook", "ContextParallelGatherHook")
 DEFAULT_CONTEXT = "inference"
 
 
-def _is_registry_forward(forward: Any) -> bool:
+def is_registry_forward(forward: Any) -> bool:
+    """Whether ``forward`` is the wrapper diffusers' ``HookRegistry`` puts on a module."""
     return isinstance(forward, functools.partial) and "HookRegistry.register_hook" in getattr(
         forward.func, "__qualname__", ""
     )
@@ -86,7 +88,11 @@ def find_caches(
                 else:
                     found.setdefault(rule, []).append((path, hook))
         forward = d.get("forward")
-        wrapped = forward is not None and not _is_registry_forward(forward) and "_hf_hook" not in d
+        wrapped = forward is not None and not is_registry_forward(forward) and "_hf_hook" not in d
+        # diffusers leaves the module's own forward as an attribute once its last hook is removed.
+        wrapped = wrapped and not (
+            getattr(forward, "__self__", None) is m and getattr(forward, "__func__", None) is type(m).forward
+        )
         if wrapped and not (m is module and manager is not None):
             what = getattr(forward, "__qualname__", None) or type(forward).__name__
             foreign.append(f"a replaced forward ({what}) on {_where(path)}")
@@ -179,6 +185,12 @@ class CacheBinding:
         return bool(self.rules)
 
     @property
+    def present(self) -> bool:
+        """A step cache (or a hook the library does not know) is on the denoiser."""
+        found, manager, foreign = self._found
+        return bool(found or manager is not None or foreign)
+
+    @property
     def has_diffusers_caches(self) -> bool:
         return bool(self._found[0])
 
@@ -195,11 +207,14 @@ class CacheBinding:
         return tuple(rule.context() for rule in self.rules)
 
     def snapshot(self) -> Any:
-        return [rule.snapshot() for rule in self.rules]
+        # The rules' own bookkeeping too: a capture's extra runs are not steps.
+        return [(rule.snapshot(), set(rule._taken), copy.deepcopy(vars(rule.counts))) for rule in self.rules]
 
     def restore(self, snapshot: Any) -> None:
-        for rule, snap in zip(self.rules, snapshot):
+        for rule, (snap, taken, counts) in zip(self.rules, snapshot):
             rule.restore(snap)
+            rule._taken = set(taken)
+            vars(rule.counts).update(copy.deepcopy(counts))
 
     # -- per pipeline call -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -219,9 +234,22 @@ class CacheBinding:
         finally:
             _set_cache_context(self.module, None)
 
+    @contextlib.contextmanager
+    def forcing(self) -> Iterator[None]:
+        """During a warm-up: each call computes its first step and takes the cached path after,
+        so that both paths are captured (see :meth:`CacheRule.forced`)."""
+        rules = list(self.rules)
+        for rule in rules:
+            rule.forcing = True
+        try:
+            yield
+        finally:
+            for rule in rules:
+                rule.forcing = False
+
     def new_call(self) -> None:
         for rule in self.rules:
-            rule.counts.new_call()
+            rule.new_call()
 
     def end_call(self) -> None:
         """Where a pipeline call ends: reset diffusers' cache state for a denoiser whose

@@ -75,7 +75,7 @@ class CacheDiTRule(CacheRule):
         fn, bn = cls.Fn_compute_blocks.__get__(m), cls.Bn_compute_blocks.__get__(m)
 
         def decide(*args: Any, **kwargs: Any) -> tuple[bool, bool]:
-            cached = bool(can_cache(*args, **kwargs))
+            cached = self.forced("can_cache", bool(can_cache(*args, **kwargs)), True)
             n = self._blocks
             kept = min(n, fn() + bn())
             self.counts.add(not cached, kept if cached else n, n - kept if cached else 0)

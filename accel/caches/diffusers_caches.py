@@ -154,7 +154,7 @@ class FirstBlockCacheRule(CacheRule):
         n = len(self.hooks)
 
         def compute_remaining(residual: torch.Tensor) -> bool:
-            compute = check(residual)
+            compute = self.forced("head", check(residual), False)
             self.counts.add(compute, n if compute else 1, 0 if compute else n - 1)
             return compute
 
@@ -205,8 +205,8 @@ class TaylorSeerRule(CacheRule):
         for i, (path, hook) in enumerate(self.hooks):
             measure = type(hook)._measure_should_compute.__get__(hook)
 
-            def compute(measure: Callable[[], Any] = measure, first: bool = i == 0) -> bool:
-                should = bool(measure()[0])
+            def compute(measure: Callable[[], Any] = measure, first: bool = i == 0, site: str = path) -> bool:
+                should = self.forced(site, bool(measure()[0]), False)
                 if first:
                     self.counts.steps[0 if should else 1] += 1
                     self.counts.total_steps[0 if should else 1] += 1
@@ -309,7 +309,7 @@ class MagCacheRule(CacheRule):
 
         def decide_now() -> bool:
             state = manager.get_state()
-            compute = _mag_decide(head, state)
+            compute = self.forced("head", _mag_decide(head, state), False)
             state.should_compute = compute
             self.counts.add(compute, n if compute else 0, 0 if compute else n)
             return compute

@@ -89,6 +89,25 @@ class CacheRule:
         self.module = module
         self.hooks = hooks  # (module path, hook) pairs this rule serves
         self.counts = CallCounts()
+        self.forcing = False
+        self._taken: set[Hashable] = set()
+
+    def forced(self, site: Hashable, natural: Any, cached: Any) -> Any:
+        """The decision to take at ``site``: ``natural`` (what the cache decided), except during
+        a warm-up, where every decision after the first of its site and branch in a pipeline
+        call is ``cached``, so that the warm-up's calls capture both paths (the first step
+        computes what a cached step reuses)."""
+        if not self.forcing:
+            return natural
+        key = (self.context(), site)
+        if key not in self._taken:
+            self._taken.add(key)
+            return natural
+        return cached
+
+    def new_call(self) -> None:
+        self.counts.new_call()
+        self._taken.clear()
 
     @classmethod
     def group(cls, hooks: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
