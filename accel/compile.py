@@ -40,6 +40,7 @@ import torch
 from .options import default_compile_cache_dir
 
 __all__ = [
+    "arrange_for_hooks",
     "cache_autocast_regions",
     "compile_repeated_blocks",
     "compiled_graph_count",
@@ -191,3 +192,56 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str, cache_dir: Path 
             m._compiled_call_impl = impl
 
     return undo
+
+
+def _hooked(module: torch.nn.Module) -> Any:
+    """``module``'s diffusers registry if it holds a hook that replaces the forward, else None."""
+    registry = vars(module).get("_diffusers_hook")
+    if registry is None or not registry._fn_refs or registry._fn_refs[0].original_forward is None:
+        return None
+    return registry
+
+
+def arrange_for_hooks(module: torch.nn.Module, options: dict[str, Any] | None = None) -> Callable[[], None]:
+    """Keep compiled blocks compilable under the hooks a step cache puts on or inside them.
+
+    Compiling a block compiles its whole call, hooks included, with ``fullgraph=True``; a cache's
+    decisions are eager breaks, which dynamo cannot hold. So, while the hooks are there:
+
+    * a block that carries hooks itself (FirstBlockCache, MagCache) has its own forward compiled,
+      beneath the hooks, which stay plain Python (captured by the graphs like any other code);
+    * a block with hooked submodules (TaylorSeer's attention modules) is compiled with
+      ``fullgraph=False``, so dynamo splits it at the breaks.
+
+    Returns the undo (the blocks compiled as before). Blocks not compiled are left alone.
+    """
+    options = dict(COMPILE_OPTIONS if options is None else options)
+    undo: list[Callable[[], None]] = []
+    classes = tuple(getattr(module, "_repeated_blocks", None) or ())
+    for block in (m for m in module.modules() if type(m).__name__ in classes):
+        compiled = vars(block).get("_compiled_call_impl")
+        if compiled is None:
+            continue
+        registry = _hooked(block)
+        if registry is not None:
+            ref = registry._fn_refs[0]
+            original = ref.original_forward
+            ref.original_forward = calls_without_views(torch.compile(original, **options))
+            block._compiled_call_impl = None
+            undo.append(
+                lambda b=block, c=compiled, r=ref, o=original: (
+                    setattr(b, "_compiled_call_impl", c),
+                    setattr(r, "original_forward", o),
+                )
+            )
+        elif any(_hooked(m) is not None for m in block.modules() if m is not block):
+            block._compiled_call_impl = calls_without_views(
+                torch.compile(block._call_impl, **{**options, "fullgraph": False})
+            )
+            undo.append(lambda b=block, c=compiled: setattr(b, "_compiled_call_impl", c))
+
+    def restore() -> None:
+        while undo:
+            undo.pop()()
+
+    return restore

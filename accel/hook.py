@@ -118,6 +118,7 @@ class GraphHook(ModelHook):
         self.caches: CacheBinding | None = None
         self.context = ContextProbe()
         self._refused_by_caches: str | None = None
+        self._arranged: Callable[[], None] | None = None
         # Set once removed: a wrapper someone put over this hook's forward may still call it.
         self._removed = False
         # What removing the hook must undo beyond the registry's own bookkeeping.
@@ -162,6 +163,7 @@ class GraphHook(ModelHook):
         self.runner.unmark()
         if self.caches is not None:
             self.caches.close()
+        self._undo_arrangement()
         while self._undo:
             self._undo.pop()()
         return module
@@ -266,6 +268,10 @@ class GraphHook(ModelHook):
         if caches is None:
             return True
         changed = caches.refresh(graphs=self._recipe_installed and not self._offloaded)
+        if changed and self.compiled:
+            self._undo_arrangement()
+            if caches.present:
+                self._arranged = compile_mod.arrange_for_hooks(self._module_ref())
         if not self._recipe_installed:
             return True
         if caches.refused is not None:
@@ -285,6 +291,11 @@ class GraphHook(ModelHook):
         self.runner.key_extra = caches.key if caches.active else None
         self.runner.state = caches if caches.active else None
         return True
+
+    def _undo_arrangement(self) -> None:
+        if self._arranged is not None:
+            self._arranged()
+            self._arranged = None
 
     def _drop_graphs(self, why: str, level: int) -> int:
         dropped = self.runner.invalidate()

@@ -96,7 +96,8 @@ def find_caches(
         if wrapped and not (m is module and manager is not None):
             what = getattr(forward, "__qualname__", None) or type(forward).__name__
             foreign.append(f"a replaced forward ({what}) on {_where(path)}")
-        if m._forward_hooks or m._forward_pre_hooks:
+        # The denoiser's own torch hooks run around the diffusers hooks, outside the graphs.
+        if m is not module and (m._forward_hooks or m._forward_pre_hooks):
             foreign.append(f"a torch forward hook on {_where(path)} (register_forward_hook / _pre_hook)")
     return found, manager, foreign
 

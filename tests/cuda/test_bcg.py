@@ -37,13 +37,14 @@ def _inputs(b: int, s: int, d: int = 128, seed: int | None = None) -> tuple[torc
 def _poison(runner: GraphRunner) -> None:
     """NaN-fill every captured output and boundary buffer: a replay that skips a write shows."""
     for entry in runner._entries.values():
-        for t in _tensors(entry.output):
-            if t.is_floating_point():
-                t.fill_(float("nan"))
-        for brk in entry.graph.breaks:
-            for t in _tensors(brk.buffer):
+        for chain in entry.tree.chains.values():
+            for t in _tensors(chain.output):
                 if t.is_floating_point():
                     t.fill_(float("nan"))
+            for brk in chain.graph.breaks:
+                for t in _tensors(brk.buffer):
+                    if t.is_floating_point():
+                        t.fill_(float("nan"))
 
 
 def _tensors(obj):
@@ -88,7 +89,8 @@ def test_debug_mode_runs_whole_call_as_one_break() -> None:
     with runner.capturing():
         runner(x, t)
     entry = next(iter(runner._entries.values()))
-    assert entry.graph.num_segments == 2 and len(entry.graph.breaks) == 1
+    (chain,) = entry.tree.chains.values()
+    assert chain.graph.num_segments == 2 and len(chain.graph.breaks) == 1
     for _ in range(3):
         x, t = _inputs(1, 32)
         assert torch.equal(runner(x, t), model(x, t))
