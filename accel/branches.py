@@ -7,7 +7,9 @@ every path captured so far, all in the same memory pool and reading the same sta
 
 Contract:
 
-* Replay starts on the chain whose path was taken last. At each decision it runs the decision;
+* Replay starts on the chain of the path this tree took at the same position of the last
+  sequence of calls (:meth:`GraphTree.new_sequence`: a pipeline call, whose steps tend to repeat
+  the last call's pattern), else on the chain taken last. At each decision it runs the decision;
   while the value agrees with the chain's, the walk goes on. When it does not, the walk moves to a
   chain whose path starts with the values taken so far: that chain's segments up to the decision
   are replayed (its own copy of the prefix, at its own addresses), with the boundary buffers of
@@ -90,6 +92,15 @@ class GraphTree:
         self.chains: dict[tuple[Any, ...], Chain] = {}
         self._last: Chain | None = None
         self.switches = 0
+        # The chains taken, call by call, in the current and the previous sequence.
+        self._taken: list[Chain] = []
+        self._before: list[Chain] = []
+
+    def new_sequence(self) -> None:
+        """A new sequence of calls begins (a pipeline call): its replays start where the
+        previous sequence's did, call by call."""
+        if self._taken:
+            self._before, self._taken = self._taken, []
 
     def __len__(self) -> int:
         return len(self.chains)
@@ -149,7 +160,11 @@ class GraphTree:
         Raises :class:`PathMiss` (see the contract) or :class:`~accel.bcg.CopyBackError` (a
         break's output no longer fits its buffer; ``exc.memo`` says what ran before it).
         """
-        chain = self._last if self._last is not None else next(iter(self.chains.values()))
+        n = len(self._taken)
+        if n < len(self._before) and self._before[n].path in self.chains:
+            chain = self._before[n]
+        else:
+            chain = self._last if self._last is not None else next(iter(self.chains.values()))
         memo = memo.fresh() if memo is not None else None
         taken: list[Any] = []
         i = 0
@@ -181,6 +196,7 @@ class GraphTree:
         chain.graph.segments[-1].replay()
         chain.replays += 1
         self._last = chain
+        self._taken.append(chain)
         return chain
 
     @staticmethod

@@ -292,6 +292,12 @@ class GraphHook(ModelHook):
         self.runner.state = caches if caches.active else None
         return True
 
+    def new_call(self) -> None:
+        """Where a pipeline call begins (after :meth:`follow_weights`)."""
+        if self.caches is not None and self.caches.active:
+            self.caches.new_call()
+            self.runner.new_sequence()
+
     def _undo_arrangement(self) -> None:
         if self._arranged is not None:
             self._arranged()

@@ -131,9 +131,9 @@ class PipelineAccelerator:
             self._guard = CallGuard.attach(pipe, self, self._follow_weights)
             if self._guard is not None:
                 for name in self._denoisers:
-                    caches = self._hooks[name].caches
-                    if caches is not None:
-                        self._guard.listen(caches, begin=caches.new_call, end=caches.end_call)
+                    hook = self._hooks[name]
+                    if hook.caches is not None:
+                        self._guard.listen(hook.caches, begin=hook.new_call, end=hook.caches.end_call)
             if options.parallel is not None:
                 # Collective: every rank of the launch builds its session here, or all fail.
                 denoisers = {n: self._hooks[n] for n in self._denoisers}

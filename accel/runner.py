@@ -348,6 +348,12 @@ class GraphRunner:
             self._said.clear()
             self._recapture.clear()
 
+    def new_sequence(self) -> None:
+        """A new sequence of calls begins (a pipeline call): replays with decisions start on the
+        path the last sequence took at the same call (see :mod:`accel.branches`)."""
+        for entry in self._entries.values():
+            entry.tree.new_sequence()
+
     def block(self, keys: Iterable[Hashable], reason: str) -> None:
         """Drop these signatures' graphs (if any) and run them eagerly from now on, keeping
         ``reason`` in :attr:`blocked` (e.g. another process failed to capture the same call)."""
