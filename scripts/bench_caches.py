@@ -376,18 +376,20 @@ def main() -> None:
         import importlib.metadata
 
         env["cache_dit"] = importlib.metadata.version("cache-dit")
-    rows = [bench.run(v, wh) for wh in args.resolutions for v in args.variants]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(
-        json.dumps(
-            {"env": env, "args": vars(args) | {"resolutions": [res_name(r) for r in args.resolutions]}, "rows": rows},
-            indent=1,
-            default=str,
-        )
-    )
-    md = markdown(env, args, rows)
-    (out / "results.md").write_text(md)
+    shown = vars(args) | {"resolutions": [res_name(r) for r in args.resolutions]}
+    rows: list[dict[str, Any]] = []
+    md = ""
+    for wh in args.resolutions:
+        for v in args.variants:
+            rows.append(bench.run(v, wh))
+            # Written after every variant: a run cut off by a time limit keeps what it measured.
+            (out / "results.json").write_text(
+                json.dumps({"env": env, "args": shown, "rows": rows}, indent=1, default=str)
+            )
+            md = markdown(env, args, rows)
+            (out / "results.md").write_text(md)
     print(md)
 
 
