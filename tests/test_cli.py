@@ -26,6 +26,7 @@ from pipelines.cli import loading as cli_loading
 from pipelines.cli import run as cli_run
 
 ROOT = Path(__file__).resolve().parents[1]
+NO_CUDA = not torch.cuda.is_available()
 FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
 
 
@@ -53,12 +54,17 @@ def test_single_image_with_metadata(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert meta["seed"] == "7"
     assert meta["steps"] == "2"
     assert meta["resolution"] == "64x64"
-    assert meta["mode"] == "bcg"
+    # What ran: without CUDA no graph is captured, so the denoiser ran eagerly, whatever was asked.
+    assert (meta["mode"], meta.get("requested_mode")) == (("eager", "bcg") if NO_CUDA else ("bcg", None))
+    assert meta["prompt_tokens"].isdigit() and int(meta["prompt_tokens"]) > 3
     assert meta["model"] == "z-image"
     assert meta["guidance"] == "0"
     assert meta["Software"].startswith("bcg-diffusers ")
     summary = capsys.readouterr().out
     assert "s/image" in summary and "denoising steps/s" in summary and "graph memory" in summary
+    assert summary.rstrip().endswith(f"wrote {out}")  # where the image went
+    if NO_CUDA:
+        assert "mode eager (--mode bcg asked, no CUDA device)" in summary
 
 
 def test_same_seed_same_pixels_and_eager_mode(tmp_path: Path) -> None:
@@ -129,8 +135,6 @@ def test_qwen_image_defaults(tmp_path: Path) -> None:
 # Bad input: one line on stderr, exit 2 (1 for failures while loading or generating), no
 # traceback, nothing written
 # --------------------------------------------------------------------------------------------
-NO_CUDA = not torch.cuda.is_available()
-
 # (name, arguments, what the line must say, exit status). "{tmp}" is the test's folder, in which
 # "a-file" exists and "out" is where output would go. All of these are refused before a model is
 # built (the test makes building fail loudly).
@@ -148,7 +152,9 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
         "larger than 98320x98320",
         2,
     ),
-    ("warmup beyond positions", ["--warmup", "8208x64"], "--warmup 8208x64 is larger than 8192x8192", 2),
+    ("warmup beyond positions", ["--warmup", "8208x64"], "--warmup 8208x64 is wider than 8192 pixels", 2),
+    ("wider, not larger", ["--resolution", "8208x16"], "--resolution 8208x16 is wider than 8192 pixels, the widest", 2),
+    ("taller, not larger", ["--resolution", "16x8208"], "is taller than 8192 pixels, the tallest", 2),
     ("batch beyond host memory", ["--batch-size", str(10**12)], "of host memory", 2),
     ("too many steps", ["--steps", "100000"], "1 to 1000", 2),
     ("zero steps", ["--steps", "0"], "1 to 1000", 2),

@@ -16,15 +16,21 @@ through :mod:`pipelines.builders`, and ``accel`` never imports ``pipelines``.
 
 Bad input is one line on stderr and exit status 2 (a request beyond a limit of
 :mod:`pipelines.limits` included); a failure while loading or generating is one line and status 1;
-Ctrl-C is status 130. Nothing is written before the checks pass, and an image file appears only
-once it is complete (written to a hidden ``.part`` file, then renamed).
+Ctrl-C is status 130, SIGTERM 143. Nothing is written before the checks pass, an image file
+appears only once it is complete (written to a hidden ``.part`` file of its own, then renamed),
+and an existing image is never replaced without ``--overwrite``.
+
+Importing this package imports no torch: ``--help`` and argument errors answer at once.
 
 The modules, one job each:
 
 errors      :class:`CLIError` (status 2) and :class:`RunError` (status 1)
 jobs        :class:`Job`, ``plan_jobs``, ``shard`` and the image file names
 arguments   ``build_parser``: each value checked as it is read
-checks      checks that need no model: prompts file, device, ``--out``, compile cache, limits
+checks      checks that need no model: prompts file, device, ``--out``, existing images,
+            compile cache, limits
+caches      ``--cache``: the step caches of diffusers and cache-dit, checked and applied
+prompts     token counts, so a prompt the text encoder cuts is said
 defaults    ``generation_defaults``: steps and guidance from the model's recipe
 loading     ``build_model``: library warnings held back, load errors in one line
 processes   one process or those of an accelerate launch
