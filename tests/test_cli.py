@@ -194,8 +194,67 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
     ("compile cache is a file", ["--compile", "--compile-cache", "{tmp}/a-file"], "is an existing file", 2),
     ("auto breaks in eager mode", ["--auto-breaks", "--mode", "eager"], "--mode eager never does", 2),
     ("model folder missing", ["--model", "{tmp}/no-such-folder"], "no such folder", 2),
+    ("model is a file", ["--model", "{tmp}/a-file"], "is a file; a local model is a diffusers pipeline folder", 2),
+    ("model folder not a pipeline", ["--model", "{tmp}/not-a-pipeline"], "holds no model_index.json", 2),
+    ("empty model", ["--model", " "], "--model: is empty", 2),
+    (
+        "prompt not utf-8",
+        ["--prompt", "\udced\udca0\udc80 fox"],
+        "is not valid UTF-8 text (the byte 0xed at character 0)",
+        2,
+    ),
+    ("negative prompt not utf-8", ["--negative-prompt", "bad \udcff"], "--negative-prompt: is not valid UTF-8 text", 2),
+    ("prompts file with NUL bytes", ["--prompts-file", "{tmp}/utf16.txt"], "line 1 holds a NUL byte (UTF-16 text?", 2),
+    ("existing image", ["--out", "{tmp}/taken.png"], "'{tmp}/taken.png' already exists: pass --overwrite", 2),
+    (
+        "existing images in a folder",
+        ["--batch-size", "3", "--out", "{tmp}/taken"],
+        "0000-a-red-fox-in-the-snow-golden-hour-64x64-s0.png' and 1 more of this run's images already exist",
+        2,
+    ),
+    ("another seed into an existing png", ["--seed", "5", "--out", "{tmp}/taken.png"], "already exists", 2),
+    # fbc, taylorseer and magcache are diffusers' hooks; diffusers 0.42's Z-Image takes none of them.
+    ("fbc on z-image", ["--cache", "fbc"], "which ZImageTransformer2DModel (ZImagePipeline) does not take", 2),
+    ("taylorseer on z-image", ["--cache", "taylorseer"], "does not take in diffusers", 2),
+    ("magcache on z-image", ["--cache", "magcache", "--cache-ratios", "1,1"], "does not take in diffusers", 2),
+    ("threshold without cache", ["--cache-threshold", "0.1"], "--cache-threshold tune a step cache", 2),
+    (
+        "interval and ratios without cache",
+        ["--cache-interval", "2", "--cache-ratios", "1"],
+        "--cache-interval and --cache-ratios tune a step cache",
+        2,
+    ),
+    ("interval for fbc", ["--cache", "fbc", "--cache-interval", "2"], "--cache fbc takes no --cache-interval", 2),
+    (
+        "threshold for taylorseer",
+        ["--cache", "taylorseer", "--cache-threshold", "0.1"],
+        "--cache taylorseer takes no --cache-threshold (its knob: --cache-interval)",
+        2,
+    ),
+    (
+        "ratios for dbcache",
+        ["--cache", "dbcache", "--cache-ratios", "1,1"],
+        "--cache dbcache takes no --cache-ratios",
+        2,
+    ),
+    ("magcache without ratios", ["--cache", "magcache"], "--cache magcache needs --cache-ratios", 2),
+    ("threshold nan", ["--cache", "fbc", "--cache-threshold", "nan"], "'nan' is not a finite number", 2),
+    ("threshold inf", ["--cache", "fbc", "--cache-threshold", "inf"], "'inf' is not a finite number", 2),
+    ("threshold zero", ["--cache", "fbc", "--cache-threshold", "0"], "'0': must be a finite number above 0", 2),
+    ("threshold negative", ["--cache", "fbc", "--cache-threshold", "-0.1"], "must be a finite number above 0", 2),
+    ("threshold not a number", ["--cache", "fbc", "--cache-threshold", "high"], "'high' is not a number", 2),
+    ("interval zero", ["--cache", "taylorseer", "--cache-interval", "0"], "must be at least 1, got 0", 2),
+    ("interval not an integer", ["--cache", "taylorseer", "--cache-interval", "2.5"], "'2.5' is not an integer", 2),
+    ("ratio not a number", ["--cache", "magcache", "--cache-ratios", "1.0,x"], "each ratio must be a finite number", 2),
+    ("ratio zero", ["--cache", "magcache", "--cache-ratios", "1.0,0"], "each ratio must be a finite number above 0", 2),
+    ("ratios empty", ["--cache", "magcache", "--cache-ratios", " , "], "--cache-ratios: is empty", 2),
+    ("unknown cache", ["--cache", "teacache"], "invalid choice: 'teacache'", 2),
     ("short option that is not one", ["-x"], "unrecognized arguments: -x", 2),
 ]
+if Path("/proc/self").is_dir():  # permission bits say root may write there; the file system says no
+    BEFORE_BUILD += [
+        ("out under /proc", ["--out", "/proc/x.png"], "is not writable: cannot create files in '/proc'", 2)
+    ]
 if NO_CUDA:
     BEFORE_BUILD += [
         ("full size on cpu", ["--size", "full"], "--size full needs a CUDA GPU", 2),
@@ -208,6 +267,12 @@ def _bad_input_folder(tmp: Path) -> None:
     (tmp / "a-file").write_text("x")
     (tmp / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     (tmp / "comments.txt").write_text("# only\n\n   \n# comments\n", encoding="utf-8")
+    (tmp / "utf16.txt").write_bytes("a fox\n".encode("utf-16-le"))  # no byte-order mark: decodes as UTF-8
+    (tmp / "not-a-pipeline").mkdir()
+    (tmp / "taken.png").write_bytes(b"an image made earlier")
+    (tmp / "taken").mkdir()
+    for seed in (0, 2):
+        (tmp / "taken" / f"000{seed}-a-red-fox-in-the-snow-golden-hour-64x64-s{seed}.png").write_bytes(b"earlier")
 
 
 def _one_error_line(err: str) -> str:
@@ -247,6 +312,7 @@ def test_bad_input_is_one_line_before_building(
     assert expected.replace("{tmp}", str(tmp_path)) in line
     assert rc == status
     assert sorted(tmp_path.rglob("*")) == before  # no folder named fox.jpg, no empty out/
+    assert (tmp_path / "taken.png").read_bytes() == b"an image made earlier"
 
 
 def test_unknown_model_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -121,11 +121,8 @@ def _largest(sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
-    from .. import limits
-
-    # Cheap checks first, before anything is built or written.
+    # Cheap checks first, before anything is built or written, and those that need no torch
+    # before it is imported.
     prompts = list(args.prompt)
     if args.prompts_file is not None:
         prompts += read_prompts_file(args.prompts_file)
@@ -150,6 +147,10 @@ def _run(args: argparse.Namespace) -> int:
         options = accel_options()
         if os.environ.get(options.COMPILE_CACHE_ENV):  # the default folder is checked where it comes from a user
             check_compile_cache(options.default_compile_cache_dir(), f"${options.COMPILE_CACHE_ENV}")
+    import torch
+
+    from .. import limits
+
     device = resolve_device(args.device, args.mode)
     dtype = getattr(torch, DTYPES[args.dtype] if args.dtype else ("bfloat16" if device.type == "cuda" else "float32"))
     n_images = len(prompts) * len(resolutions) * args.batch_size
