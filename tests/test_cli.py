@@ -178,6 +178,8 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
     ("webp out", ["--out", "{tmp}/fox.WEBP"], "only PNG is written", 2),
     ("existing file as out", ["--out", "{tmp}/a-file"], "is an existing file, not a folder", 2),
     ("empty out", ["--out", ""], "--out: is empty", 2),
+    ("out to stdout", ["--out", "-"], "'-': images are not written to stdout; name a .png file or a folder", 2),
+    ("out in an unknown user's home", ["--out", "~no-such-user-bcg/x.png"], "is no user's home folder here", 2),
     ("unwritable out", ["--out", "{tmp}/a-file/sub"], "is not writable", 2),
     ("several images into one png", ["--batch-size", "2", "--out", "{tmp}/one.png"], "names one file", 2),
     ("missing prompts file", ["--prompts-file", "{tmp}/missing.txt"], "does not exist", 2),
@@ -481,6 +483,26 @@ def test_negative_prompt_without_guidance_is_ignored_with_a_warning(
     assert png_text(out)["negative_prompt"] == ""  # the metadata says what was used
 
 
+def test_a_quoted_tilde_is_the_home_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shell expands ~ only unquoted; --out "~/fox.png" once made a folder named '~'."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    (home / "prompts.txt").write_text("a fox at home\n", encoding="utf-8")
+    assert main(["--out", "~/fox.png", "--prompts-file", "~/prompts.txt", *FAST]) == 0
+    assert png_text(home / "fox.png")["prompt"] == "a fox at home"
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="graphs are captured on a CUDA device")
+def test_warmup_without_cuda_says_it_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="bcg-generate"):
+        assert main(["--warmup", "64x64", "--out", str(tmp_path / "w.png"), *FAST]) == 0
+    assert "--warmup is ignored: graphs are captured only on a CUDA device" in caplog.text
+
+
 def test_prompts_starting_with_a_dash_and_unicode(tmp_path: Path) -> None:
     rc = main(["--prompt", "-fox", "--prompt", "一只红狐狸 🦊", "--out", str(tmp_path), *FAST])
     assert rc == 0
@@ -557,6 +579,26 @@ def test_help_lists_the_graph_options() -> None:
     order = ["\n  --compile-cache DIR", "\n  --no-text-encoder-graphs", "\n  --no-vae-graphs", "\n  --no-cfg-batch",
              "\n  --auto-breaks", "\n  --device DEVICE"]  # fmt: skip
     assert [text.index(o) for o in order] == sorted(text.index(o) for o in order)
+
+
+def test_a_compile_cache_variable_naming_a_file_is_refused_with_compile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--compile-cache FILE was refused, BCG_COMPILE_CACHE=FILE accepted (and shown as the folder)."""
+    cache = tmp_path / "a-file"
+    cache.write_text("x")
+    monkeypatch.setenv("BCG_COMPILE_CACHE", str(cache))
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("this bad input must be refused before a model is built")
+
+    monkeypatch.setattr(cli_run, "build_model", no_build)
+    rc, line = _run_bad(tmp_path, ["--compile"], capsys)
+    assert rc == 2 and f"$BCG_COMPILE_CACHE {str(cache)!r} is an existing file, not a folder" in line
+    assert "$BCG_COMPILE_CACHE names a file, not a folder: --compile refuses it" in build_parser().format_help()
+    monkeypatch.setenv("BCG_COMPILE_CACHE", str(tmp_path / "a-file" / "sub"))
+    rc, line = _run_bad(tmp_path, ["--compile"], capsys)
+    assert rc == 2 and "cannot be created" in line
 
 
 def test_help_says_where_the_compile_cache_is_and_the_limits() -> None:

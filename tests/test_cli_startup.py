@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,13 @@ def test_help_and_argument_errors_import_no_torch() -> None:
     proc = _python(f"""
         import sys
         from pipelines.cli import main
-        codes = [main(["--help"]), main(["--steps", "many"]), main(["--resolution", "500x512"]),
+        codes = [main(["--help"]), main(["--version"]), main(["--steps", "many"]), main(["--resolution", "500x512"]),
                  main(["--seed", "-1"]), main(["--cache", "fbc", "--cache-interval", "2"]), main(["--bogus"])]
         print(codes, [m for m in {HEAVY!r} if m in sys.modules])
     """)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "[0, 2, 2, 2, 2, 2] []", proc.stdout[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[0, 0, 2, 2, 2, 2, 2] []", proc.stdout[-2000:]
+    assert f"\nbcg-generate {version('bcg-diffusers')}\n" in proc.stdout  # after the --help text
     errors = proc.stderr.strip().splitlines()
     assert len(errors) == 5 and all(e.startswith("bcg-generate: error: ") for e in errors), proc.stderr
     assert "'many' is not an integer" in errors[0] and "positive multiples of 16" in errors[1]

@@ -147,10 +147,29 @@ def _ratios(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"each ratio must be a finite number above 0; {e}") from None
 
 
+def _user_path(text: str) -> str:
+    """``text`` with a leading ``~`` expanded, as the shell does unless the path is quoted.
+
+    Left as it was, ``--out "~/x.png"`` makes a folder named ``~`` in the current folder.
+    """
+    if not text.startswith("~"):
+        return text
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        raise argparse.ArgumentTypeError(f"{text!r}: {text.split(os.sep)[0]} is no user's home folder here")
+    return expanded
+
+
+def _path(text: str) -> Path:
+    return Path(_user_path(text))
+
+
 def _out_path(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: name a folder, or a .png file for a single image")
-    return Path(text)
+    if text.strip() == "-":
+        raise argparse.ArgumentTypeError("'-': images are not written to stdout; name a .png file or a folder")
+    return _path(text)
 
 
 def check_utf8(text: str) -> str:
@@ -177,7 +196,19 @@ def _prompt(text: str) -> str:
 def _model(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: name z-image, qwen-image, a pipeline folder or a hub id")
-    return text
+    return _user_path(text)
+
+
+def package_version() -> str:
+    """bcg-diffusers' version, from the installed metadata (no torch import), else accel's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bcg-diffusers")
+    except PackageNotFoundError:  # a source tree that was never installed
+        from accel import __version__
+
+        return __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -274,7 +305,7 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
     )
     p.add_argument(
         "--prompts-file",
-        type=Path,
+        type=_path,
         default=None,
         help="a UTF-8 text file with one prompt a line (blank lines and #-comments skipped)",
     )
@@ -337,7 +368,7 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
     )
     p.add_argument(
         "--compile-cache",
-        type=Path,
+        type=_path,
         default=None,
         metavar="DIR",
         help=f"folder of the persistent compile cache (default {options.default_compile_cache_dir()}); "
@@ -420,4 +451,5 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         help="print the accelerator's counters at the end, for the denoiser and each graphed component",
     )
     p.add_argument("--quiet", action="store_true", help="only warnings and errors: no progress bars or info logs")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     return p

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .arguments import DEFAULT_PROMPT, DEFAULT_RESOLUTION, DTYPES, PROG, accel_options, build_parser
+from .arguments import DEFAULT_PROMPT, DEFAULT_RESOLUTION, DTYPES, PROG, accel_options, build_parser, package_version
 from .caches import CacheRequest, apply_cache, cache_request, check_supported, denoiser_of
 from .checks import (
     _check_embedded,
@@ -66,17 +66,6 @@ def _sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("bcg-diffusers")
-    except Exception:
-        from accel import __version__
-
-        return __version__
 
 
 def _setup_logging(quiet: bool, procs: Processes) -> None:
@@ -166,6 +155,9 @@ def _run(args: argparse.Namespace) -> int:
 
     procs = detect_processes(cpu=device.type != "cuda")
     _setup_logging(args.quiet, procs)
+    if warmup_sizes and (device.type != "cuda" or mode == "eager"):
+        why = "--mode eager" if mode == "eager" else f"this run is on {device}"
+        logger.warning("--warmup is ignored: graphs are captured only on a CUDA device and not in mode eager (%s)", why)
     if procs.count > 1 and procs.device is not None and device.type != "cpu" and procs.device.type == device.type:
         device = procs.device  # each process on its own GPU
     if device.type == "cuda" and device.index is not None:
@@ -267,7 +259,7 @@ def _run(args: argparse.Namespace) -> int:
                     f"out of memory capturing graphs for {sizes}: use smaller sizes or --warmup none"
                 ) from None
 
-    software = f"bcg-diffusers {_version()}"
+    software = f"bcg-diffusers {package_version()}"
     meta_common = dict(
         negative_prompt=negative or "",
         steps=str(steps),
