@@ -139,3 +139,24 @@ def test_held_library_warnings_are_said_once(caplog: pytest.LogCaptureFixture) -
         assert loading._load_quietly(load) == "pipe"
     said = [r.getMessage() for r in caplog.records]
     assert said == ["float16 cannot run on cpu", "another warning"]
+
+
+def test_a_closed_stdout_ends_quietly_after_the_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """bcg-generate ... | head: the summary meets a closed pipe once the image is written."""
+    with open(tmp_path / "stdout", "w") as file:
+
+        class ClosedPipe:
+            def write(self, text: str) -> int:
+                raise BrokenPipeError(32, "Broken pipe")
+
+            def flush(self) -> None:
+                pass
+
+            def fileno(self) -> int:
+                return file.fileno()
+
+        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        assert main(["--out", str(tmp_path / "fox.png"), *FAST]) == 141
+    assert (tmp_path / "fox.png").exists()
+    assert capsys.readouterr().err == ""  # no traceback, no line: the reader chose to stop

@@ -44,6 +44,7 @@ logger = logging.getLogger("bcg-generate")
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
 TERMINATED = 143  # 128 + SIGTERM
+BROKEN_PIPE = 141  # 128 + SIGPIPE, what a tool killed by a closed pipe reports
 
 
 class Terminated(BaseException):
@@ -98,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         except Terminated:
             sys.stderr.write(f"{PROG}: terminated\n")
             return TERMINATED
+        except BrokenPipeError:  # stdout's reader left (| head): the images are written; end quietly
+            with contextlib.suppress(OSError):  # as Python's docs advise, so the exit flush cannot fail again
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return BROKEN_PIPE
 
 
 def _shown(path: Path) -> str:
