@@ -66,7 +66,8 @@ def _sigterm_raises() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # None: a handler set outside Python, which cannot be put back; the default is closest.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _setup_logging(quiet: bool, procs: Processes) -> None:
@@ -84,14 +85,14 @@ def _setup_logging(quiet: bool, procs: Processes) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``bcg-generate``; returns the exit status (0 ok, 1 failed, 2 bad input, 130 interrupted,
-    143 terminated)."""
+    141 stdout closed, 143 terminated)."""
     with _sigterm_raises():
         try:
             return _run(build_parser().parse_args(argv))
         except CLIError as e:
             sys.stderr.write(f"{PROG}: error: {e}\n")
             return e.status
-        except SystemExit as e:  # --help
+        except SystemExit as e:  # --help, --version
             return e.code if isinstance(e.code, int) else 0
         except KeyboardInterrupt:
             sys.stderr.write(f"{PROG}: interrupted\n")
@@ -101,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             return TERMINATED
         except BrokenPipeError:  # stdout's reader left (| head): the images are written; end quietly
             with contextlib.suppress(OSError):  # as Python's docs advise, so the exit flush cannot fail again
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
             return BROKEN_PIPE
 
 
@@ -177,13 +180,13 @@ def _run(args: argparse.Namespace) -> int:
     mine = list(jobs) if args.parallel is not None else shard(jobs, procs.index, procs.count)
     writes = args.parallel is None or procs.index == 0
 
-    def target(job: Job, name: str) -> Path:
+    def target(name: str) -> Path:
         return single if single is not None else folder / name
 
     if not args.overwrite:
-        # Every process checks the files of its own jobs (with --parallel, all of rank 0's), so
-        # all refuse alike, and none sees another's images, which are written only later.
-        check_existing(target(job, name) for job in mine for name in job.filenames)
+        # Each process checks the files of its own jobs only: another's may already be appearing.
+        # With --parallel every process checks all of rank 0's, so all refuse alike.
+        check_existing(target(name) for job in mine for name in job.filenames)
     # Said before the build, so a prompts file far longer than meant is noticed at once.
     logger.info("%d image(s) to make: %d prompt(s) x %d resolution(s) x batch size %d",
                 n_images, len(prompts), len(resolutions), args.batch_size)  # fmt: skip
@@ -317,7 +320,7 @@ def _run(args: argparse.Namespace) -> int:
             ran = _mode_ran(pipe, mode, before)
             modes_ran.add(ran)
             for image, index, seed, name in zip(images, job.indices, job.seeds, job.filenames):
-                path = target(job, name)
+                path = target(name)
                 info = dict(prompt=job.prompt, seed=str(seed), resolution=f"{job.width}x{job.height}",
                             index=str(index), mode=ran)  # fmt: skip
                 if ran != mode:
@@ -337,13 +340,16 @@ def _run(args: argparse.Namespace) -> int:
                     written.append(done)
                 bar.update()
 
+    what = [type(pipe).__name__, _mode_phrase(mode, modes_ran, device)]
+    if applied_cache is not None:
+        what.append(f"cache {applied_cache}")
+    what.append(str(device))
     summary = (
         f"{procs.tag}{made} image(s) in {gen_seconds:.2f} s: warmup {warmup_seconds:.2f} s, "
         f"{gen_seconds / made if made else 0.0:.3f} s/image, "
         f"{len(mine) * steps / gen_seconds if gen_seconds else 0.0:.1f} denoising steps/s, "
-        f"graph memory {_graph_mib(pipe, accelerated):.1f} MiB "
-        f"({type(pipe).__name__}, {_mode_phrase(mode, modes_ran, device)}"
-        f"{f', cache {applied_cache}' if applied_cache else ''}, {device}); {_where(written, folder, single, renamed, writes)}"
+        f"graph memory {_graph_mib(pipe, accelerated):.1f} MiB ({', '.join(what)}); "
+        + _where(written, folder, single, renamed, writes)
     )
     if tokens.truncated:
         summary += f"; {tokens.truncated} prompt(s) cut at the text encoder's limit"
