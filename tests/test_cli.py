@@ -183,6 +183,7 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
     ("unwritable out", ["--out", "{tmp}/a-file/sub"], "is not writable", 2),
     ("several images into one png", ["--batch-size", "2", "--out", "{tmp}/one.png"], "names one file", 2),
     ("missing prompts file", ["--prompts-file", "{tmp}/missing.txt"], "does not exist", 2),
+    ("prompts file from stdin", ["--prompts-file", "-"], "prompts are not read from stdin", 2),
     ("prompts file is a folder", ["--prompts-file", "{tmp}"], "is a folder, not a text file", 2),
     ("prompts file not utf-8", ["--prompts-file", "{tmp}/latin1.txt"], "is not UTF-8 text", 2),
     ("prompts file only comments", ["--prompts-file", "{tmp}/comments.txt"], "holds no prompts", 2),

@@ -23,6 +23,8 @@ PIPELINE_INDEX = "model_index.json"
 
 def read_prompts_file(path: Path) -> list[str]:
     """The prompts of a file: one a line, blank lines and ``#`` comments skipped."""
+    if str(path) == "-":
+        raise CLIError("--prompts-file -: prompts are not read from stdin; name a file (or pass --prompt)")
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not part of a prompt
     except FileNotFoundError:
@@ -126,12 +128,25 @@ def check_out(out: Path, n_images: int) -> tuple[Path, Path | None]:
     return folder, out if single else None
 
 
-def check_existing(paths: Iterable[Path]) -> None:
-    """CLIError naming the images of ``paths`` that already exist (asked without --overwrite)."""
-    existing = [p for p in paths if os.path.lexists(p)]
+def check_existing(folder: Path, single: Path | None, names: Iterable[str]) -> None:
+    """CLIError naming the images that already exist (asked without --overwrite).
+
+    ``single``: the one file of ``--out x.png``; else the files ``names`` in ``folder``. The
+    folder is listed once rather than each name looked up: a prompts file of a million lines
+    would otherwise cost a million file-system calls before anything starts.
+    """
+    if single is not None:
+        existing = [str(single)] if os.path.lexists(single) else []
+    else:
+        try:
+            present = set(os.listdir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            present = set()
+        # ``names`` is consumed only if the folder holds anything: a new folder costs nothing.
+        existing = [str(folder / name) for name in names if name in present] if present else []
     if not existing:
         return
-    first = str(existing[0])
+    first = existing[0]
     if len(existing) == 1:
         raise CLIError(f"{first!r} already exists: pass --overwrite to replace it, or choose another --out or --seed")
     raise CLIError(

@@ -186,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.overwrite:
         # Each process checks the files of its own jobs only: another's may already be appearing.
         # With --parallel every process checks all of rank 0's, so all refuse alike.
-        check_existing(target(name) for job in mine for name in job.filenames)
+        check_existing(folder, single, (name for job in mine for name in job.filenames))
     # Said before the build, so a prompts file far longer than meant is noticed at once.
     logger.info("%d image(s) to make: %d prompt(s) x %d resolution(s) x batch size %d",
                 n_images, len(prompts), len(resolutions), args.batch_size)  # fmt: skip
