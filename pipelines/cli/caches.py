@@ -119,7 +119,7 @@ def check_supported(request: CacheRequest, denoiser: Any, pipeline: str) -> None
     if not isinstance(denoiser, CacheMixin):
         raise CLIError(
             f"--cache {request.method} is one of diffusers' caches, which {cls} ({pipeline}) does not take in "
-            f"diffusers {diffusers.__version__}; --cache dbcache (cache-dit) may"
+            f"diffusers {diffusers.__version__}; try --cache dbcache (cache-dit) instead"
         )
     if request.method == "taylorseer":
         patterns = taylorseer_identifiers(denoiser) or list(_taylorseer_defaults())
