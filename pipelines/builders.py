@@ -411,9 +411,33 @@ def build_text_encoder(
 # --------------------------------------------------------------------------------------------
 # Pipelines
 # --------------------------------------------------------------------------------------------
+def _check_room(model: str, size: str, device: str | torch.device, dtype: torch.dtype) -> None:
+    """LimitError when ``model``'s weights at ``size`` cannot fit ``device``'s free memory.
+
+    Without it, the full-size models on a CPU (Z-Image 38 GiB in float32) fill the host until the
+    kernel kills the process: exit 137 and no message. The tiny models always fit.
+    """
+    from . import limits
+
+    if size == "tiny":
+        return
+    target = torch.device(device)
+    free = limits.available_memory(target)
+    if free is None:
+        return
+    need = limits.embedded_weight_bytes(model, size, dtype)
+    if need > free:
+        raise limits.LimitError(
+            f"{model} at size {size!r} has {limits.format_bytes(need)} of weights in "
+            f"{str(dtype).removeprefix('torch.')} but {target} has {limits.format_bytes(free)} free; "
+            "size='tiny' builds in seconds anywhere"
+        )
+
+
 def _build_embedded(
     model: str, size: str, device: str | torch.device, dtype: torch.dtype, seed: int
 ) -> DiffusionPipeline:
+    _check_room(model, size, device, dtype)
     tok = build_tokenizer()
     kwargs = dict(size=size, device=device, dtype=dtype, seed=seed)
     components = dict(
@@ -444,6 +468,9 @@ def build_pipeline(
     "qwen_image"), built offline with random weights at ``size`` ("tiny" or "full") and seeded
     with ``seed``; or a local pipeline folder or hub id, loaded with ``from_pretrained`` (``size``
     and ``seed`` do not apply). The pipeline is in eval mode on ``device`` in ``dtype``.
+
+    An embedded model whose weights do not fit ``device``'s free memory raises
+    :class:`pipelines.limits.LimitError` (a ValueError) before anything is allocated.
     """
     _check_size(size)
     dtype = _as_dtype(dtype)

@@ -26,6 +26,7 @@ from pipelines.cli import loading as cli_loading
 from pipelines.cli import run as cli_run
 
 ROOT = Path(__file__).resolve().parents[1]
+NO_CUDA = not torch.cuda.is_available()
 FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
 
 
@@ -53,12 +54,17 @@ def test_single_image_with_metadata(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert meta["seed"] == "7"
     assert meta["steps"] == "2"
     assert meta["resolution"] == "64x64"
-    assert meta["mode"] == "bcg"
+    # What ran: without CUDA no graph is captured, so the denoiser ran eagerly, whatever was asked.
+    assert (meta["mode"], meta.get("requested_mode")) == (("eager", "bcg") if NO_CUDA else ("bcg", None))
+    assert meta["prompt_tokens"].isdigit() and int(meta["prompt_tokens"]) > 3
     assert meta["model"] == "z-image"
     assert meta["guidance"] == "0"
     assert meta["Software"].startswith("bcg-diffusers ")
     summary = capsys.readouterr().out
     assert "s/image" in summary and "denoising steps/s" in summary and "graph memory" in summary
+    assert summary.rstrip().endswith(f"wrote {out}")  # where the image went
+    if NO_CUDA:
+        assert "mode eager (--mode bcg asked, no CUDA device)" in summary
 
 
 def test_same_seed_same_pixels_and_eager_mode(tmp_path: Path) -> None:
@@ -129,8 +135,6 @@ def test_qwen_image_defaults(tmp_path: Path) -> None:
 # Bad input: one line on stderr, exit 2 (1 for failures while loading or generating), no
 # traceback, nothing written
 # --------------------------------------------------------------------------------------------
-NO_CUDA = not torch.cuda.is_available()
-
 # (name, arguments, what the line must say, exit status). "{tmp}" is the test's folder, in which
 # "a-file" exists and "out" is where output would go. All of these are refused before a model is
 # built (the test makes building fail loudly).
@@ -148,7 +152,9 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
         "larger than 98320x98320",
         2,
     ),
-    ("warmup beyond positions", ["--warmup", "8208x64"], "--warmup 8208x64 is larger than 8192x8192", 2),
+    ("warmup beyond positions", ["--warmup", "8208x64"], "--warmup 8208x64 is wider than 8192 pixels", 2),
+    ("wider, not larger", ["--resolution", "8208x16"], "--resolution 8208x16 is wider than 8192 pixels, the widest", 2),
+    ("taller, not larger", ["--resolution", "16x8208"], "is taller than 8192 pixels, the tallest", 2),
     ("batch beyond host memory", ["--batch-size", str(10**12)], "of host memory", 2),
     ("too many steps", ["--steps", "100000"], "1 to 1000", 2),
     ("zero steps", ["--steps", "0"], "1 to 1000", 2),
@@ -172,9 +178,12 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
     ("webp out", ["--out", "{tmp}/fox.WEBP"], "only PNG is written", 2),
     ("existing file as out", ["--out", "{tmp}/a-file"], "is an existing file, not a folder", 2),
     ("empty out", ["--out", ""], "--out: is empty", 2),
+    ("out to stdout", ["--out", "-"], "'-': images are not written to stdout; name a .png file or a folder", 2),
+    ("out in an unknown user's home", ["--out", "~no-such-user-bcg/x.png"], "is no user's home folder here", 2),
     ("unwritable out", ["--out", "{tmp}/a-file/sub"], "is not writable", 2),
     ("several images into one png", ["--batch-size", "2", "--out", "{tmp}/one.png"], "names one file", 2),
     ("missing prompts file", ["--prompts-file", "{tmp}/missing.txt"], "does not exist", 2),
+    ("prompts file from stdin", ["--prompts-file", "-"], "prompts are not read from stdin", 2),
     ("prompts file is a folder", ["--prompts-file", "{tmp}"], "is a folder, not a text file", 2),
     ("prompts file not utf-8", ["--prompts-file", "{tmp}/latin1.txt"], "is not UTF-8 text", 2),
     ("prompts file only comments", ["--prompts-file", "{tmp}/comments.txt"], "holds no prompts", 2),
@@ -188,8 +197,67 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
     ("compile cache is a file", ["--compile", "--compile-cache", "{tmp}/a-file"], "is an existing file", 2),
     ("auto breaks in eager mode", ["--auto-breaks", "--mode", "eager"], "--mode eager never does", 2),
     ("model folder missing", ["--model", "{tmp}/no-such-folder"], "no such folder", 2),
+    ("model is a file", ["--model", "{tmp}/a-file"], "is a file; a local model is a diffusers pipeline folder", 2),
+    ("model folder not a pipeline", ["--model", "{tmp}/not-a-pipeline"], "holds no model_index.json", 2),
+    ("empty model", ["--model", " "], "--model: is empty", 2),
+    (
+        "prompt not utf-8",
+        ["--prompt", "\udced\udca0\udc80 fox"],
+        "is not valid UTF-8 text (the byte 0xed at character 0)",
+        2,
+    ),
+    ("negative prompt not utf-8", ["--negative-prompt", "bad \udcff"], "--negative-prompt: is not valid UTF-8 text", 2),
+    ("prompts file with NUL bytes", ["--prompts-file", "{tmp}/utf16.txt"], "line 1 holds a NUL byte (UTF-16 text?", 2),
+    ("existing image", ["--out", "{tmp}/taken.png"], "'{tmp}/taken.png' already exists: pass --overwrite", 2),
+    (
+        "existing images in a folder",
+        ["--batch-size", "3", "--out", "{tmp}/taken"],
+        "0000-a-red-fox-in-the-snow-golden-hour-64x64-s0.png' and 1 more of this run's images already exist",
+        2,
+    ),
+    ("another seed into an existing png", ["--seed", "5", "--out", "{tmp}/taken.png"], "already exists", 2),
+    # fbc, taylorseer and magcache are diffusers' hooks; diffusers 0.42's Z-Image takes none of them.
+    ("fbc on z-image", ["--cache", "fbc"], "which ZImageTransformer2DModel (ZImagePipeline) does not take", 2),
+    ("taylorseer on z-image", ["--cache", "taylorseer"], "does not take in diffusers", 2),
+    ("magcache on z-image", ["--cache", "magcache", "--cache-ratios", "1,1"], "does not take in diffusers", 2),
+    ("threshold without cache", ["--cache-threshold", "0.1"], "--cache-threshold tune a step cache", 2),
+    (
+        "interval and ratios without cache",
+        ["--cache-interval", "2", "--cache-ratios", "1"],
+        "--cache-interval and --cache-ratios tune a step cache",
+        2,
+    ),
+    ("interval for fbc", ["--cache", "fbc", "--cache-interval", "2"], "--cache fbc takes no --cache-interval", 2),
+    (
+        "threshold for taylorseer",
+        ["--cache", "taylorseer", "--cache-threshold", "0.1"],
+        "--cache taylorseer takes no --cache-threshold (its knob: --cache-interval)",
+        2,
+    ),
+    (
+        "ratios for dbcache",
+        ["--cache", "dbcache", "--cache-ratios", "1,1"],
+        "--cache dbcache takes no --cache-ratios",
+        2,
+    ),
+    ("magcache without ratios", ["--cache", "magcache"], "--cache magcache needs --cache-ratios", 2),
+    ("threshold nan", ["--cache", "fbc", "--cache-threshold", "nan"], "'nan' is not a finite number", 2),
+    ("threshold inf", ["--cache", "fbc", "--cache-threshold", "inf"], "'inf' is not a finite number", 2),
+    ("threshold zero", ["--cache", "fbc", "--cache-threshold", "0"], "'0': must be a finite number above 0", 2),
+    ("threshold negative", ["--cache", "fbc", "--cache-threshold", "-0.1"], "must be a finite number above 0", 2),
+    ("threshold not a number", ["--cache", "fbc", "--cache-threshold", "high"], "'high' is not a number", 2),
+    ("interval zero", ["--cache", "taylorseer", "--cache-interval", "0"], "must be at least 1, got 0", 2),
+    ("interval not an integer", ["--cache", "taylorseer", "--cache-interval", "2.5"], "'2.5' is not an integer", 2),
+    ("ratio not a number", ["--cache", "magcache", "--cache-ratios", "1.0,x"], "each ratio must be a finite number", 2),
+    ("ratio zero", ["--cache", "magcache", "--cache-ratios", "1.0,0"], "each ratio must be a finite number above 0", 2),
+    ("ratios empty", ["--cache", "magcache", "--cache-ratios", " , "], "--cache-ratios: is empty", 2),
+    ("unknown cache", ["--cache", "teacache"], "invalid choice: 'teacache'", 2),
     ("short option that is not one", ["-x"], "unrecognized arguments: -x", 2),
 ]
+if Path("/proc/self").is_dir():  # permission bits say root may write there; the file system says no
+    BEFORE_BUILD += [
+        ("out under /proc", ["--out", "/proc/x.png"], "is not writable: cannot create files in '/proc'", 2)
+    ]
 if NO_CUDA:
     BEFORE_BUILD += [
         ("full size on cpu", ["--size", "full"], "--size full needs a CUDA GPU", 2),
@@ -202,6 +270,12 @@ def _bad_input_folder(tmp: Path) -> None:
     (tmp / "a-file").write_text("x")
     (tmp / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     (tmp / "comments.txt").write_text("# only\n\n   \n# comments\n", encoding="utf-8")
+    (tmp / "utf16.txt").write_bytes("a fox\n".encode("utf-16-le"))  # no byte-order mark: decodes as UTF-8
+    (tmp / "not-a-pipeline").mkdir()
+    (tmp / "taken.png").write_bytes(b"an image made earlier")
+    (tmp / "taken").mkdir()
+    for seed in (0, 2):
+        (tmp / "taken" / f"000{seed}-a-red-fox-in-the-snow-golden-hour-64x64-s{seed}.png").write_bytes(b"earlier")
 
 
 def _one_error_line(err: str) -> str:
@@ -241,6 +315,7 @@ def test_bad_input_is_one_line_before_building(
     assert expected.replace("{tmp}", str(tmp_path)) in line
     assert rc == status
     assert sorted(tmp_path.rglob("*")) == before  # no folder named fox.jpg, no empty out/
+    assert (tmp_path / "taken.png").read_bytes() == b"an image made earlier"
 
 
 def test_unknown_model_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -409,6 +484,26 @@ def test_negative_prompt_without_guidance_is_ignored_with_a_warning(
     assert png_text(out)["negative_prompt"] == ""  # the metadata says what was used
 
 
+def test_a_quoted_tilde_is_the_home_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shell expands ~ only unquoted; --out "~/fox.png" once made a folder named '~'."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    (home / "prompts.txt").write_text("a fox at home\n", encoding="utf-8")
+    assert main(["--out", "~/fox.png", "--prompts-file", "~/prompts.txt", *FAST]) == 0
+    assert png_text(home / "fox.png")["prompt"] == "a fox at home"
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="graphs are captured on a CUDA device")
+def test_warmup_without_cuda_says_it_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="bcg-generate"):
+        assert main(["--warmup", "64x64", "--out", str(tmp_path / "w.png"), *FAST]) == 0
+    assert "--warmup is ignored: graphs are captured only on a CUDA device" in caplog.text
+
+
 def test_prompts_starting_with_a_dash_and_unicode(tmp_path: Path) -> None:
     rc = main(["--prompt", "-fox", "--prompt", "一只红狐狸 🦊", "--out", str(tmp_path), *FAST])
     assert rc == 0
@@ -485,6 +580,26 @@ def test_help_lists_the_graph_options() -> None:
     order = ["\n  --compile-cache DIR", "\n  --no-text-encoder-graphs", "\n  --no-vae-graphs", "\n  --no-cfg-batch",
              "\n  --auto-breaks", "\n  --device DEVICE"]  # fmt: skip
     assert [text.index(o) for o in order] == sorted(text.index(o) for o in order)
+
+
+def test_a_compile_cache_variable_naming_a_file_is_refused_with_compile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--compile-cache FILE was refused, BCG_COMPILE_CACHE=FILE accepted (and shown as the folder)."""
+    cache = tmp_path / "a-file"
+    cache.write_text("x")
+    monkeypatch.setenv("BCG_COMPILE_CACHE", str(cache))
+
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError("this bad input must be refused before a model is built")
+
+    monkeypatch.setattr(cli_run, "build_model", no_build)
+    rc, line = _run_bad(tmp_path, ["--compile"], capsys)
+    assert rc == 2 and f"$BCG_COMPILE_CACHE {str(cache)!r} is an existing file, not a folder" in line
+    assert "$BCG_COMPILE_CACHE names a file, not a folder: --compile refuses it" in build_parser().format_help()
+    monkeypatch.setenv("BCG_COMPILE_CACHE", str(tmp_path / "a-file" / "sub"))
+    rc, line = _run_bad(tmp_path, ["--compile"], capsys)
+    assert rc == 2 and "cannot be created" in line
 
 
 def test_help_says_where_the_compile_cache_is_and_the_limits() -> None:

@@ -16,15 +16,21 @@ through :mod:`pipelines.builders`, and ``accel`` never imports ``pipelines``.
 
 Bad input is one line on stderr and exit status 2 (a request beyond a limit of
 :mod:`pipelines.limits` included); a failure while loading or generating is one line and status 1;
-Ctrl-C is status 130. Nothing is written before the checks pass, and an image file appears only
-once it is complete (written to a hidden ``.part`` file, then renamed).
+Ctrl-C is status 130, SIGTERM 143. Nothing is written before the checks pass, an image file
+appears only once it is complete (written to a hidden ``.part`` file of its own, then renamed),
+and an existing image is never replaced without ``--overwrite``.
+
+Importing this package imports no torch: ``--help`` and argument errors answer at once.
 
 The modules, one job each:
 
 errors      :class:`CLIError` (status 2) and :class:`RunError` (status 1)
 jobs        :class:`Job`, ``plan_jobs``, ``shard`` and the image file names
 arguments   ``build_parser``: each value checked as it is read
-checks      checks that need no model: prompts file, device, ``--out``, compile cache, limits
+checks      checks that need no model: prompts file, device, ``--out``, existing images,
+            compile cache, limits
+caches      ``--cache``: the step caches of diffusers and cache-dit, checked and applied
+prompts     token counts, so a prompt the text encoder cuts is said
 defaults    ``generation_defaults``: steps and guidance from the model's recipe
 loading     ``build_model``: library warnings held back, load errors in one line
 processes   one process or those of an accelerate launch
@@ -32,25 +38,50 @@ images      one pipeline call to images, and an image to a PNG file
 run         ``main``: checks, build, warmup, generation, summary
 """
 
-# __all__ stays the API it was when the CLI was one module; the other public names are
-# re-exported too (redundant aliases), so code that imported them from pipelines.cli still works.
-from .arguments import DEFAULT_MODEL as DEFAULT_MODEL
-from .arguments import DEFAULT_PROMPT, build_parser
-from .arguments import DEFAULT_RESOLUTION as DEFAULT_RESOLUTION
-from .arguments import DTYPES as DTYPES
-from .arguments import PROG as PROG
-from .checks import HOST_BYTES_PER_PIXEL as HOST_BYTES_PER_PIXEL
-from .checks import check_out as check_out
-from .checks import read_prompts_file as read_prompts_file
-from .checks import resolve_device as resolve_device
-from .defaults import generation_defaults
-from .errors import CLIError, RunError
-from .jobs import Job, plan_jobs, shard, slug
-from .jobs import image_filename as image_filename
-from .loading import build_model as build_model
-from .processes import Processes as Processes
-from .processes import detect_processes as detect_processes
-from .run import main
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+# __all__ stays the API it was when the CLI was one module; the other names that module had are
+# still importable from here. All are loaded on first use (PEP 562), so that starting
+# bcg-generate imports almost nothing before main() can catch a Ctrl-C.
+_NAMES = {
+    "arguments": ("DEFAULT_MODEL", "DEFAULT_PROMPT", "DEFAULT_RESOLUTION", "DTYPES", "PROG", "build_parser"),
+    "checks": ("HOST_BYTES_PER_PIXEL", "check_out", "read_prompts_file", "resolve_device"),
+    "defaults": ("generation_defaults",),
+    "errors": ("CLIError", "RunError"),
+    "jobs": ("Job", "image_filename", "plan_jobs", "shard", "slug"),
+    "loading": ("build_model",),
+    "processes": ("Processes", "detect_processes"),
+}
+_MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``bcg-generate``; returns the exit status (0 ok, 1 failed, 2 bad input, 130
+    interrupted, 143 terminated). See :func:`pipelines.cli.run.main`."""
+    try:
+        from .run import main as run
+    except KeyboardInterrupt:  # while the CLI's own modules load: one line, like any later Ctrl-C
+        sys.stderr.write("bcg-generate: interrupted\n")
+        return 130
+    return run(argv)
+
 
 __all__ = [
     "DEFAULT_PROMPT",

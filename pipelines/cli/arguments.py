@@ -1,15 +1,23 @@
-"""Argument parsing: each value checked as it is read."""
+"""Argument parsing: each value checked as it is read.
+
+Nothing here imports torch, diffusers or accel's package: ``--help`` and a mistyped option
+answer in a fraction of a second instead of the 3-5 s those imports take. The few constants the
+parser needs come from ``accel/options.py`` (stdlib only), loaded on its own, and from
+:mod:`pipelines.limits`, mirrored below and kept equal by a test.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import os
+import sys
+from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from accel.options import MODES, PARALLEL_MODES, RESOLUTION_MULTIPLE, default_compile_cache_dir, parse_resolution
-
-from .. import limits
 from .errors import CLIError
 
 PROG = "bcg-generate"
@@ -18,11 +26,46 @@ DEFAULT_MODEL = "z-image"
 DEFAULT_RESOLUTION = (512, 512)
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}  # fmt: skip
+CACHES = ("fbc", "taylorseer", "magcache", "dbcache")
+
+# Mirrors of pipelines.limits (which imports torch); tests/test_cli_fast.py keeps them equal.
+MAX_SEED = 2**63 - 1
+MAX_STEPS = 1000
+MEMORY_MARGIN = 1.5
+
+
+@cache
+def accel_options() -> ModuleType:
+    """``accel.options`` without running ``accel/__init__`` (which imports torch and diffusers).
+
+    The file needs only the standard library, so it is executed on its own under a private name.
+    Should it ever need the rest of accel, loading it alone fails and the real module is used:
+    slower, never wrong.
+    """
+    real = sys.modules.get("accel.options")
+    if real is not None:
+        return real
+    name = "pipelines.cli._accel_options"
+    try:
+        package = importlib.util.find_spec("accel")  # a top-level find_spec imports nothing
+        locations = list(package.submodule_search_locations or []) if package else []
+        spec = importlib.util.spec_from_file_location(name, Path(locations[0]) / "options.py")
+        if spec is None or spec.loader is None:
+            raise ImportError("accel/options.py not found")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+        return module
+    except Exception:
+        sys.modules.pop(name, None)
+        import accel.options
+
+        return accel.options
 
 
 def _resolution(text: str) -> tuple[int, int]:
     try:
-        return parse_resolution(text)
+        return accel_options().parse_resolution(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -49,19 +92,31 @@ def _positive_int(text: str) -> int:
 
 def _steps(text: str) -> int:
     value = _int(text)
-    try:
-        limits.check_steps(value)
-    except limits.LimitError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--steps {value}: ")) from None
+    # The same words as limits.check_steps, which checks again against the built scheduler.
+    if not 1 <= value <= MAX_STEPS:
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to {MAX_STEPS}, the number of noise levels the scheduler was trained on "
+            "(num_train_timesteps); more steps only repeat them"
+        )
     return value
 
 
 def _seed(text: str) -> int:
     value = _int(text)
-    if not 0 <= value <= limits.MAX_SEED:
+    if not 0 <= value <= MAX_SEED:
         raise argparse.ArgumentTypeError(
-            f"{value} is outside 0 to 2**63 - 1 ({limits.MAX_SEED}); image i of a run uses seed + i"
+            f"{value} is outside 0 to 2**63 - 1 ({MAX_SEED}); image i of a run uses seed + i"
         )
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
 
 
@@ -75,16 +130,85 @@ def _guidance(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number above 0")
+    return value
+
+
+def _ratios(text: str) -> tuple[float, ...]:
+    parts = [t.strip() for t in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError("is empty: give the calibrated ratios as R1,R2,... (one per step)")
+    try:
+        return tuple(_positive(t) for t in parts)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"each ratio must be a finite number above 0; {e}") from None
+
+
+def _user_path(text: str) -> str:
+    """``text`` with a leading ``~`` expanded, as the shell does unless the path is quoted.
+
+    Left as it was, ``--out "~/x.png"`` makes a folder named ``~`` in the current folder.
+    """
+    if not text.startswith("~"):
+        return text
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        raise argparse.ArgumentTypeError(f"{text!r}: {text.split(os.sep)[0]} is no user's home folder here")
+    return expanded
+
+
+def _path(text: str) -> Path:
+    return Path(_user_path(text))
+
+
 def _out_path(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty: name a folder, or a .png file for a single image")
-    return Path(text)
+    if text.strip() == "-":
+        raise argparse.ArgumentTypeError("'-': images are not written to stdout; name a .png file or a folder")
+    return _path(text)
+
+
+def check_utf8(text: str) -> str:
+    """``text`` if it is valid UTF-8, else ArgumentTypeError naming the first bad byte.
+
+    Arguments that are not UTF-8 reach Python as lone surrogates (PEP 383), which no tokenizer
+    takes and no PNG text chunk can hold.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise argparse.ArgumentTypeError(f"is not valid UTF-8 text ({what} at character {e.start})") from None
+    return text
 
 
 def _prompt(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("a prompt cannot be empty (leave --prompt out for the default prompt)")
-    return text
+    return check_utf8(text)
+
+
+def _model(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name z-image, qwen-image, a pipeline folder or a hub id")
+    return _user_path(text)
+
+
+def package_version() -> str:
+    """bcg-diffusers' version, from the installed metadata (no torch import), else accel's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bcg-diffusers")
+    except PackageNotFoundError:  # a source tree that was never installed
+        from accel import __version__
+
+        return __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,39 +224,65 @@ class _Parser(argparse.ArgumentParser):
         return super()._parse_optional(arg_string)
 
 
+def _compile_cache_line() -> str:
+    options = accel_options()
+    folder = options.default_compile_cache_dir()
+    line = f"compile cache: --compile keeps compiled kernels in {folder}"
+    env = os.environ.get(options.COMPILE_CACHE_ENV)
+    if env and folder.exists() and not folder.is_dir():
+        line += f"\n  (${options.COMPILE_CACHE_ENV} names a file, not a folder: --compile refuses it)"
+    return line
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``bcg-generate`` argument parser."""
-    cache = default_compile_cache_dir()
+    options = accel_options()
+    multiple = options.RESOLUTION_MULTIPLE
     p = _Parser(
         prog=PROG,
         description="Generate images with a diffusers pipeline whose denoiser replays breakable CUDA graphs.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"""\
 limits (checked before the model runs or anything is written; see pipelines/limits.py):
-  resolution  multiples of {RESOLUTION_MULTIPLE}, at most what the model's position table can place
+  resolution  multiples of {multiple}, at most what the model's position table can place
               (z-image: 8192x8192, from its RoPE axes_lens [1024, 512, 512] at 16 pixels a token;
               qwen-image: 98320 a side, from its 4096-row RoPE table), and no more than the
               device's free memory fits, by an estimate of the VAE decode, the denoiser's
-              activations and the graph pool, times {limits.MEMORY_MARGIN}
-  --steps     1 (2 for qwen-image's scheduler) to {limits.DEFAULT_MAX_STEPS}: the scheduler's
+              activations and the graph pool, times {MEMORY_MARGIN}
+  --steps     1 (2 for qwen-image's scheduler) to {MAX_STEPS}: the scheduler's
               num_train_timesteps (more steps only repeat the noise levels it was trained on)
   --seed      0 to 2**63 - 1; image i uses seed + i, so the last image's seed must fit too
   --guidance  a finite number, 0 or more
   --size full builds z-image's 10B or qwen-image's 29B parameters: it needs a CUDA GPU with
               room for their weights; on a CPU it is refused
+  prompts     the text encoder reads a limited number of tokens (512 for both built-in models);
+              a longer prompt is cut there, with a warning that gives the counts
 
-compile cache: --compile keeps compiled kernels in {cache}
-  (--compile-cache DIR, else $BCG_COMPILE_CACHE, else $XDG_CACHE_HOME or ~/.cache, then
+files: an image that already exists is never replaced unless --overwrite is given (checked
+  before the model is built); a file that appears while the run generates (another run writing
+  to the same place) is kept, and the new image goes to a free name, with a warning.
+
+step caches (--cache): fbc, diffusers' First Block Cache (--cache-threshold, default 0.05);
+  taylorseer, diffusers' TaylorSeer (--cache-interval, default 5); magcache, diffusers' MagCache
+  (--cache-ratios, calibrated for the model, required; --cache-threshold, default 0.06);
+  dbcache, cache-dit's DBCache (--cache-threshold, its residual_diff_threshold, default 0.08;
+  pip install "bcg-diffusers[cache-dit]"). diffusers' caches need a denoiser that supports them
+  (qwen-image does; z-image does not in diffusers 0.42).
+
+{_compile_cache_line()}
+  (--compile-cache DIR, else ${options.COMPILE_CACHE_ENV}, else $XDG_CACHE_HOME or ~/.cache, then
   bcg-diffusers/compile; a TORCHINDUCTOR_CACHE_DIR you set wins over the default).
   Delete that folder to clear the cache.
 
-exit status: 0 done, 1 loading or generating failed, 2 bad input, 130 interrupted.
+exit status: 0 done, 1 loading or generating failed, 2 bad input, 130 interrupted (Ctrl-C),
+  143 terminated (SIGTERM).
 multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits the work; with
   --parallel every process works on every image together and only rank 0 writes files.
 """,
     )
     p.add_argument(
         "--model",
+        type=_model,
         default=DEFAULT_MODEL,
         help="'z-image' (default; built offline with random weights), 'qwen-image', "
         "a local pipeline folder or a Hugging Face hub id (org/name)",
@@ -150,10 +300,12 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         default=[],
         help=f"a prompt (repeat for several; default {DEFAULT_PROMPT!r})",
     )
-    p.add_argument("--negative-prompt", default=None, help="negative prompt (used only when guidance is on)")
+    p.add_argument(
+        "--negative-prompt", type=check_utf8, default=None, help="negative prompt (used only when guidance is on)"
+    )
     p.add_argument(
         "--prompts-file",
-        type=Path,
+        type=_path,
         default=None,
         help="a UTF-8 text file with one prompt a line (blank lines and #-comments skipped)",
     )
@@ -164,13 +316,13 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         action="extend",
         default=None,
         metavar="WxH",
-        help=f"one or more WIDTHxHEIGHT, multiples of {RESOLUTION_MULTIPLE} (default 512x512)",
+        help=f"one or more WIDTHxHEIGHT, multiples of {multiple} (default 512x512)",
     )
     p.add_argument(
         "--steps",
         type=_steps,
         default=None,
-        help=f"denoising steps, 1 to {limits.DEFAULT_MAX_STEPS} (default: 9 for z-image, 20 for qwen-image, else 30)",
+        help=f"denoising steps, 1 to {MAX_STEPS} (default: 9 for z-image, 20 for qwen-image, else 30)",
     )
     p.add_argument(
         "--guidance",
@@ -196,13 +348,13 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
     )
     p.add_argument(
         "--mode",
-        choices=MODES,
+        choices=options.MODES,
         default=None,
         help="bcg: CUDA graphs (default); debug: same runner, denoiser eager; eager: no acceleration",
     )
     p.add_argument(
         "--parallel",
-        choices=PARALLEL_MODES,
+        choices=options.PARALLEL_MODES,
         default=None,
         help="under accelerate launch / torchrun, compute each image on all processes together (cfg: the two "
         "guidance branches on 2 GPUs, exact; ulysses: diffusers' context parallelism; cfg+ulysses: both, 4+ GPUs); "
@@ -216,10 +368,11 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
     )
     p.add_argument(
         "--compile-cache",
-        type=Path,
+        type=_path,
         default=None,
         metavar="DIR",
-        help=f"folder of the persistent compile cache (default {cache}); delete it to clear the cache",
+        help=f"folder of the persistent compile cache (default {options.default_compile_cache_dir()}); "
+        "delete it to clear the cache",
     )
     p.add_argument(
         "--no-text-encoder-graphs",
@@ -247,6 +400,35 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         "and capture again (the graph is kept only if it equals eager)",
     )
     p.add_argument(
+        "--cache",
+        choices=CACHES,
+        default=None,
+        help="skip denoiser work on steps whose result barely changes: fbc (First Block Cache), taylorseer, "
+        "magcache (diffusers' hooks) or dbcache (cache-dit, an optional extra); applied before acceleration",
+    )
+    p.add_argument(
+        "--cache-threshold",
+        type=_positive,
+        default=None,
+        metavar="FLOAT",
+        help="fbc, magcache, dbcache: how much change a step may skip (higher: faster, less exact; "
+        "default each method's own)",
+    )
+    p.add_argument(
+        "--cache-interval",
+        type=_positive_int,
+        default=None,
+        metavar="INT",
+        help="taylorseer: compute every INT-th step, predict the others (default 5)",
+    )
+    p.add_argument(
+        "--cache-ratios",
+        type=_ratios,
+        default=None,
+        metavar="R1,R2,...",
+        help="magcache (required): the model's calibrated magnitude ratios, one per step (resampled to --steps)",
+    )
+    p.add_argument(
         "--device", default=None, help="torch device: cpu, cuda, cuda:N (default cuda if available, else cpu)"
     )
     p.add_argument(
@@ -259,9 +441,15 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         help="a .png file for a single image, else a folder (default outputs/)",
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace images that already exist (default: refuse, before the model is built)",
+    )
+    p.add_argument(
         "--report",
         action="store_true",
         help="print the accelerator's counters at the end, for the denoiser and each graphed component",
     )
     p.add_argument("--quiet", action="store_true", help="only warnings and errors: no progress bars or info logs")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     return p

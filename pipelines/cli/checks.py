@@ -1,13 +1,15 @@
-"""Checks that need no model: prompts file, device, --out, compile cache, limits told by configs."""
+"""Checks that need no model: prompts file, device, --out, existing images, compile cache, limits
+told by configs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import secrets
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import limits
 from .errors import CLIError, _one_line
 
 # Bytes per pixel of one decoded image on the host: the pipeline's float32 RGB array plus the
@@ -15,10 +17,14 @@ from .errors import CLIError, _one_line
 HOST_BYTES_PER_PIXEL = 3 * 4 + 3
 # Suffixes Pillow does not register but users type for images: --out with one is a mistake.
 _MORE_IMAGE_SUFFIXES = (".avif", ".heic", ".heif", ".jxl", ".jpe", ".jfif")
+# What a diffusers pipeline folder always holds (from_pretrained reads it first).
+PIPELINE_INDEX = "model_index.json"
 
 
 def read_prompts_file(path: Path) -> list[str]:
     """The prompts of a file: one a line, blank lines and ``#`` comments skipped."""
+    if str(path) == "-":
+        raise CLIError("--prompts-file -: prompts are not read from stdin; name a file (or pass --prompt)")
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not part of a prompt
     except FileNotFoundError:
@@ -33,6 +39,11 @@ def read_prompts_file(path: Path) -> list[str]:
     prompts = [p for p in prompts if p and not p.startswith("#")]
     if not prompts:
         raise CLIError(f"--prompts-file {str(path)!r} holds no prompts (blank lines and # comments are skipped)")
+    for number, line in enumerate(text.splitlines(), 1):
+        if "\0" in line:  # a PNG text chunk ends at a NUL byte: the prompt could not be recorded
+            raise CLIError(
+                f"--prompts-file {str(path)!r} line {number} holds a NUL byte (UTF-16 text? save it as UTF-8)"
+            )
     return prompts
 
 
@@ -75,8 +86,26 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
+def _can_create_in(folder: Path) -> str | None:
+    """None if a file can be created in ``folder`` now, else why not.
+
+    ``os.access`` answers for permission bits only: root passes it everywhere, and it says
+    nothing of /proc, /sys or a file system mounted read-only. Creating (and at once removing) a
+    hidden file is the one test that asks the file system itself.
+    """
+    probe = folder / f".bcg-generate-probe-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        return e.strerror or _one_line(e)
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
+
+
 def check_out(out: Path, n_images: int) -> tuple[Path, Path | None]:
-    """The folder to write into and the single file, if one; nothing is created here.
+    """The folder to write into and the single file, if one; nothing is left behind here.
 
     The folder is made only when the first image is written, so a run refused later leaves no
     empty folder behind.
@@ -93,21 +122,52 @@ def check_out(out: Path, n_images: int) -> tuple[Path, Path | None]:
     ancestor = _nearest_existing(folder)
     if not ancestor.is_dir():
         raise CLIError(f"--out {str(out)!r} is not writable: {str(ancestor)!r} is a file, not a folder")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise CLIError(f"--out {str(out)!r} is not writable: no permission to write in {str(ancestor)!r}")
+    why = _can_create_in(ancestor)
+    if why is not None:
+        raise CLIError(f"--out {str(out)!r} is not writable: cannot create files in {str(ancestor)!r} ({why})")
     return folder, out if single else None
 
 
-def _check_compile_cache(path: Path) -> None:
+def check_existing(folder: Path, single: Path | None, names: Iterable[str]) -> None:
+    """CLIError naming the images that already exist (asked without --overwrite).
+
+    ``single``: the one file of ``--out x.png``; else the files ``names`` in ``folder``. The
+    folder is listed once rather than each name looked up: a prompts file of a million lines
+    would otherwise cost a million file-system calls before anything starts.
+    """
+    if single is not None:
+        existing = [str(single)] if os.path.lexists(single) else []
+    else:
+        try:
+            present = set(os.listdir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            present = set()
+        # ``names`` is consumed only if the folder holds anything: a new folder costs nothing.
+        existing = [str(folder / name) for name in names if name in present] if present else []
+    if not existing:
+        return
+    first = existing[0]
+    if len(existing) == 1:
+        raise CLIError(f"{first!r} already exists: pass --overwrite to replace it, or choose another --out or --seed")
+    raise CLIError(
+        f"{first!r} and {len(existing) - 1} more of this run's images already exist: pass --overwrite to replace "
+        "them, or choose another --out or --seed"
+    )
+
+
+def check_compile_cache(path: Path, what: str = "--compile-cache") -> None:
+    """CLIError when the compile cache folder ``path`` (named by ``what``) cannot be used."""
     if path.exists() and not path.is_dir():
-        raise CLIError(f"--compile-cache {str(path)!r} is an existing file, not a folder")
+        raise CLIError(f"{what} {str(path)!r} is an existing file, not a folder")
     ancestor = _nearest_existing(path)
-    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-        raise CLIError(f"--compile-cache {str(path)!r} cannot be created: {str(ancestor)!r} is not a writable folder")
+    if not ancestor.is_dir() or _can_create_in(ancestor) is not None:
+        raise CLIError(f"{what} {str(path)!r} cannot be created: {str(ancestor)!r} is not a writable folder")
 
 
 def _check_host_floor(largest: tuple[int, int], batch_size: int) -> None:
     """Refuse a call whose decoded images alone exceed the host's free memory (any model)."""
+    from .. import limits
+
     free = limits.host_available_memory()
     width, height = largest
     need = batch_size * width * height * HOST_BYTES_PER_PIXEL
@@ -119,29 +179,59 @@ def _check_host_floor(largest: tuple[int, int], batch_size: int) -> None:
         )
 
 
+def check_positions(limit: Any, resolutions: Iterable[tuple[int, int]], what: str) -> None:
+    """CLIError for a size beyond a :class:`pipelines.limits.PositionLimit`, in words that say which side.
+
+    "8208x16 is larger than 8192x8192" reads as wrong: that image is only wider.
+    """
+    if limit is None:
+        return
+    for width, height in resolutions:
+        wide, tall = width > limit.max_width, height > limit.max_height
+        if wide and tall:
+            beyond = f"is larger than {limit.max_width}x{limit.max_height}, the most"
+        elif wide:
+            beyond = f"is wider than {limit.max_width} pixels, the widest"
+        elif tall:
+            beyond = f"is taller than {limit.max_height} pixels, the tallest"
+        else:
+            continue
+        raise CLIError(f"{what} {width}x{height} {beyond} this model can place: {limit.reason}")
+
+
 def _looks_like_path(model: str) -> bool:
     # A hub id is exactly "org/name"; anything else with a separator, or starting like a path, is one.
     return model.startswith((".", "~", "/")) or model.count("/") > 1 or "\\" in model
 
 
+def check_model_path(model: str) -> None:
+    """CLIError for a ``--model`` that names a path which is not a pipeline folder."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        raise CLIError(f"--model {model!r} is a file; a local model is a diffusers pipeline folder ({PIPELINE_INDEX})")
+    if path.is_dir():
+        if not (path / PIPELINE_INDEX).is_file():
+            raise CLIError(f"--model {model!r} is not a diffusers pipeline folder: it holds no {PIPELINE_INDEX}")
+        return
+    if _looks_like_path(model):
+        raise CLIError(f"--model {model!r}: no such folder")
+
+
 def _check_embedded(model: str, size: str, device: Any, dtype: Any, resolutions: Sequence[tuple[int, int]],
                     warmup: Sequence[tuple[int, int]]) -> None:  # fmt: skip
     """Limits of the built-in models that their configs tell, before building anything."""
+    from .. import limits
     from ..builders import SIZES, canonical_name
 
     name = canonical_name(model)
     if name is None:
-        if _looks_like_path(model) and not os.path.isdir(model):
-            raise CLIError(f"--model {model!r}: no such folder")
+        check_model_path(model)
         return
     if size not in SIZES:
         return
-    try:
-        limit = limits.embedded_position_limit(name, size)
-        limits.check_positions(limit, resolutions, "--resolution")
-        limits.check_positions(limit, warmup, "--warmup")
-    except limits.LimitError as e:
-        raise CLIError(str(e)) from None
+    limit = limits.embedded_position_limit(name, size)
+    check_positions(limit, resolutions, "--resolution")
+    check_positions(limit, warmup, "--warmup")
     if size == "full":
         # Full size exists to time real kernel sizes on a GPU; on a CPU even weights that fit
         # would take hours a step, so it is refused there whatever the memory.

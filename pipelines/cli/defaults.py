@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from accel.options import GenerationDefaults
+if TYPE_CHECKING:  # accel imports torch: not before it is needed
+    from accel.options import GenerationDefaults
 
 
 def generation_defaults(pipe: Any) -> GenerationDefaults:
     """How ``pipe`` is usually run: its recipe's defaults, else what its signature allows."""
+    from accel.options import GenerationDefaults
     from accel.pipeline import DENOISER_NAMES
     from accel.recipe import recipe_for
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,8 +15,12 @@ from .errors import RunError, _one_line
 from .jobs import Job
 
 
-def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str) -> list[Any]:
-    """One pipeline call -> PIL images; RunError for out-of-memory or non-finite pixels."""
+def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None) -> list[Any]:
+    """One pipeline call -> PIL images; RunError for out-of-memory or non-finite pixels.
+
+    ``cache``: the step cache applied (its description), if any: a cache hook that fails inside
+    the call is told in one line with the cache named, since it, not the pipeline, is the suspect.
+    """
     import numpy as np
     import torch
 
@@ -23,13 +30,18 @@ def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str) -> list[An
         images = pipe(**kwargs).images
     except ParallelError as e:  # --parallel: the ranks disagree or lost one another
         raise RunError(_one_line(e)) from None
-    except (TypeError, ValueError) as e:  # a pipeline that needs more than a prompt (an input image...)
-        raise RunError(f"{type(pipe).__name__} refused the call: {_one_line(e)[:300]}") from None
     except torch.OutOfMemoryError:
         raise RunError(
             f"out of memory generating {len(job.indices)} image(s) at {job.width}x{job.height}: "
             "use a smaller --resolution or --batch-size"
         ) from None
+    except Exception as e:
+        if cache is not None:
+            raise RunError(f"{type(pipe).__name__} failed with --cache {cache}: {type(e).__name__}: "
+                           f"{_one_line(e)[:300]} (try without --cache)") from None  # fmt: skip
+        if isinstance(e, (TypeError, ValueError)):  # a pipeline that needs more than a prompt (an input image...)
+            raise RunError(f"{type(pipe).__name__} refused the call: {_one_line(e)[:300]}") from None
+        raise
     if kwargs.get("output_type") != "np":
         return list(images)
     array = np.asarray(images)
@@ -53,8 +65,51 @@ def _removed_on_failure(path: Path) -> Iterator[Path]:
         raise
 
 
-def _save_png(image: Any, path: Path, info: dict[str, str]) -> None:
-    """Write ``image`` with ``info`` as PNG text chunks; the file appears only once complete."""
+# errnos of file systems without hard links (FAT, some network mounts): os.link cannot be the
+# no-clobber rename there.
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.ENOSYS, errno.EMLINK}
+
+
+def _candidates(path: Path) -> Iterator[Path]:
+    yield path
+    for n in itertools.count(1):
+        yield path.with_name(f"{path.stem}-{n}{path.suffix}")
+
+
+def _claim(part: Path, path: Path) -> Path:
+    """Give the complete file ``part`` the name ``path``, or the first free ``{stem}-N.png``.
+
+    ``os.link`` fails if the name exists, atomically, so two runs writing into one folder never
+    replace each other's images (``os.replace`` would, silently). Where hard links are not
+    supported the name is reserved with ``O_EXCL`` and then replaced: as safe, but an empty file
+    is visible for a moment.
+    """
+    for candidate in _candidates(path):
+        try:
+            os.link(part, candidate)
+            return candidate
+        except FileExistsError:
+            continue
+        except OSError as e:
+            if e.errno not in _NO_LINKS:
+                raise
+        try:
+            os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        os.replace(part, candidate)
+        return candidate
+    raise AssertionError("unreachable")  # itertools.count never ends
+
+
+def save_png(image: Any, path: Path, info: dict[str, str], overwrite: bool = False) -> Path:
+    """Write ``image`` with ``info`` as PNG text chunks; returns the path written.
+
+    The file appears only once complete: it is written under a hidden name of its own (unique,
+    so concurrent runs never share one) and then renamed. An existing file is replaced only
+    with ``overwrite``; otherwise one that appeared since the run checked (another run writing
+    the same name) is kept, and the image takes the first free name ``{stem}-N.png`` instead.
+    """
     from PIL.PngImagePlugin import PngInfo
 
     meta = PngInfo()
@@ -62,8 +117,17 @@ def _save_png(image: Any, path: Path, info: dict[str, str]) -> None:
         meta.add_text(key, value)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _removed_on_failure(path.with_name(f".{path.name}.part")) as part:
+        part = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
+        # Created here, exclusively and with the umask's permissions; Pillow then writes into it.
+        os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        with _removed_on_failure(part):
             image.save(part, format="PNG", pnginfo=meta)
-            os.replace(part, path)
+            if overwrite:
+                os.replace(part, path)
+                return path
+            written = _claim(part, path)
+            with contextlib.suppress(FileNotFoundError):  # gone already where the name was taken by a rename
+                part.unlink()
+        return written
     except OSError as e:
         raise RunError(f"cannot write {str(path)!r}: {e.strerror or _one_line(e)}") from None

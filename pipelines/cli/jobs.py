@@ -53,9 +53,12 @@ def shard(jobs: Sequence[Job], process_index: int, num_processes: int) -> list[J
     return list(jobs[start:end])
 
 
+_NOT_A_WORD = re.compile(r"[^a-z0-9]+")
+
+
 def slug(text: str) -> str:
     """Lower-case ASCII words joined by '-': safe in a file name on any system."""
-    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    s = _NOT_A_WORD.sub("-", text.lower()).strip("-")
     return s or "image"
 
 

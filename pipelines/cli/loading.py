@@ -40,10 +40,18 @@ def _load_quietly(load: Callable[[], T]) -> T:
     finally:
         for lg, handlers, propagate in saved:
             lg.handlers, lg.propagate = handlers, propagate
+    # Each once: diffusers says its float16-on-CPU warning for every component it moves.
+    said: set[tuple[str, int, str]] = set()
     for record in records:
-        logging.getLogger(record.name).handle(record)
+        key = (record.name, record.levelno, record.getMessage())
+        if key not in said:
+            said.add(key)
+            logging.getLogger(record.name).handle(record)
+    shown: set[tuple[type, str]] = set()
     for w in caught:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if (w.category, str(w.message)) not in shown:
+            shown.add((w.category, str(w.message)))
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return result
 
 

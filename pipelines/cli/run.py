@@ -1,45 +1,73 @@
-"""main: parse, check, build, warm up, generate and write, report."""
+"""main: parse, check, build, warm up, generate and write, report.
+
+Only the standard library is imported here at first: torch, diffusers and accel are imported
+inside :func:`main`, so ``--help`` and bad arguments answer at once, and a Ctrl-C or SIGTERM
+while they load is reported in one line like any later one.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import logging
+import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import limits
-from .arguments import DEFAULT_PROMPT, DEFAULT_RESOLUTION, DTYPES, PROG, build_parser
+from .arguments import DEFAULT_PROMPT, DEFAULT_RESOLUTION, DTYPES, PROG, accel_options, build_parser, package_version
+from .caches import CacheRequest, apply_cache, cache_request, check_supported, denoiser_of
 from .checks import (
-    _check_compile_cache,
     _check_embedded,
     _check_host_floor,
+    check_compile_cache,
+    check_existing,
     check_out,
+    check_positions,
     read_prompts_file,
     resolve_device,
 )
 from .defaults import generation_defaults
 from .errors import CLIError, RunError, _one_line
-from .images import _generate, _save_png
+from .images import _generate, save_png
 from .jobs import Job, plan_jobs, shard
 from .loading import build_model
 from .processes import Processes, detect_processes
+from .prompts import TruncationWarnings
 
 logger = logging.getLogger("bcg-generate")
 
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C
+TERMINATED = 143  # 128 + SIGTERM
+BROKEN_PIPE = 141  # 128 + SIGPIPE, what a tool killed by a closed pipe reports
 
-def _version() -> str:
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread like KeyboardInterrupt, so the same cleanup runs
+    (no half-written file is left) and the run ends with one line instead of silently."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` while this is open; the previous handler is restored."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live there only
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        from importlib.metadata import version
-
-        return version("bcg-diffusers")
-    except Exception:
-        from accel import __version__
-
-        return __version__
+        yield
+    finally:
+        # None: a handler set outside Python, which cannot be put back; the default is closest.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _setup_logging(quiet: bool, procs: Processes) -> None:
@@ -56,17 +84,33 @@ def _setup_logging(quiet: bool, procs: Processes) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``bcg-generate``; returns the exit status (0 ok, 1 failed, 2 bad input, 130 interrupted)."""
-    try:
-        return _run(build_parser().parse_args(argv))
-    except CLIError as e:
-        sys.stderr.write(f"{PROG}: error: {e}\n")
-        return e.status
-    except SystemExit as e:  # --help
-        return e.code if isinstance(e.code, int) else 0
-    except KeyboardInterrupt:
-        sys.stderr.write(f"{PROG}: interrupted\n")
-        return 130
+    """Run ``bcg-generate``; returns the exit status (0 ok, 1 failed, 2 bad input, 130 interrupted,
+    141 stdout closed, 143 terminated)."""
+    with _sigterm_raises():
+        try:
+            return _run(build_parser().parse_args(argv))
+        except CLIError as e:
+            sys.stderr.write(f"{PROG}: error: {e}\n")
+            return e.status
+        except SystemExit as e:  # --help, --version
+            return e.code if isinstance(e.code, int) else 0
+        except KeyboardInterrupt:
+            sys.stderr.write(f"{PROG}: interrupted\n")
+            return INTERRUPTED
+        except Terminated:
+            sys.stderr.write(f"{PROG}: terminated\n")
+            return TERMINATED
+        except BrokenPipeError:  # stdout's reader left (| head): the images are written; end quietly
+            with contextlib.suppress(OSError):  # as Python's docs advise, so the exit flush cannot fail again
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            return BROKEN_PIPE
+
+
+def _shown(path: Path) -> str:
+    """``path`` as text stdout can always print: a name that is not UTF-8 keeps its escapes."""
+    return str(path).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _largest(sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -74,9 +118,8 @@ def _largest(sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
-    # Cheap checks first, before anything is built or written.
+    # Cheap checks first, before anything is built or written, and those that need no torch
+    # before it is imported.
     prompts = list(args.prompt)
     if args.prompts_file is not None:
         prompts += read_prompts_file(args.prompts_file)
@@ -92,10 +135,19 @@ def _run(args: argparse.Namespace) -> int:
         raise CLIError("--compile prepares graph capture, which --mode eager never does: drop one of them")
     if args.auto_breaks and mode == "eager":
         raise CLIError("--auto-breaks changes how graphs are captured, which --mode eager never does: drop one of them")
+    cache = cache_request(args.cache, args.cache_threshold, args.cache_interval, args.cache_ratios)
     if args.compile_cache is not None:
-        _check_compile_cache(args.compile_cache)
+        check_compile_cache(args.compile_cache)
         if not args.compile:
             raise CLIError("--compile-cache is the folder of --compile's kernel cache: add --compile")
+    elif args.compile:
+        options = accel_options()
+        if os.environ.get(options.COMPILE_CACHE_ENV):  # the default folder is checked where it comes from a user
+            check_compile_cache(options.default_compile_cache_dir(), f"${options.COMPILE_CACHE_ENV}")
+    import torch
+
+    from .. import limits
+
     device = resolve_device(args.device, args.mode)
     dtype = getattr(torch, DTYPES[args.dtype] if args.dtype else ("bfloat16" if device.type == "cuda" else "float32"))
     n_images = len(prompts) * len(resolutions) * args.batch_size
@@ -104,11 +156,16 @@ def _run(args: argparse.Namespace) -> int:
     except limits.LimitError as e:
         raise CLIError(str(e)) from None
     _check_embedded(args.model, args.size, device, dtype, resolutions, warmup_sizes or [])
+    if cache is not None:
+        _check_embedded_cache(cache, args.model, args.size)
     _check_host_floor(_largest([*resolutions, *(warmup_sizes or [])])[0], args.batch_size)
     folder, single = check_out(args.out, n_images)
 
     procs = detect_processes(cpu=device.type != "cuda")
     _setup_logging(args.quiet, procs)
+    if warmup_sizes and (device.type != "cuda" or mode == "eager"):
+        why = "--mode eager" if mode == "eager" else f"this run is on {device}"
+        logger.warning("--warmup is ignored: graphs are captured only on a CUDA device and not in mode eager (%s)", why)
     if procs.count > 1 and procs.device is not None and device.type != "cpu" and procs.device.type == device.type:
         device = procs.device  # each process on its own GPU
     if device.type == "cuda" and device.index is not None:
@@ -122,6 +179,17 @@ def _run(args: argparse.Namespace) -> int:
     # --parallel: every process takes part in every job (same seeds); rank 0 writes the files.
     mine = list(jobs) if args.parallel is not None else shard(jobs, procs.index, procs.count)
     writes = args.parallel is None or procs.index == 0
+
+    def target(name: str) -> Path:
+        return single if single is not None else folder / name
+
+    if not args.overwrite:
+        # Each process checks the files of its own jobs only: another's may already be appearing.
+        # With --parallel every process checks all of rank 0's, so all refuse alike.
+        check_existing(folder, single, (name for job in mine for name in job.filenames))
+    # Said before the build, so a prompts file far longer than meant is noticed at once.
+    logger.info("%d image(s) to make: %d prompt(s) x %d resolution(s) x batch size %d",
+                n_images, len(prompts), len(resolutions), args.batch_size)  # fmt: skip
     if procs.count > 1:
         logger.info("%d of %d jobs on %s", len(mine), len(jobs), device)
 
@@ -150,16 +218,23 @@ def _run(args: argparse.Namespace) -> int:
     try:
         limits.check_steps(steps, getattr(getattr(pipe, "scheduler", None), "config", None))
         limit = limits.pipeline_position_limit(pipe)
-        limits.check_positions(limit, resolutions, "--resolution")
-        limits.check_positions(limit, warm, "--warmup")
+        check_positions(limit, resolutions, "--resolution")
+        check_positions(limit, warm, "--warmup")
         # Unknown guidance (the pipeline's own default) may run CFG: plan memory as if it does.
         cfg_memory = cfg or guidance is None
         limits.check_memory(pipe, device, _largest([*resolutions, *warm]), args.batch_size, cfg_memory, graphs)
     except limits.LimitError as e:
         raise CLIError(str(e)) from None
 
+    applied_cache: str | None = None
+    if cache is not None:  # before accelerate_pipeline, which then runs the denoiser with its hooks
+        check_supported(cache, denoiser_of(pipe), type(pipe).__name__)
+        applied_cache = apply_cache(pipe, cache, steps)
+        logger.info("step cache: %s", applied_cache)
+
     warmup_seconds = 0.0
-    if mode != "eager" or args.parallel is not None:
+    accelerated = mode != "eager" or args.parallel is not None
+    if accelerated:
         from accel.pipeline import accelerate_pipeline
 
         options: dict[str, Any] = {}
@@ -192,25 +267,28 @@ def _run(args: argparse.Namespace) -> int:
                     f"out of memory capturing graphs for {sizes}: use smaller sizes or --warmup none"
                 ) from None
 
-    software = f"bcg-diffusers {_version()}"
+    software = f"bcg-diffusers {package_version()}"
     meta_common = dict(
         negative_prompt=negative or "",
         steps=str(steps),
         guidance="default" if guidance is None else f"{guidance:g}",
-        mode=mode,
         model=args.model,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         Software=software,
     )
-    if single is None and writes:
-        logger.info("writing %d image(s) to %s", sum(len(j.indices) for j in mine), folder)
+    if applied_cache is not None:
+        meta_common["cache"] = applied_cache
 
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     takes_output_type = "output_type" in inspect.signature(pipe.__call__).parameters
+    tokens = TruncationWarnings(pipe)
     written: list[Path] = []
+    renamed = 0
+    made = 0
+    modes_ran: set[str] = set()
     gen_seconds = 0.0
     bar = tqdm(total=sum(len(j.indices) for j in mine), unit="image", desc=f"{procs.tag}generating".strip(),
                disable=args.quiet, position=procs.index if procs.count > 1 else None)  # fmt: skip
@@ -230,36 +308,112 @@ def _run(args: argparse.Namespace) -> int:
                 kwargs["negative_prompt"] = negative
             if guidance is not None and defaults.guidance_kwarg is not None:
                 kwargs[defaults.guidance_kwarg] = guidance
+            count = tokens.check(job.prompt) if writes else None
+            if negative is not None and cfg and writes:
+                tokens.check(negative, "negative prompt")
+            before = _graph_replays(pipe) if accelerated else None
             t0 = time.perf_counter()
-            images = _generate(pipe, kwargs, job, _nan_hint(args))
+            images = _generate(pipe, kwargs, job, _nan_hint(args), applied_cache)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             gen_seconds += time.perf_counter() - t0
+            ran = _mode_ran(pipe, mode, before)
+            modes_ran.add(ran)
             for image, index, seed, name in zip(images, job.indices, job.seeds, job.filenames):
-                path = single if single is not None else folder / name
+                path = target(name)
                 info = dict(prompt=job.prompt, seed=str(seed), resolution=f"{job.width}x{job.height}",
-                            index=str(index), **meta_common)  # fmt: skip
+                            index=str(index), mode=ran)  # fmt: skip
+                if ran != mode:
+                    info["requested_mode"] = mode
+                if count is not None:
+                    info["prompt_tokens"] = count.describe()
+                info.update(meta_common)
+                made += 1
                 if writes:
-                    _save_png(image, path, info)
-                written.append(path)
+                    done = save_png(image, path, info, overwrite=args.overwrite)
+                    if done != path:
+                        renamed += 1
+                        logger.warning("%s appeared while this run was generating (another run writing there?): "
+                                       "kept it, and wrote %s instead", _shown(path), _shown(done))  # fmt: skip
+                    else:
+                        logger.info("wrote %s", _shown(done))
+                    written.append(done)
                 bar.update()
 
-    n = len(written)
-    graph_mib = pipe.accel.graph_memory_bytes() / 2**20 if mode != "eager" else 0.0
+    what = [type(pipe).__name__, _mode_phrase(mode, modes_ran, device)]
+    if applied_cache is not None:
+        what.append(f"cache {applied_cache}")
+    what.append(str(device))
     summary = (
-        f"{procs.tag}{n} image(s) in {gen_seconds:.2f} s: warmup {warmup_seconds:.2f} s, "
-        f"{gen_seconds / n if n else 0.0:.3f} s/image, "
+        f"{procs.tag}{made} image(s) in {gen_seconds:.2f} s: warmup {warmup_seconds:.2f} s, "
+        f"{gen_seconds / made if made else 0.0:.3f} s/image, "
         f"{len(mine) * steps / gen_seconds if gen_seconds else 0.0:.1f} denoising steps/s, "
-        f"graph memory {graph_mib:.1f} MiB ({type(pipe).__name__}, mode {mode}, {device})"
+        f"graph memory {_graph_mib(pipe, accelerated):.1f} MiB ({', '.join(what)}); "
+        + _where(written, folder, single, renamed, writes)
     )
+    if tokens.truncated:
+        summary += f"; {tokens.truncated} prompt(s) cut at the text encoder's limit"
     print(summary)
     if args.report:
-        print(pipe.accel.report() if mode != "eager" else f"{procs.tag}mode eager: the pipeline was not accelerated")
+        print(pipe.accel.report() if accelerated else f"{procs.tag}mode eager: the pipeline was not accelerated")
     if procs.state is not None:
         # No barrier: processes share nothing but the folder, and a barrier would need a
         # working collective backend for no benefit.
         procs.state.destroy_process_group()
     return 0
+
+
+def _check_embedded_cache(cache: CacheRequest, model: str, size: str) -> None:
+    """``--cache`` against a built-in model's denoiser, built on the meta device (no storage)."""
+    from ..builders import SIZES, build_transformer, canonical_name
+
+    name = canonical_name(model)
+    if name is None or size not in SIZES or not cache.diffusers_hook:
+        return
+    pipeline = "QwenImagePipeline" if name == "qwen-image" else "ZImagePipeline"
+    check_supported(cache, build_transformer(name, size, device="meta"), pipeline)
+
+
+def _graph_replays(pipe: Any) -> int | None:
+    """Replays of the denoisers' graphs so far, or None where the accelerator does not tell."""
+    try:
+        return sum(s.replays for s in pipe.accel.stats().values())
+    except Exception:  # an accel without stats(): what ran is then what was asked
+        return None
+
+
+def _mode_ran(pipe: Any, mode: str, before: int | None) -> str:
+    """What the denoiser did in the call just made: ``bcg`` only if a graph was replayed."""
+    if mode != "bcg" or before is None:
+        return mode
+    after = _graph_replays(pipe)
+    return "bcg" if after is None or after > before else "eager"
+
+
+def _mode_phrase(mode: str, ran: set[str], device: Any) -> str:
+    """``mode bcg``, or what ran instead of the mode asked for, and why."""
+    if not ran or ran == {mode}:
+        return f"mode {mode}"
+    why = "no CUDA device" if device.type != "cuda" else "not every call found a captured graph; see --report"
+    return f"mode {'/'.join(sorted(ran))} (--mode {mode} asked, {why})"
+
+
+def _graph_mib(pipe: Any, accelerated: bool) -> float:
+    return pipe.accel.graph_memory_bytes() / 2**20 if accelerated else 0.0
+
+
+def _where(written: list[Path], folder: Path, single: Path | None, renamed: int, writes: bool) -> str:
+    if not writes:
+        return "rank 0 writes the files"
+    if not written:
+        return "nothing written"
+    if single is not None and len(written) == 1:
+        text = f"wrote {_shown(written[0])}"
+    else:
+        text = f"wrote {len(written)} file(s) to {_shown(folder)}{os.sep}"
+    if renamed:
+        text += f" ({renamed} under a free name, as their names were taken meanwhile)"
+    return text
 
 
 def _nan_hint(args: argparse.Namespace) -> str:

@@ -1,0 +1,147 @@
+"""bcg-generate and the files it writes (CPU, the tiny model): an existing image is never replaced
+without --overwrite, a name taken while a run generates (another run writing the same place) is
+kept and the new image goes to a free name, each write has a hidden name of its own, and the run
+says which files it wrote."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from pipelines.cli import images as cli_images
+from pipelines.cli import main
+from pipelines.cli import run as cli_run
+
+FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
+
+
+def png_text(path: Path) -> dict[str, str]:
+    with Image.open(path) as im:
+        im.load()
+        return dict(im.text)
+
+
+def test_overwrite_replaces_an_existing_image(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "fox.png"
+    out.write_bytes(b"made earlier")
+    assert main(["--seed", "4", "--out", str(out), *FAST]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert out.read_bytes() == b"made earlier"
+    assert main(["--seed", "4", "--overwrite", "--out", str(out), *FAST]) == 0
+    assert png_text(out)["seed"] == "4"
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {out}")
+    assert [p.name for p in tmp_path.iterdir()] == ["fox.png"]  # no hidden .part left
+
+
+def test_a_name_taken_during_the_run_is_kept_and_the_image_goes_to_a_free_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """What two runs into one folder at once do: both pass the check, then the second to finish
+    finds the first one's files."""
+    out = tmp_path / "out"
+    names = ["0000-a-fox-64x64-s0.png", "0001-a-fox-64x64-s1.png"]
+    real_build = cli_run.build_model
+
+    def build_while_another_run_writes(*args: Any, **kwargs: Any) -> Any:
+        pipe = real_build(*args, **kwargs)
+        out.mkdir()
+        (out / names[0]).write_bytes(b"the other run's image")
+        (out / "0000-a-fox-64x64-s0-1.png").write_bytes(b"and its second try")
+        return pipe
+
+    monkeypatch.setattr(cli_run, "build_model", build_while_another_run_writes)
+    with caplog.at_level(logging.WARNING, logger="bcg-generate"):
+        assert main(["--prompt", "a fox", "--batch-size", "2", "--out", str(out), *FAST]) == 0
+    assert (out / names[0]).read_bytes() == b"the other run's image"
+    assert (out / "0000-a-fox-64x64-s0-1.png").read_bytes() == b"and its second try"
+    moved = out / "0000-a-fox-64x64-s0-2.png"
+    assert png_text(moved)["seed"] == "0" and png_text(out / names[1])["seed"] == "1"
+    assert sorted(p.name for p in out.iterdir()) == sorted([*names, "0000-a-fox-64x64-s0-1.png", moved.name])
+    warnings = [r.getMessage() for r in caplog.records if "appeared while this run was generating" in r.getMessage()]
+    assert len(warnings) == 1 and str(moved) in warnings[0]
+    summary = capsys.readouterr().out
+    assert f"wrote 2 file(s) to {out}{os.sep} (1 under a free name" in summary
+
+
+def test_two_runs_with_one_png_both_keep_their_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "same.png"
+    real_build = cli_run.build_model
+
+    def build_while_another_run_writes(*args: Any, **kwargs: Any) -> Any:
+        pipe = real_build(*args, **kwargs)
+        out.write_bytes(b"the other run's image")
+        return pipe
+
+    monkeypatch.setattr(cli_run, "build_model", build_while_another_run_writes)
+    assert main(["--seed", "9", "--out", str(out), *FAST]) == 0
+    assert out.read_bytes() == b"the other run's image"
+    assert png_text(tmp_path / "same-1.png")["seed"] == "9"
+
+
+def test_each_write_has_a_hidden_name_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs writing one name at once once shared '.{name}.part', and one failed with
+    'No such file or directory' when the other renamed it away."""
+    seen: list[Path] = []
+    real_save = Image.Image.save
+
+    def save(self: Image.Image, fp: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(Path(fp))
+        assert Path(fp).exists()  # created (exclusively) before Pillow writes into it
+        real_save(self, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save)
+    image = Image.new("RGB", (8, 8))
+    first = cli_images.save_png(image, tmp_path / "a.png", {"prompt": "x"})
+    second = cli_images.save_png(image, tmp_path / "a.png", {"prompt": "y"})
+    assert (first.name, second.name) == ("a.png", "a-1.png")
+    assert len(seen) == 2 and seen[0] != seen[1]
+    assert all(p.name.startswith(".a.png.") and p.name.endswith(".part") for p in seen)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-1.png", "a.png"]
+    assert png_text(tmp_path / "a.png")["prompt"] == "x" and png_text(tmp_path / "a-1.png")["prompt"] == "y"
+    # The permissions any file gets here (the umask's), not the 0600 of a temporary file.
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(first.stat().st_mode) == 0o666 & ~umask
+
+
+def test_no_clobber_without_hard_links(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """File systems without hard links (FAT, some network mounts) reserve the name instead."""
+
+    def no_links(src: Any, dst: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    (tmp_path / "a.png").write_bytes(b"earlier")
+    written = cli_images.save_png(Image.new("RGB", (8, 8)), tmp_path / "a.png", {})
+    assert written.name == "a-1.png" and (tmp_path / "a.png").read_bytes() == b"earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-1.png", "a.png"]
+
+
+def test_each_written_file_is_named(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    out = tmp_path / "out"
+    argv = ["--prompt", "a fox", "--prompt", "a cat", "--out", str(out), "--resolution", "64x64", "--steps", "2"]
+    with caplog.at_level(logging.INFO, logger="bcg-generate"):
+        assert main(argv) == 0
+    files = sorted(out.iterdir())
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wrote ")]
+    assert said == [f"wrote {p}" for p in files] and len(files) == 2
+    assert "2 image(s) to make: 2 prompt(s) x 1 resolution(s) x batch size 1" in caplog.text
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote 2 file(s) to {out}{os.sep}")
+
+
+def test_a_name_that_is_not_utf8_is_printed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder name of bytes that are not UTF-8 reaches Python as surrogates, which a strict
+    stdout cannot print: the summary shows their escapes instead of failing after the image."""
+    out = tmp_path / "caf\udce9.png"
+    assert main(["--out", str(out), *FAST]) == 0
+    assert out.exists()
+    assert capsys.readouterr().out.rstrip().endswith("caf\\udce9.png")
