@@ -198,3 +198,13 @@ def test_help_states_each_methods_own_defaults() -> None:
 
         dbcache = {f.name: f.default for f in dataclasses.fields(cache_dit.DBCacheConfig)}
         assert f"residual_diff_threshold, default {dbcache['residual_diff_threshold']:g};" in text
+
+
+@pytest.mark.parametrize("method", ["fbc", "magcache"])
+def test_diffusers_caches_run_on_z_image_too(method: str, tmp_path: Path) -> None:
+    """Z-Image has no CacheMixin in diffusers 0.42: accelerate_pipeline gives its caches their
+    cache context and the block's argument name, so the diffusers way works for it as well."""
+    argv = ["--model", "z-image", "--resolution", "64x64", "--quiet", "--steps", "4", "--cache", method]
+    argv += ["--cache-threshold", "1e9"] + (["--cache-ratios", "1,1,1,1"] if method == "magcache" else [])
+    assert main([*argv, "--out", str(tmp_path / "z.png")]) == 0
+    assert png_text(tmp_path / "z.png")["cache"].startswith(method)

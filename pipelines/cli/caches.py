@@ -106,26 +106,18 @@ def taylorseer_identifiers(denoiser: Any) -> list[str] | None:
 def check_supported(request: CacheRequest, denoiser: Any, pipeline: str) -> None:
     """CLIError where ``request`` cannot work on ``denoiser`` (a module, perhaps on the meta device).
 
-    diffusers' caches run only in models that take them (``CacheMixin``: the pipeline names each
-    denoiser call with ``cache_context``, and the hooks keep their state per name); elsewhere the
-    first step fails. TaylorSeer also needs modules its patterns match.
+    diffusers' caches keep their state per ``cache_context``, which pipelines of ``CacheMixin``
+    models open around every denoiser call; for a denoiser without one (Z-Image in diffusers
+    0.42), ``accelerate_pipeline`` opens it (the CLI always calls it, in every mode). TaylorSeer
+    also needs modules its patterns match.
     """
     if not request.diffusers_hook or denoiser is None:
         return
-    import diffusers
-    from diffusers.models.cache_utils import CacheMixin
-
-    cls = type(denoiser).__name__
-    if not isinstance(denoiser, CacheMixin):
-        raise CLIError(
-            f"--cache {request.method} is one of diffusers' caches, which {cls} ({pipeline}) does not take in "
-            f"diffusers {diffusers.__version__}; try --cache dbcache (cache-dit) instead"
-        )
     if request.method == "taylorseer":
         patterns = taylorseer_identifiers(denoiser) or list(_taylorseer_defaults())
         names = [name for name, _ in denoiser.named_modules()]
         if patterns and not any(re.fullmatch(p, n) for p in patterns for n in names):
-            raise CLIError(f"--cache taylorseer finds no attention module of {cls} to cache")
+            raise CLIError(f"--cache taylorseer finds no attention module of {type(denoiser).__name__} to cache")
 
 
 def _fmt(value: Any) -> str:
