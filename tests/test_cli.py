@@ -217,9 +217,6 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
     ),
     ("another seed into an existing png", ["--seed", "5", "--out", "{tmp}/taken.png"], "already exists", 2),
     # fbc, taylorseer and magcache are diffusers' hooks; diffusers 0.42's Z-Image takes none of them.
-    ("fbc on z-image", ["--cache", "fbc"], "which ZImageTransformer2DModel (ZImagePipeline) does not take", 2),
-    ("taylorseer on z-image", ["--cache", "taylorseer"], "does not take in diffusers", 2),
-    ("magcache on z-image", ["--cache", "magcache", "--cache-ratios", "1,1"], "does not take in diffusers", 2),
     ("threshold without cache", ["--cache-threshold", "0.1"], "--cache-threshold tune a step cache", 2),
     (
         "interval and ratios without cache",
