@@ -216,7 +216,6 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
         2,
     ),
     ("another seed into an existing png", ["--seed", "5", "--out", "{tmp}/taken.png"], "already exists", 2),
-    # fbc, taylorseer and magcache are diffusers' hooks; diffusers 0.42's Z-Image takes none of them.
     ("threshold without cache", ["--cache-threshold", "0.1"], "--cache-threshold tune a step cache", 2),
     (
         "interval and ratios without cache",
