@@ -173,7 +173,7 @@ def pipeline_class(name: str) -> type[DiffusionPipeline]:
     # FluxPipeline's package imports CLIP and SigLIP image processors for its optional image
     # inputs, and without torchvision transformers warns, once per process, that it falls back
     # to their PIL versions. Text-to-image never uses them, so that warning would only be noise
-    # on every FLUX run; imported here, not at the top, the other models never pay for it.
+    # on every FLUX run. Imported here rather than at the top, so other runs never import it.
     quiet = logging.getLogger("transformers.utils.import_utils")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -342,9 +342,9 @@ _WAN_VAE: dict[str, Any] = dict(
     attn_scales=[],
     temperal_downsample=[False, True, True],  # sic: diffusers' spelling
 )
-# Wan2.1 scheduler/scheduler_config.json: UniPC on flow-matching sigmas. flow_shift follows
-# Wan's own defaults: 5.0 for the 14B's text-to-video (its generate.py's sample_shift), 3.0 for
-# the 1.3B, which is a 480p model.
+# Wan2.1 scheduler/scheduler_config.json: UniPC on flow-matching sigmas. flow_shift: 5.0 for the
+# 14B (the sample_shift of Wan's generate.py for text-to-video), 3.0 for the 1.3B (diffusers' Wan
+# docs: 3.0 for 480p, 5.0 for 720p). It only spaces the timesteps; no shape depends on it.
 _WAN_SCHEDULER: dict[str, Any] = dict(
     num_train_timesteps=1000,
     prediction_type="flow_prediction",
