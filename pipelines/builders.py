@@ -1,17 +1,19 @@
-"""Offline builders for Qwen-Image and Z-Image pipelines with random weights.
+"""Offline builders for Qwen-Image, Z-Image, FLUX.1 and Wan2.1 pipelines with random weights.
 
 Two sizes of each embedded model:
 
 * ``"tiny"``: a few layers and narrow widths, built in seconds on a CPU. Used by the CPU tests and
   as the CLI's default, where only the structure of the denoising loop matters.
 * ``"full"``: the released models' shapes (Qwen-Image 20B with a Qwen2.5-VL-7B text encoder,
-  Z-Image 6B with a Qwen3-4B text encoder), for GPU benchmarks. The weights are random, so the
-  images are noise, but every kernel has its real size and count.
+  Z-Image 6B with a Qwen3-4B text encoder, FLUX.1-dev 12B with CLIP-L and T5-XXL, Wan2.1-T2V 14B
+  or 1.3B with UMT5-XXL), for GPU benchmarks. The weights are random, so the images are noise,
+  but every kernel has its real size and count.
 
 Only widths and depths differ between the sizes; the structural choices the pipelines depend on
-(VAE scale factor 8, 16 latent channels, patch size 2, Qwen-Image's 34-token system prefix, the
-text encoder families) are those of the real checkpoints. Nothing is downloaded: the tokenizer is
-trained in-process (see :mod:`pipelines.tokenizer`).
+(VAE scale factor 8, 16 latent channels, patch sizes, Qwen-Image's 34-token system prefix, FLUX's
+guidance embedding, Wan's causal video VAE, the text encoder families) are those of the real
+checkpoints. Nothing is downloaded: the tokenizers are made in-process (see
+:mod:`pipelines.tokenizer` and :mod:`pipelines.tokenizers_t5_clip`).
 
 Any other name is handed to ``DiffusionPipeline.from_pretrained`` (a local folder or a hub id),
 so callers can use one entry point for random and real weights::
@@ -36,44 +38,63 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLQwenImage,
+    AutoencoderKLWan,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
-    QwenImagePipeline,
+    FluxTransformer2DModel,
     QwenImageTransformer2DModel,
-    ZImagePipeline,
+    UniPCMultistepScheduler,
+    WanTransformer3DModel,
     ZImageTransformer2DModel,
 )
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
     PreTrainedConfig,
+    PreTrainedTokenizerBase,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
-    Qwen2Tokenizer,
     Qwen3Config,
     Qwen3Model,
+    T5Config,
+    T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
 )
 
 from .tokenizer import build_tokenizer, special_token_ids
+from .tokenizers_t5_clip import CLIP_MAX_LENGTH, build_clip_tokenizer, build_t5_tokenizer
 
 __all__ = [
     "MODEL_NAMES",
     "SIZES",
+    "build_modules",
     "build_pipeline",
+    "build_scheduler",
     "build_text_encoder",
+    "build_text_encoder_2",
     "build_tokenizer",
+    "build_tokenizers",
     "build_transformer",
     "build_vae",
     "canonical_name",
     "describe",
     "full_transformer_config",
+    "pipeline_class",
     "scheduler_config",
+    "text_encoder_2_config",
     "text_encoder_config",
+    "transformer_class",
     "transformer_config",
     "vae_config",
 ]
 
 logger = logging.getLogger(__name__)
 
-MODEL_NAMES: tuple[str, ...] = ("z-image", "qwen-image")
+# "flux" is FLUX.1-dev; "wan" is Wan2.1-T2V-14B and "wan-1.3b" its 1.3B sibling (the same tiny
+# model: the two differ only in widths and depths).
+MODEL_NAMES: tuple[str, ...] = ("z-image", "qwen-image", "flux", "wan", "wan-1.3b")
 SIZES: tuple[str, ...] = ("tiny", "full")
 
 _ALIASES: dict[str, str] = {
@@ -83,6 +104,49 @@ _ALIASES: dict[str, str] = {
     "qwen-image": "qwen-image",
     "qwenimage": "qwen-image",
     "qwen_image": "qwen-image",
+    "flux": "flux",
+    "flux.1": "flux",
+    "flux1": "flux",
+    "flux-dev": "flux",
+    "flux.1-dev": "flux",
+    "flux1-dev": "flux",
+    "wan": "wan",
+    "wan2.1": "wan",
+    "wan-14b": "wan",
+    "wan2.1-14b": "wan",
+    "wan2.1-t2v-14b": "wan",
+    "wan-1.3b": "wan-1.3b",
+    "wan2.1-1.3b": "wan-1.3b",
+    "wan2.1-t2v-1.3b": "wan-1.3b",
+}
+
+# The models that share a pipeline, tokenizer and tiny size under one family name.
+_FAMILIES: dict[str, str] = {"wan-1.3b": "wan"}
+
+# By name, imported on first use (see pipeline_class).
+_PIPELINES: dict[str, str] = {
+    "z-image": "ZImagePipeline",
+    "qwen-image": "QwenImagePipeline",
+    "flux": "FluxPipeline",
+    "wan": "WanPipeline",
+}
+_TRANSFORMERS: dict[str, type[torch.nn.Module]] = {
+    "z-image": ZImageTransformer2DModel,
+    "qwen-image": QwenImageTransformer2DModel,
+    "flux": FluxTransformer2DModel,
+    "wan": WanTransformer3DModel,
+}
+_VAES: dict[str, type[torch.nn.Module]] = {
+    "z-image": AutoencoderKL,  # the FLUX.1 VAE
+    "qwen-image": AutoencoderKLQwenImage,
+    "flux": AutoencoderKL,
+    "wan": AutoencoderKLWan,
+}
+_TEXT_ENCODERS: dict[str, type[torch.nn.Module]] = {
+    "z-image": Qwen3Model,
+    "qwen-image": Qwen2_5_VLForConditionalGeneration,
+    "flux": CLIPTextModel,  # FLUX reads only its pooled output; T5 is text_encoder_2
+    "wan": UMT5EncoderModel,
 }
 
 # A hub repo id is "org/name" with exactly one slash; anything else that is not an existing folder
@@ -94,8 +158,34 @@ _TINY_TEXT_HIDDEN = 32
 
 
 def canonical_name(name: str) -> str | None:
-    """Return the embedded model ``name`` refers to ("z-image" or "qwen-image"), or None."""
+    """Return the embedded model ``name`` refers to (one of :data:`MODEL_NAMES`), or None."""
     return _ALIASES.get(name.strip().lower())
+
+
+def _family(model: str) -> str:
+    return _FAMILIES.get(model, model)
+
+
+def pipeline_class(name: str) -> type[DiffusionPipeline]:
+    """The diffusers pipeline class of the embedded model ``name``."""
+    import diffusers
+
+    # FluxPipeline's package imports CLIP and SigLIP image processors for its optional image
+    # inputs, and without torchvision transformers warns, once per process, that it falls back
+    # to their PIL versions. Text-to-image never uses them, so that warning would only be noise
+    # on every FLUX run. Imported here rather than at the top, so other runs never import it.
+    quiet = logging.getLogger("transformers.utils.import_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return getattr(diffusers, _PIPELINES[_family(_require_model(name))])
+    finally:
+        quiet.setLevel(level)
+
+
+def transformer_class(name: str) -> type[torch.nn.Module]:
+    """The denoiser class of the embedded model ``name``."""
+    return _TRANSFORMERS[_family(_require_model(name))]
 
 
 def _check_size(size: str) -> str:
@@ -130,11 +220,158 @@ def _padded_vocab(n_tokens: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# FLUX.1 and Wan2.1: the released configs as data, and what the tiny size changes
+# --------------------------------------------------------------------------------------------
+# FLUX.1-dev (black-forest-labs/FLUX.1-dev, transformer/config.json): 19 double-stream and 38
+# single-stream blocks, 24 heads x 128 = 3072 wide, packed 2x2 latent patches (64 = 16 x 4 input
+# channels), T5-XXL text (4096) and pooled CLIP-L (768) conditioning, and the distilled guidance
+# embedding (FLUX.1-schnell has none).
+_FLUX_DEV_TRANSFORMER: dict[str, Any] = dict(
+    patch_size=1,
+    in_channels=64,
+    out_channels=None,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+_TINY_FLUX_TRANSFORMER: dict[str, Any] = dict(
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,  # must equal sum(axes_dims_rope)
+    num_attention_heads=2,
+    joint_attention_dim=_TINY_TEXT_HIDDEN,
+    pooled_projection_dim=_TINY_TEXT_HIDDEN,
+    axes_dims_rope=(4, 6, 6),
+)
+# FLUX.1-dev scheduler/scheduler_config.json: the shift grows with the image's token count.
+_FLUX_DEV_SCHEDULER: dict[str, Any] = dict(
+    num_train_timesteps=1000,
+    shift=3.0,
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=1.15,
+    base_image_seq_len=256,
+    max_image_seq_len=4096,
+)
+# FLUX.1-dev text_encoder/config.json: the text tower of openai/clip-vit-large-patch14.
+_CLIP_L_TEXT: dict[str, Any] = dict(
+    vocab_size=49408,
+    hidden_size=768,
+    intermediate_size=3072,
+    projection_dim=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    max_position_embeddings=CLIP_MAX_LENGTH,
+    hidden_act="quick_gelu",
+    layer_norm_eps=1e-5,
+)
+_TINY_CLIP_TEXT: dict[str, Any] = dict(
+    hidden_size=_TINY_TEXT_HIDDEN,
+    intermediate_size=64,
+    projection_dim=_TINY_TEXT_HIDDEN,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+)
+# FLUX.1-dev text_encoder_2/config.json: the encoder of google/t5-v1_1-xxl.
+_T5_V1_1_XXL: dict[str, Any] = dict(
+    vocab_size=32128,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    layer_norm_epsilon=1e-6,
+    tie_word_embeddings=False,
+)
+# Wan2.1 text_encoder/config.json (both sizes): the encoder of google/umt5-xxl, T5-XXL's shapes
+# with a 256k multilingual vocabulary and a relative position bias in every layer.
+_UMT5_XXL: dict[str, Any] = {**_T5_V1_1_XXL, "vocab_size": 256384}
+_TINY_T5: dict[str, Any] = dict(d_model=_TINY_TEXT_HIDDEN, d_kv=16, d_ff=64, num_layers=2, num_heads=2)
+
+# Wan2.1-T2V-14B (Wan-AI/Wan2.1-T2V-14B-Diffusers, transformer/config.json): 40 layers, 40 heads
+# x 128 = 5120 wide, FFN 13824, 1x2x2 patches of the 16-channel video latents, UMT5-XXL text.
+_WAN_14B_TRANSFORMER: dict[str, Any] = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    added_kv_proj_dim=None,
+    rope_max_seq_len=1024,
+)
+# Wan2.1-T2V-1.3B (Wan-AI/Wan2.1-T2V-1.3B-Diffusers, transformer/config.json): 30 layers, 12
+# heads x 128 = 1536 wide, FFN 8960; everything else as the 14B.
+_WAN_1_3B_TRANSFORMER: dict[str, Any] = {
+    **_WAN_14B_TRANSFORMER,
+    "num_attention_heads": 12,
+    "ffn_dim": 8960,
+    "num_layers": 30,
+}
+_TINY_WAN_TRANSFORMER: dict[str, Any] = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,  # Wan's RoPE splits it 8 (frames) + 4 + 4 (rows, columns)
+    text_dim=_TINY_TEXT_HIDDEN,
+    freq_dim=32,
+    ffn_dim=64,
+    num_layers=2,
+)
+# Wan2.1 vae/config.json (both sizes): the causal 3D VAE, 4x in time and 8x in space (three
+# spatial downsamples, the last two also temporal). latents_mean / latents_std are diffusers'
+# defaults of AutoencoderKLWan, which are Wan2.1's.
+_WAN_VAE: dict[str, Any] = dict(
+    base_dim=96,
+    z_dim=16,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],  # sic: diffusers' spelling
+)
+# Wan2.1 scheduler/scheduler_config.json: UniPC on flow-matching sigmas. flow_shift: 5.0 for the
+# 14B (the sample_shift of Wan's generate.py for text-to-video), 3.0 for the 1.3B (diffusers' Wan
+# docs: 3.0 for 480p, 5.0 for 720p). It only spaces the timesteps; no shape depends on it.
+_WAN_SCHEDULER: dict[str, Any] = dict(
+    num_train_timesteps=1000,
+    prediction_type="flow_prediction",
+    use_flow_sigmas=True,
+    flow_shift=5.0,
+    solver_order=2,
+    solver_type="bh2",
+    predict_x0=True,
+    lower_order_final=True,
+    final_sigmas_type="zero",
+    timestep_spacing="linspace",
+)
+_WAN_1_3B_FLOW_SHIFT = 3.0
+
+
+# --------------------------------------------------------------------------------------------
 # Configs
 # --------------------------------------------------------------------------------------------
 def transformer_config(name: str, size: str) -> dict[str, Any]:
     """Constructor kwargs of the denoiser of ``name`` at ``size``."""
     model, size = _require_model(name), _check_size(size)
+    tiny = size == "tiny"
+    if model == "flux":
+        return copy.deepcopy({**_FLUX_DEV_TRANSFORMER, **(_TINY_FLUX_TRANSFORMER if tiny else {})})
+    if _family(model) == "wan":
+        full = _WAN_1_3B_TRANSFORMER if model == "wan-1.3b" else _WAN_14B_TRANSFORMER
+        return copy.deepcopy({**full, **(_TINY_WAN_TRANSFORMER if tiny else {})})
     if model == "qwen-image":
         # Full: 60 layers, 24 heads x 128, joint_attention_dim 3584 (= Qwen2.5-VL-7B width).
         config = _init_defaults(QwenImageTransformer2DModel)
@@ -170,6 +407,13 @@ def full_transformer_config(name: str) -> dict[str, Any]:
 def vae_config(name: str, size: str) -> dict[str, Any]:
     """Constructor kwargs of the VAE of ``name`` at ``size``."""
     model, size = _require_model(name), _check_size(size)
+    tiny = size == "tiny"
+    if _family(model) == "wan":
+        config = _init_defaults(AutoencoderKLWan)
+        config.update(copy.deepcopy(_WAN_VAE))
+        if tiny:
+            config.update(base_dim=16, num_res_blocks=1)
+        return config
     if model == "qwen-image":
         # Defaults are the release: base_dim 96, z_dim 16, 2 res blocks, temporal downsampling on
         # the last two stages (three spatial downsamples -> vae_scale_factor 8).
@@ -177,8 +421,8 @@ def vae_config(name: str, size: str) -> dict[str, Any]:
         if size == "tiny":
             config.update(base_dim=16, num_res_blocks=1)
         return config
-    # Z-Image uses the Flux VAE: 4 blocks (scale factor 8), 16 latent channels, no quant convs.
-    tiny = size == "tiny"
+    # FLUX.1-dev vae/config.json, which Z-Image ships too: 4 blocks (scale factor 8), 16 latent
+    # channels, no quant convs.
     return dict(
         in_channels=3,
         out_channels=3,
@@ -198,8 +442,18 @@ def vae_config(name: str, size: str) -> dict[str, Any]:
 
 
 def scheduler_config(name: str) -> dict[str, Any]:
-    """Constructor kwargs of the released scheduler of ``name`` (the same at both sizes)."""
+    """Constructor kwargs of the released scheduler of ``name`` (the same at both sizes).
+
+    Wan2.1's is a :class:`UniPCMultistepScheduler`, the others' a FlowMatchEulerDiscreteScheduler.
+    """
     model = _require_model(name)
+    if model == "flux":
+        return dict(_FLUX_DEV_SCHEDULER)
+    if _family(model) == "wan":
+        config = dict(_WAN_SCHEDULER)
+        if model == "wan-1.3b":
+            config["flow_shift"] = _WAN_1_3B_FLOW_SHIFT
+        return config
     if model == "qwen-image":
         # Qwen-Image's published scheduler_config: resolution-dependent shift, exponential form.
         return dict(
@@ -217,13 +471,34 @@ def scheduler_config(name: str) -> dict[str, Any]:
     return dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 
 
-def text_encoder_config(name: str, size: str, tokenizer: Qwen2Tokenizer | None = None) -> PreTrainedConfig:
-    """Config of the text encoder of ``name`` at ``size``.
+def _clip_text_config(size: str, tok: PreTrainedTokenizerBase) -> CLIPTextConfig:
+    config = dict(_CLIP_L_TEXT)
+    if size == "tiny":
+        config.update(_TINY_CLIP_TEXT, vocab_size=_padded_vocab(len(tok)))
+    # The pooled output is read at the first eos of each row, so eos must be the tokenizer's.
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return CLIPTextConfig(**config, **ids)
 
-    Special token ids are those of ``tokenizer`` (the offline one by default), so generation-side
-    ids (pad, eos, image tokens) agree with what the pipeline's tokenizer produces.
+
+def _t5_config(cls: type[T5Config] | type[UMT5Config], full: dict[str, Any], size: str,
+               tok: PreTrainedTokenizerBase) -> PreTrainedConfig:  # fmt: skip
+    config = dict(full)
+    if size == "tiny":
+        config.update(_TINY_T5, vocab_size=_padded_vocab(len(tok)))
+    return cls(**config, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+
+
+def text_encoder_config(name: str, size: str, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedConfig:
+    """Config of the (first) text encoder of ``name`` at ``size``.
+
+    Special token ids are those of ``tokenizer`` (the model's offline one by default), so
+    generation-side ids (pad, eos, image tokens) agree with what the pipeline's tokenizer produces.
     """
     model, size = _require_model(name), _check_size(size)
+    if model == "flux":
+        return _clip_text_config(size, tokenizer if tokenizer is not None else build_clip_tokenizer())
+    if _family(model) == "wan":
+        return _t5_config(UMT5Config, _UMT5_XXL, size, tokenizer if tokenizer is not None else build_t5_tokenizer())
     tok = tokenizer if tokenizer is not None else build_tokenizer()
     ids = special_token_ids(tok)
     token_ids = dict(
@@ -324,6 +599,14 @@ def text_encoder_config(name: str, size: str, tokenizer: Qwen2Tokenizer | None =
     )
 
 
+def text_encoder_2_config(name: str, size: str, tokenizer: PreTrainedTokenizerBase | None = None) -> PreTrainedConfig:
+    """Config of the second text encoder of ``name`` at ``size``: FLUX.1's T5-XXL, the only one."""
+    model, size = _require_model(name), _check_size(size)
+    if model != "flux":
+        raise ValueError(f"{model} has one text encoder; only flux has a text_encoder_2")
+    return _t5_config(T5Config, _T5_V1_1_XXL, size, tokenizer if tokenizer is not None else build_t5_tokenizer())
+
+
 # --------------------------------------------------------------------------------------------
 # Components
 # --------------------------------------------------------------------------------------------
@@ -362,7 +645,7 @@ def build_transformer(
 ) -> torch.nn.Module:
     """The denoiser of ``name`` with random weights (``device="meta"`` builds no storage)."""
     model, config = _require_model(name), transformer_config(name, size)
-    cls = QwenImageTransformer2DModel if model == "qwen-image" else ZImageTransformer2DModel
+    cls = transformer_class(model)
     torch.manual_seed(seed)
     with _constructing_on(device, _as_dtype(dtype)):
         transformer = cls(**config)
@@ -384,7 +667,7 @@ def build_vae(
 ) -> torch.nn.Module:
     """The VAE of ``name`` with random weights."""
     model, config = _require_model(name), vae_config(name, size)
-    cls = AutoencoderKLQwenImage if model == "qwen-image" else AutoencoderKL
+    cls = _VAES[_family(model)]
     torch.manual_seed(seed)
     with _constructing_on(device, _as_dtype(dtype)):
         vae = cls(**config)
@@ -397,15 +680,71 @@ def build_text_encoder(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
     seed: int = 0,
-    tokenizer: Qwen2Tokenizer | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> torch.nn.Module:
-    """The text encoder of ``name`` with random weights (Qwen2.5-VL or Qwen3)."""
+    """The (first) text encoder of ``name`` with random weights: Qwen2.5-VL, Qwen3, CLIP-L or UMT5."""
     model, config = _require_model(name), text_encoder_config(name, size, tokenizer)
-    cls = Qwen2_5_VLForConditionalGeneration if model == "qwen-image" else Qwen3Model
+    cls = _TEXT_ENCODERS[_family(model)]
     torch.manual_seed(seed)
     with _constructing_on(device, _as_dtype(dtype)):
         text_encoder = cls(config)
     return text_encoder.eval()
+
+
+def build_text_encoder_2(
+    name: str,
+    size: str = "tiny",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> torch.nn.Module:
+    """FLUX.1's second text encoder (T5-XXL's encoder) with random weights; ValueError for others."""
+    config = text_encoder_2_config(name, size, tokenizer)
+    torch.manual_seed(seed)
+    with _constructing_on(device, _as_dtype(dtype)):
+        text_encoder = T5EncoderModel(config)
+    return text_encoder.eval()
+
+
+def build_scheduler(name: str) -> SchedulerMixin:
+    """The released scheduler of ``name`` (no weights, so no size)."""
+    model = _require_model(name)
+    cls = UniPCMultistepScheduler if _family(model) == "wan" else FlowMatchEulerDiscreteScheduler
+    return cls(**scheduler_config(model))
+
+
+def build_tokenizers(name: str) -> dict[str, PreTrainedTokenizerBase]:
+    """The offline tokenizers of ``name``, by pipeline component name (shared objects: do not mutate)."""
+    family = _family(_require_model(name))
+    if family == "flux":
+        return dict(tokenizer=build_clip_tokenizer(), tokenizer_2=build_t5_tokenizer())
+    if family == "wan":
+        return dict(tokenizer=build_t5_tokenizer())
+    return dict(tokenizer=build_tokenizer())
+
+
+def build_modules(
+    name: str,
+    size: str = "tiny",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    seed: int = 0,
+    tokenizers: dict[str, PreTrainedTokenizerBase] | None = None,
+) -> dict[str, torch.nn.Module]:
+    """Every component of ``name`` that has weights, by pipeline component name, each seeded with
+    ``seed`` on its own (``device="meta"`` builds no storage, to count bytes)."""
+    model = _require_model(name)
+    toks = tokenizers if tokenizers is not None else build_tokenizers(model)
+    kwargs: dict[str, Any] = dict(size=size, device=device, dtype=dtype, seed=seed)
+    modules = dict(
+        transformer=build_transformer(model, **kwargs),
+        vae=build_vae(model, **kwargs),
+        text_encoder=build_text_encoder(model, tokenizer=toks["tokenizer"], **kwargs),
+    )
+    if "tokenizer_2" in toks:
+        modules["text_encoder_2"] = build_text_encoder_2(model, tokenizer=toks["tokenizer_2"], **kwargs)
+    return modules
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,17 +777,9 @@ def _build_embedded(
     model: str, size: str, device: str | torch.device, dtype: torch.dtype, seed: int
 ) -> DiffusionPipeline:
     _check_room(model, size, device, dtype)
-    tok = build_tokenizer()
-    kwargs = dict(size=size, device=device, dtype=dtype, seed=seed)
-    components = dict(
-        transformer=build_transformer(model, **kwargs),
-        vae=build_vae(model, **kwargs),
-        text_encoder=build_text_encoder(model, tokenizer=tok, **kwargs),
-        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler_config(model)),
-        tokenizer=tok,
-    )
-    cls = QwenImagePipeline if model == "qwen-image" else ZImagePipeline
-    pipe = cls(**components)
+    tokenizers = build_tokenizers(model)
+    modules = build_modules(model, size=size, device=device, dtype=dtype, seed=seed, tokenizers=tokenizers)
+    pipe = pipeline_class(model)(**modules, **tokenizers, scheduler=build_scheduler(model))
     # Components are already in `dtype`: casting again would turn the fp32 rotary buffers that
     # transformers keeps on purpose (and from_pretrained leaves alone) into low precision. Only
     # the device move remains, for the few tensors created outside the construction context.
@@ -464,8 +795,8 @@ def build_pipeline(
 ) -> DiffusionPipeline:
     """Build a pipeline by name.
 
-    ``name`` is an embedded model ("z-image", "qwen-image" or an alias such as "zimage",
-    "qwen_image"), built offline with random weights at ``size`` ("tiny" or "full") and seeded
+    ``name`` is an embedded model (one of :data:`MODEL_NAMES` or an alias such as "zimage",
+    "flux.1", "wan2.1"), built offline with random weights at ``size`` ("tiny" or "full") and seeded
     with ``seed``; or a local pipeline folder or hub id, loaded with ``from_pretrained`` (``size``
     and ``seed`` do not apply). The pipeline is in eval mode on ``device`` in ``dtype``.
 

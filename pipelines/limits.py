@@ -34,8 +34,9 @@ for a minute until the kernel kills the process.
   1.33 times the simulated peak (peak RSS). CFG is counted as a doubled batch in the denoiser
   (Z-Image batches it; Qwen-Image's two calls need less). The estimate is compared with the
   memory the device has free after the weights are loaded.
-* **Weights**: ``--size full`` builds 10B (Z-Image) or 29B (Qwen-Image) parameters; their bytes,
-  counted on the ``meta`` device, must fit the device's free memory.
+* **Weights**: ``--size full`` builds 10B (Z-Image), 29B (Qwen-Image), 17B (FLUX.1-dev), 20B
+  (Wan2.1-14B) or 7B (Wan2.1-1.3B) parameters, every text encoder included; their bytes, counted
+  on the ``meta`` device, must fit the device's free memory.
 """
 
 from __future__ import annotations
@@ -206,13 +207,12 @@ def _first(value: Any, default: int) -> int:
 
 def embedded_position_limit(model: str, size: str) -> PositionLimit | None:
     """The position limit of an embedded model, from its config alone (nothing is built)."""
-    from .builders import canonical_name, transformer_config
+    from .builders import canonical_name, transformer_class, transformer_config
 
     name = canonical_name(model)
     if name is None:
         return None
-    cls = "QwenImageTransformer2DModel" if name == "qwen-image" else "ZImageTransformer2DModel"
-    return position_limit(cls, transformer_config(name, size))
+    return position_limit(transformer_class(name).__name__, transformer_config(name, size))
 
 
 def pipeline_position_limit(pipe: Any) -> PositionLimit | None:
@@ -283,11 +283,10 @@ def available_memory(device: torch.device) -> int | None:
 
 def embedded_weight_bytes(model: str, size: str, dtype: torch.dtype) -> int:
     """Bytes of an embedded model's weights and buffers in ``dtype``, counted on the meta device."""
-    from .builders import build_text_encoder, build_transformer, build_vae
+    from .builders import build_modules
 
     total = 0
-    for build in (build_transformer, build_vae, build_text_encoder):
-        module = build(model, size, device="meta", dtype=dtype)
+    for module in build_modules(model, size, device="meta", dtype=dtype).values():
         for t in (*module.parameters(), *module.buffers()):
             total += t.numel() * t.element_size()
     return total
@@ -405,13 +404,20 @@ def _denoiser_width(config: Mapping[str, Any]) -> int | None:
     return None
 
 
+def _spatial_patch(value: Any) -> int:
+    # Video denoisers (Wan) give (frames, rows, columns); the image side is the last.
+    if isinstance(value, (list, tuple)) and value:
+        return int(value[-1])
+    return int(value or 2)
+
+
 def denoiser_bytes(transformer: Any, width: int, height: int, batch: int, scale: int = 8) -> int:
     """Activation bytes of one denoiser forward over ``batch`` rows (CFG doubles the rows)."""
     config = dict(getattr(transformer, "config", {}) or {})
     hidden = _denoiser_width(config)
     if hidden is None:
         return 0
-    patch = _first(config.get("all_patch_size"), 0) or int(config.get("patch_size") or 2)
+    patch = _first(config.get("all_patch_size"), 0) or _spatial_patch(config.get("patch_size"))
     tokens = (height // (scale * patch)) * (width // (scale * patch)) + _DEFAULT_TEXT_TOKENS
     element = next(transformer.parameters()).element_size()
     return DENOISER_ELEMENTS_PER_TOKEN_WIDTH * batch * tokens * hidden * element

@@ -31,7 +31,8 @@ checks      checks that need no model: prompts file, device, ``--out``, existing
             compile cache, limits
 caches      ``--cache``: the step caches of diffusers and cache-dit, checked and applied
 prompts     token counts, so a prompt the text encoder cuts is said
-defaults    ``generation_defaults``: steps and guidance from the model's recipe
+defaults    ``generation_defaults``: steps and guidance from the model's recipe (or, for FLUX.1
+            and Wan2.1, a table); a built-in video model's resolution and frames
 loading     ``build_model``: library warnings held back, load errors in one line
 processes   one process or those of an accelerate launch
 images      one pipeline call to images, and an image to a PNG file

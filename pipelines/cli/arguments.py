@@ -195,7 +195,9 @@ def _prompt(text: str) -> str:
 
 def _model(text: str) -> str:
     if not text.strip():
-        raise argparse.ArgumentTypeError("is empty: name z-image, qwen-image, a pipeline folder or a hub id")
+        raise argparse.ArgumentTypeError(
+            "is empty: name z-image, qwen-image, flux, wan, wan-1.3b, a pipeline folder or a hub id"
+        )
     return _user_path(text)
 
 
@@ -246,17 +248,25 @@ def build_parser() -> argparse.ArgumentParser:
 limits (checked before the model runs or anything is written; see pipelines/limits.py):
   resolution  multiples of {multiple}, at most what the model's position table can place
               (z-image: 8192x8192, from its RoPE axes_lens [1024, 512, 512] at 16 pixels a token;
-              qwen-image: 98320 a side, from its 4096-row RoPE table), and no more than the
-              device's free memory fits, by an estimate of the VAE decode, the denoiser's
-              activations and the graph pool, times {MEMORY_MARGIN}
+              qwen-image: 98320 a side, from its 4096-row RoPE table; flux and wan compute
+              their rotary positions as they go), and no more than the device's free memory
+              fits, by an estimate of the VAE decode, the denoiser's activations and the graph
+              pool, times {MEMORY_MARGIN} (for wan, of one frame: the estimate knows no video)
   --steps     1 (2 for qwen-image's scheduler) to {MAX_STEPS}: the scheduler's
               num_train_timesteps (more steps only repeat the noise levels it was trained on)
   --seed      0 to 2**63 - 1; image i uses seed + i, so the last image's seed must fit too
   --guidance  a finite number, 0 or more
-  --size full builds z-image's 10B or qwen-image's 29B parameters: it needs a CUDA GPU with
-              room for their weights; on a CPU it is refused
-  prompts     the text encoder reads a limited number of tokens (512 for both built-in models);
-              a longer prompt is cut there, with a warning that gives the counts
+  --frames    video models only (wan), 4k+1: its VAE packs 4 frames into each latent after
+              the first
+  --size full builds z-image's 10B, qwen-image's 29B, flux's 17B (FLUX.1-dev), wan's 20B
+              (Wan2.1-T2V-14B) or wan-1.3b's 7B parameters, text encoders included:
+              it needs a CUDA GPU with room for their weights; on a CPU it is refused
+  prompts     the text encoder reads a limited number of tokens (512 for every built-in model;
+              flux's CLIP encoder, whose pooled output it also reads, 77); a longer prompt is
+              cut there, with a warning that gives the counts for z-image and qwen-image
+
+videos: a video model (wan) writes one PNG per video, its first frame; the others are generated
+  (they shape the first) but not written. The PNG's "frames" text says how many were made.
 
 files: an image that already exists is never replaced unless --overwrite is given (checked
   before the model is built); a file that appears while the run generates (another run writing
@@ -267,7 +277,8 @@ step caches (--cache): fbc, diffusers' First Block Cache (--cache-threshold, def
   (--cache-ratios, calibrated for the model, required; --cache-threshold, default 0.06);
   dbcache, cache-dit's DBCache (--cache-threshold, its residual_diff_threshold, default 0.08;
   pip install "bcg-diffusers[cache-dit]"). diffusers' caches need a denoiser that supports them
-  (qwen-image does; z-image does not in diffusers 0.42).
+  (qwen-image, flux and wan do; z-image does not in diffusers 0.42; taylorseer finds no
+  attention module it knows in wan).
 
 {_compile_cache_line()}
   (--compile-cache DIR, else ${options.COMPILE_CACHE_ENV}, else $XDG_CACHE_HOME or ~/.cache, then
@@ -284,8 +295,8 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         "--model",
         type=_model,
         default=DEFAULT_MODEL,
-        help="'z-image' (default; built offline with random weights), 'qwen-image', "
-        "a local pipeline folder or a Hugging Face hub id (org/name)",
+        help="'z-image' (default; built offline with random weights), 'qwen-image', 'flux' (FLUX.1-dev), "
+        "'wan' (Wan2.1-T2V-14B), 'wan-1.3b', a local pipeline folder or a Hugging Face hub id (org/name)",
     )
     p.add_argument(
         "--size",
@@ -316,19 +327,29 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         action="extend",
         default=None,
         metavar="WxH",
-        help=f"one or more WIDTHxHEIGHT, multiples of {multiple} (default 512x512)",
+        help=f"one or more WIDTHxHEIGHT, multiples of {multiple} (default 512x512; wan: 832x480, "
+        "its 480p, at --size full and 256x256 tiny)",
+    )
+    p.add_argument(
+        "--frames",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="video models: frames per video, 4k+1 (default for wan 33 at --size full, 5 tiny; another video "
+        "pipeline: its own); each video is written as one PNG, its first frame",
     )
     p.add_argument(
         "--steps",
         type=_steps,
         default=None,
-        help=f"denoising steps, 1 to {MAX_STEPS} (default: 9 for z-image, 20 for qwen-image, else 30)",
+        help=f"denoising steps, 1 to {MAX_STEPS} (default: 9 for z-image, 20 for qwen-image, 28 for flux, else 30)",
     )
     p.add_argument(
         "--guidance",
         type=_guidance,
         default=None,
-        help="Z-Image guidance_scale / Qwen-Image true_cfg_scale, 0 or more (default 0.0 / 4.0)",
+        help="Z-Image guidance_scale / Qwen-Image true_cfg_scale / FLUX.1-dev's distilled guidance_scale (no CFG) / "
+        "Wan guidance_scale, 0 or more (default 0.0 / 4.0 / 3.5 / 5.0)",
     )
     p.add_argument(
         "--seed",

@@ -199,6 +199,25 @@ def check_positions(limit: Any, resolutions: Iterable[tuple[int, int]], what: st
         raise CLIError(f"{what} {width}x{height} {beyond} this model can place: {limit.reason}")
 
 
+def check_frames(frames: int | None, pipeline: str, takes_frames: bool, temporal: int | None) -> None:
+    """CLIError for a ``--frames`` that ``pipeline`` cannot make.
+
+    ``takes_frames``: its call has ``num_frames``; ``temporal``: its VAE's frames per latent frame.
+    WanPipeline would round a count that is not ``temporal * k + 1`` with a warning; the run
+    would then make other frames than asked, so the count is refused before anything runs.
+    """
+    if frames is None:
+        return
+    if not takes_frames:
+        raise CLIError(f"--frames {frames}: {pipeline} makes images, not videos (--frames is for video models: wan)")
+    if temporal and temporal > 1 and (frames - 1) % temporal:
+        below = (frames - 1) // temporal * temporal + 1
+        raise CLIError(
+            f"--frames {frames}: {pipeline}'s VAE packs {temporal} frames into each latent frame after the first, "
+            f"so a video has {temporal}k+1 frames: use {below} or {below + temporal}"
+        )
+
+
 def _looks_like_path(model: str) -> bool:
     # A hub id is exactly "org/name"; anything else with a separator, or starting like a path, is one.
     return model.startswith((".", "~", "/")) or model.count("/") > 1 or "\\" in model
@@ -218,10 +237,12 @@ def check_model_path(model: str) -> None:
 
 
 def _check_embedded(model: str, size: str, device: Any, dtype: Any, resolutions: Sequence[tuple[int, int]],
-                    warmup: Sequence[tuple[int, int]]) -> None:  # fmt: skip
+                    warmup: Sequence[tuple[int, int]], frames: int | None = None) -> None:  # fmt: skip
     """Limits of the built-in models that their configs tell, before building anything."""
+    import inspect
+
     from .. import limits
-    from ..builders import SIZES, canonical_name
+    from ..builders import SIZES, canonical_name, pipeline_class, vae_config
 
     name = canonical_name(model)
     if name is None:
@@ -229,6 +250,10 @@ def _check_embedded(model: str, size: str, device: Any, dtype: Any, resolutions:
         return
     if size not in SIZES:
         return
+    pipeline = pipeline_class(name)
+    takes_frames = "num_frames" in inspect.signature(pipeline.__call__).parameters
+    temporal = vae_config(name, size).get("scale_factor_temporal") if takes_frames else None
+    check_frames(frames, pipeline.__name__, takes_frames, temporal)
     limit = limits.embedded_position_limit(name, size)
     check_positions(limit, resolutions, "--resolution")
     check_positions(limit, warmup, "--warmup")

@@ -18,6 +18,8 @@ from .jobs import Job
 def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None) -> list[Any]:
     """One pipeline call -> PIL images; RunError for out-of-memory or non-finite pixels.
 
+    A video pipeline's output (``frames``, not ``images``) gives the first frame of each video;
+    every frame is checked for non-finite pixels, since a NaN anywhere says the call went wrong.
     ``cache``: the step cache applied (its description), if any: a cache hook that fails inside
     the call is told in one line with the cache named, since it, not the pipeline, is the suspect.
     """
@@ -27,7 +29,7 @@ def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str
     from accel.parallel import ParallelError
 
     try:
-        images = pipe(**kwargs).images
+        output = pipe(**kwargs)
     except ParallelError as e:  # --parallel: the ranks disagree or lost one another
         raise RunError(_one_line(e)) from None
     except torch.OutOfMemoryError:
@@ -42,9 +44,11 @@ def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str
         if isinstance(e, (TypeError, ValueError)):  # a pipeline that needs more than a prompt (an input image...)
             raise RunError(f"{type(pipe).__name__} refused the call: {_one_line(e)[:300]}") from None
         raise
+    video = getattr(output, "images", None) is None and getattr(output, "frames", None) is not None
+    pixels = output.frames if video else output.images
     if kwargs.get("output_type") != "np":
-        return list(images)
-    array = np.asarray(images)
+        return [frames[0] for frames in pixels] if video else list(pixels)
+    array = np.asarray(pixels)
     if not np.isfinite(array).all():
         raise RunError(
             f"the pipeline produced NaN or infinite pixels for {job.width}x{job.height} seed {job.seeds[0]}"
@@ -52,7 +56,7 @@ def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str
         )
     from diffusers.image_processor import VaeImageProcessor
 
-    return VaeImageProcessor.numpy_to_pil(array)
+    return VaeImageProcessor.numpy_to_pil(array[:, 0] if video else array)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import inspect
 import logging
+import math
 import os
 import signal
 import sys
@@ -20,19 +21,20 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .arguments import DEFAULT_PROMPT, DEFAULT_RESOLUTION, DTYPES, PROG, accel_options, build_parser, package_version
+from .arguments import DEFAULT_PROMPT, DTYPES, PROG, accel_options, build_parser, package_version
 from .caches import CacheRequest, apply_cache, cache_request, check_supported, denoiser_of
 from .checks import (
     _check_embedded,
     _check_host_floor,
     check_compile_cache,
     check_existing,
+    check_frames,
     check_out,
     check_positions,
     read_prompts_file,
     resolve_device,
 )
-from .defaults import generation_defaults
+from .defaults import default_frames, default_resolution, generation_defaults
 from .errors import CLIError, RunError, _one_line
 from .images import _generate, save_png
 from .jobs import Job, plan_jobs, shard
@@ -124,7 +126,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.prompts_file is not None:
         prompts += read_prompts_file(args.prompts_file)
     prompts = prompts or [DEFAULT_PROMPT]
-    resolutions = list(dict.fromkeys(args.resolution or [DEFAULT_RESOLUTION]))
     warmup_sizes: list[tuple[int, int]] | None = None
     if args.warmup is not None:
         if None in args.warmup and any(w is not None for w in args.warmup):
@@ -148,6 +149,8 @@ def _run(args: argparse.Namespace) -> int:
 
     from .. import limits
 
+    # After the import: a built-in model's own default size is known from the builders.
+    resolutions = list(dict.fromkeys(args.resolution or [default_resolution(args.model, args.size)]))
     device = resolve_device(args.device, args.mode)
     dtype = getattr(torch, DTYPES[args.dtype] if args.dtype else ("bfloat16" if device.type == "cuda" else "float32"))
     n_images = len(prompts) * len(resolutions) * args.batch_size
@@ -155,7 +158,7 @@ def _run(args: argparse.Namespace) -> int:
         limits.check_seeds(args.seed, n_images)
     except limits.LimitError as e:
         raise CLIError(str(e)) from None
-    _check_embedded(args.model, args.size, device, dtype, resolutions, warmup_sizes or [])
+    _check_embedded(args.model, args.size, device, dtype, resolutions, warmup_sizes or [], args.frames)
     if cache is not None:
         _check_embedded_cache(cache, args.model, args.size)
     _check_host_floor(_largest([*resolutions, *(warmup_sizes or [])])[0], args.batch_size)
@@ -202,19 +205,35 @@ def _run(args: argparse.Namespace) -> int:
     cfg = guidance is not None and guidance > defaults.cfg_above
     negative = args.negative_prompt
     if negative is not None and guidance is not None and not cfg:
-        logger.warning("--negative-prompt is ignored: classifier-free guidance runs only with --guidance above %g "
-                       "(this run uses %g)", defaults.cfg_above, guidance)  # fmt: skip
+        if math.isinf(defaults.cfg_above):
+            logger.warning("--negative-prompt is ignored: %s's --guidance feeds a distilled guidance embedding, "
+                           "not classifier-free guidance", type(pipe).__name__)  # fmt: skip
+        else:
+            logger.warning("--negative-prompt is ignored: classifier-free guidance runs only with --guidance above "
+                           "%g (this run uses %g)", defaults.cfg_above, guidance)  # fmt: skip
         negative = None
     if negative is None and cfg and defaults.default_negative is not None:
         negative = defaults.default_negative
     if args.guidance is not None and defaults.guidance_kwarg is None:
         logger.warning("%s takes no guidance scale; --guidance %s is ignored", type(pipe).__name__, args.guidance)
 
+    params = inspect.signature(pipe.__call__).parameters
+    temporal = getattr(pipe, "vae_scale_factor_temporal", None)
+    check_frames(args.frames, type(pipe).__name__, "num_frames" in params, temporal)
+    frames = args.frames or default_frames(args.model, args.size, pipe)
+
     # Limits that need the built model, still before anything runs or is written.
     warm: list[tuple[int, int]] = []
     graphs = device.type == "cuda" and mode == "bcg"
+    capture_on_use = False
     if device.type == "cuda" and mode != "eager" and mine and warmup_sizes != []:
         warm = warmup_sizes or list(dict.fromkeys((j.width, j.height) for j in mine))
+    if warm and frames is not None:
+        # The warm-up drives the pipeline with the recipe's calls, which name no frame count: a
+        # video pipeline would be captured at its default frames, shapes no call of this run has.
+        say = logger.warning if warmup_sizes else logger.info  # asked for by --warmup: worth a warning
+        say("warmup skipped for %s: graphs are captured by the first call of each size instead", type(pipe).__name__)
+        warm, capture_on_use = [], True
     try:
         limits.check_steps(steps, getattr(getattr(pipe, "scheduler", None), "config", None))
         limit = limits.pipeline_position_limit(pipe)
@@ -253,6 +272,8 @@ def _run(args: argparse.Namespace) -> int:
             options["auto_breaks"] = True
         if not args.cfg_batch:
             options["cfg_batch"] = False
+        if capture_on_use:
+            options["capture_on_miss"] = True
         try:
             accelerate_pipeline(pipe, mode=mode, **options)
         except (TypeError, ValueError) as e:  # e.g. a hub pipeline with no denoiser to accelerate
@@ -279,11 +300,16 @@ def _run(args: argparse.Namespace) -> int:
     )
     if applied_cache is not None:
         meta_common["cache"] = applied_cache
+    if frames is not None:
+        meta_common["frames"] = f"{frames} generated, the first written"
 
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    takes_output_type = "output_type" in inspect.signature(pipe.__call__).parameters
+    takes_output_type = "output_type" in params
+    per_prompt = "num_images_per_prompt"
+    if per_prompt not in params and "num_videos_per_prompt" in params:  # a video pipeline counts videos
+        per_prompt = "num_videos_per_prompt"
     tokens = TruncationWarnings(pipe)
     written: list[Path] = []
     renamed = 0
@@ -299,9 +325,11 @@ def _run(args: argparse.Namespace) -> int:
                 height=job.height,
                 width=job.width,
                 num_inference_steps=steps,
-                num_images_per_prompt=len(job.indices),
                 generator=[torch.Generator(device).manual_seed(s) for s in job.seeds],
             )
+            kwargs[per_prompt] = len(job.indices)
+            if frames is not None:
+                kwargs["num_frames"] = frames
             if takes_output_type:
                 kwargs["output_type"] = "np"  # floats, so NaN pixels can be told from black ones
             if negative is not None:
@@ -365,13 +393,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def _check_embedded_cache(cache: CacheRequest, model: str, size: str) -> None:
     """``--cache`` against a built-in model's denoiser, built on the meta device (no storage)."""
-    from ..builders import SIZES, build_transformer, canonical_name
+    from ..builders import SIZES, build_transformer, canonical_name, pipeline_class
 
     name = canonical_name(model)
     if name is None or size not in SIZES or not cache.diffusers_hook:
         return
-    pipeline = "QwenImagePipeline" if name == "qwen-image" else "ZImagePipeline"
-    check_supported(cache, build_transformer(name, size, device="meta"), pipeline)
+    check_supported(cache, build_transformer(name, size, device="meta"), pipeline_class(name).__name__)
 
 
 def _graph_replays(pipe: Any) -> int | None:
