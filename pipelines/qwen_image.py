@@ -37,10 +37,7 @@ from typing import Any
 
 import torch
 
-from accel import tree
-from accel.bcg import eager_on_graph
-from accel.options import GenerationDefaults
-from accel.recipe import Recipe
+from accel import GenerationDefaults, Recipe, eager_on_graph, tree
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 :func:`raising_op` stands in for a torch operator that CUDA refuses during capture. Its code is
 compiled with a ``torch.*`` module name, so its frame counts as torch's own (as a C++ operator
-has no Python frame at all) and :func:`accel.discover.locate` looks past it to the model code.
+has no Python frame at all) and :func:`accel.graphs.discover.locate` looks past it to the model code.
 """
 
 from __future__ import annotations

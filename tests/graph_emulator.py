@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from accel import bcg
-from accel import runner as runner_mod
-from accel.runner import GraphRunner
+from accel.graphs import bcg
+from accel.graphs import runner as runner_mod
+from accel.graphs.runner import GraphRunner
 
 _HOST_SYNCS = {
     torch.ops.aten._local_scalar_dense.default,

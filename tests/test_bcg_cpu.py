@@ -1,6 +1,6 @@
 """The breakable-graph core without CUDA: marking, strict copy-back, and break bookkeeping.
 
-Segments cannot be captured on a CPU, so the bookkeeping tests drive a real ``accel.bcg._Capture``
+Segments cannot be captured on a CPU, so the bookkeeping tests drive a real ``accel.graphs.bcg._Capture``
 whose ``open``/``close`` append dummy segments instead of CUDA graphs. Everything else (closing a
 segment at a break, running the break once, keeping its output as the boundary buffer, recording
 the call, nesting rules, replay walking segments and breaks, copy-back) is the production code.
@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from accel import bcg, tree
-from accel.bcg import (
+from accel.graphs import bcg, tree
+from accel.graphs.bcg import (
     BreakableCUDAGraph,
     BreakError,
     CopyBackError,
@@ -214,7 +214,7 @@ class Fake:
 def fake_capture(
     monkeypatch: pytest.MonkeyPatch, log: list[str] | None = None, graph: BreakableCUDAGraph | None = None
 ) -> Iterator[Fake]:
-    """What :func:`accel.bcg.capture` does, minus CUDA: open, run the block, close, reset on error.
+    """What :func:`accel.graphs.bcg.capture` does, minus CUDA: open, run the block, close, reset on error.
 
     Each dummy segment appends ``seg<i>`` to ``log`` when replayed. ``graph``: capture into this
     one (a new one otherwise).

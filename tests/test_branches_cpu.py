@@ -16,10 +16,10 @@ import torch
 from graph_emulator import emulate_cuda, segment_replays
 from toy_cache import ToyCache, toy_forward
 
-from accel import bcg
-from accel.bcg import BreakError, eager_on_graph
-from accel.branches import Chain, GraphTree
-from accel.runner import GraphRunner
+from accel.graphs import bcg
+from accel.graphs.bcg import BreakError, eager_on_graph
+from accel.graphs.branches import Chain, GraphTree
+from accel.graphs.runner import GraphRunner
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_a_path_without_graph_runs_eagerly_and_its_decision_once(emulated: None,
     runner.state = cache
     with runner.capturing():
         first = runner(xs[0], cache)  # captures the compute path only
-    with caplog.at_level(logging.INFO, logger="accel.runner"):
+    with caplog.at_level(logging.INFO, logger="accel.graphs.runner"):
         got = [first] + [runner(x, cache) for x in xs[1:]]
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"step {i}"

@@ -30,8 +30,8 @@ from diffusers.hooks import (
 from graph_emulator import emulate_cuda
 
 from accel import accelerate_pipeline
-from accel import runner as runner_mod
-from accel.pipeline import PipelineAccelerator
+from accel.graphs import runner as runner_mod
+from accel.hooks.accelerator import PipelineAccelerator
 from pipelines.builders import build_pipeline
 
 STEPS = 6

@@ -1,4 +1,4 @@
-"""accel.cfg_batch on the CPU: true CFG's two denoiser calls joined into one batch.
+"""accel.hooks.cfg_batch on the CPU: true CFG's two denoiser calls joined into one batch.
 
 accelerate_pipeline installs the hook only where graphs run (CUDA); here it is applied by hand
 to a tiny Qwen-Image pipeline, whose recipe pads and joins the two calls itself.
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from accel import accelerate_pipeline
-from accel.cfg_batch import CFGBatchHook, apply_cfg_batch, cfg_batch_hook_of, remove_cfg_batch
-from accel.hook import graph_hook_of
+from accel.hooks.cfg_batch import CFGBatchHook, apply_cfg_batch, cfg_batch_hook_of, remove_cfg_batch
+from accel.hooks.graph_hook import graph_hook_of
 from pipelines.builders import build_pipeline
 from pipelines.qwen_image import BUCKET_MAX_IMAGE_TOKENS, QwenImageRecipe
 

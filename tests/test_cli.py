@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from accel.options import default_compile_cache_dir
+from accel.hooks.options import default_compile_cache_dir
 from pipelines import limits
 from pipelines.cli import DEFAULT_PROMPT, Job, build_parser, main, plan_jobs, read_prompts_file, shard, slug
 from pipelines.cli import loading as cli_loading
@@ -429,7 +429,7 @@ def test_failures_inside_the_libraries_are_one_line(
 ) -> None:
     from diffusers import ZImagePipeline
 
-    import accel.pipeline
+    import accel
 
     def no_denoiser(pipe: Any, **kwargs: Any) -> None:
         raise ValueError("ZImagePipeline has no denoiser to accelerate")
@@ -441,7 +441,7 @@ def test_failures_inside_the_libraries_are_one_line(
         raise TypeError("__call__() missing 1 required positional argument: 'image'")
 
     with monkeypatch.context() as m:
-        m.setattr(accel.pipeline, "accelerate_pipeline", no_denoiser)
+        m.setattr(accel, "accelerate_pipeline", no_denoiser)
         rc, line = _run_bad(tmp_path, [], capsys)
         assert rc == 1 and "cannot accelerate ZImagePipeline" in line and "--mode eager" in line
     with monkeypatch.context() as m:
@@ -510,16 +510,16 @@ def test_prompts_starting_with_a_dash_and_unicode(tmp_path: Path) -> None:
 
 
 def test_compile_options_reach_accelerate_pipeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import accel.pipeline
+    import accel
 
     seen: list[dict[str, Any]] = []
-    original = accel.pipeline.accelerate_pipeline
+    original = accel.accelerate_pipeline
 
     def record(pipe: Any, **kwargs: Any) -> Any:
         seen.append(kwargs)
         return original(pipe, **kwargs)
 
-    monkeypatch.setattr(accel.pipeline, "accelerate_pipeline", record)
+    monkeypatch.setattr(accel, "accelerate_pipeline", record)
     cache = tmp_path / "cache"
     assert main(["--out", str(tmp_path / "a"), *FAST]) == 0
     assert main(["--compile", "--compile-cache", str(cache), "--out", str(tmp_path / "b"), *FAST]) == 0
@@ -530,16 +530,16 @@ def test_compile_options_reach_accelerate_pipeline(tmp_path: Path, monkeypatch: 
 def test_graph_options_reach_accelerate_pipeline_and_the_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import accel.pipeline
+    import accel
 
     seen: list[tuple[dict[str, Any], Any]] = []
-    original = accel.pipeline.accelerate_pipeline
+    original = accel.accelerate_pipeline
 
     def record(pipe: Any, **kwargs: Any) -> Any:
         seen.append((kwargs, pipe))
         return original(pipe, **kwargs)
 
-    monkeypatch.setattr(accel.pipeline, "accelerate_pipeline", record)
+    monkeypatch.setattr(accel, "accelerate_pipeline", record)
     assert main(["--report", "--out", str(tmp_path / "a"), *FAST]) == 0
     (kwargs, pipe), report = seen[-1], capsys.readouterr().out
     assert kwargs == {"mode": "bcg"}  # the defaults are not passed

@@ -37,14 +37,14 @@ class _Calls:
     the order in which the cache and the accelerator were applied."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import accel.pipeline
+        import accel
 
         self.attention = 0
         self.order: list[str] = []
         real_build, real_apply, real_accelerate = (
             cli_run.build_model,
             cli_run.apply_cache,
-            accel.pipeline.accelerate_pipeline,
+            accel.accelerate_pipeline,
         )
 
         def build(*args: Any, **kwargs: Any) -> Any:
@@ -62,7 +62,7 @@ class _Calls:
 
         monkeypatch.setattr(cli_run, "build_model", build)
         monkeypatch.setattr(cli_run, "apply_cache", apply)
-        monkeypatch.setattr(accel.pipeline, "accelerate_pipeline", accelerate)
+        monkeypatch.setattr(accel, "accelerate_pipeline", accelerate)
 
     def _count(self, *args: Any) -> None:
         self.attention += 1

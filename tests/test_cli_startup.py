@@ -101,7 +101,7 @@ def test_sigterm_while_writing_leaves_no_file(
 
 
 def test_the_parsers_constants_equal_what_they_mirror() -> None:
-    import accel.options
+    import accel.hooks.options
     from pipelines import limits
     from pipelines.cli import arguments
 
@@ -109,11 +109,11 @@ def test_the_parsers_constants_equal_what_they_mirror() -> None:
         limits.MAX_SEED, limits.DEFAULT_MAX_STEPS, limits.MEMORY_MARGIN)  # fmt: skip
     light = arguments.accel_options()
     for name in ("MODES", "PARALLEL_MODES", "RESOLUTION_MULTIPLE", "COMPILE_CACHE_ENV"):
-        assert getattr(light, name) == getattr(accel.options, name), name
-    assert light.default_compile_cache_dir() == accel.options.default_compile_cache_dir()
+        assert getattr(light, name) == getattr(accel.hooks.options, name), name
+    assert light.default_compile_cache_dir() == accel.hooks.options.default_compile_cache_dir()
     for text in ("512x512", " 64 X 96 ", "500x512", "-5x5", "axb"):
         try:
-            expected: Any = accel.options.parse_resolution(text)
+            expected: Any = accel.hooks.options.parse_resolution(text)
         except ValueError as e:
             expected = str(e)
         try:

@@ -1,4 +1,4 @@
-"""accel.compile on the CPU: what it tells torch's caches (the compiling itself needs CUDA)."""
+"""accel.hooks.compile on the CPU: what it tells torch's caches (the compiling itself needs CUDA)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
 
-from accel.compile import AUTOCAST_FUNCTIONS, cache_autocast_regions
+from accel.hooks.compile import AUTOCAST_FUNCTIONS, cache_autocast_regions
 
 
 def _autocast_nodes() -> list[Any]:
@@ -55,7 +55,7 @@ def test_compiled_modules_are_called_with_floats_specialised_and_no_duck_sizing(
     and do not share one symbol between sizes equal by chance. The rest of the process keeps
     dynamo's defaults."""
     from accel import accelerate_pipeline
-    from accel.hook import graph_hook_of
+    from accel.hooks.graph_hook import graph_hook_of
     from pipelines.builders import build_pipeline
 
     default = torch._dynamo.config.specialize_float
@@ -86,7 +86,7 @@ def test_sizes_equal_by_chance_at_the_first_trace_do_not_recompile() -> None:
     dynamo's duck sizing both got one symbol, and the next resolution compiled again."""
     from torch._dynamo.testing import CompileCounter
 
-    from accel.compile import tracing_settings
+    from accel.hooks.compile import tracing_settings
 
     def tokens_and_table(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         return x.sum() + table.sum()
@@ -108,7 +108,7 @@ def test_blocks_given_views_and_plain_tensors_share_one_compiled_graph() -> None
     on view-ness, so each block variant compiled twice."""
     from torch._dynamo.testing import CompileCounter
 
-    from accel.compile import calls_without_views
+    from accel.hooks.compile import calls_without_views
 
     def block(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], scale: float = 2.0) -> torch.Tensor:
         return x * scale + rope[0].sum() + rope[1].sum()

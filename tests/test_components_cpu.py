@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 import transformers.masking_utils as masking_utils
 
-from accel import accelerate_pipeline, discover
-from accel.hook import HOOK_NAME, graph_hook_of
-from accel.options import AcceleratorOptions
-from accel.pipeline import _components
+from accel import accelerate_pipeline
+from accel.graphs import discover
+from accel.hooks.accelerator import _components
+from accel.hooks.graph_hook import HOOK_NAME, graph_hook_of
+from accel.hooks.options import AcceleratorOptions
 from pipelines.builders import build_pipeline
 
 

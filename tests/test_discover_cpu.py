@@ -21,8 +21,8 @@ import torch
 from discover_toys import CAPTURE_ERROR, raising_op
 from test_bcg_cpu import fake_capture
 
-from accel import bcg
-from accel.discover import (
+from accel.graphs import bcg
+from accel.graphs.discover import (
     BreakSite,
     discover,
     is_capture_error,

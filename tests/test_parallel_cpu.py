@@ -37,7 +37,7 @@ SIZE = 64
 # In-process: options, layouts, recipes, guard listeners
 # --------------------------------------------------------------------------------------------
 def test_parallel_options_are_validated() -> None:
-    from accel.options import AcceleratorOptions
+    from accel.hooks.options import AcceleratorOptions
 
     assert AcceleratorOptions(parallel="cfg").parallel == "cfg"
     assert AcceleratorOptions().parallel is None
@@ -128,7 +128,7 @@ def test_recipes_know_their_branches_and_splits() -> None:
 
 
 def test_guard_listeners_hear_begin_step_and_end() -> None:
-    from accel.guard import CallGuard
+    from accel.hooks.guard import CallGuard
     from pipelines.builders import build_pipeline
 
     pipe = build_pipeline("z-image", "tiny")
@@ -301,7 +301,7 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
     # CPU-only machine; the CPU stands in for one device per rank here.
     torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
     from accel import accelerate_pipeline
-    from accel.cfg_batch import apply_cfg_batch, remove_cfg_batch
+    from accel.hooks.cfg_batch import apply_cfg_batch, remove_cfg_batch
     from accel.parallel import ParallelError
     from pipelines.builders import build_pipeline
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-import accel.recipe as recipe_mod
+import accel.hooks.recipe as recipe_mod
 from accel import accelerate_pipeline
-from accel.pipeline import HOOK_NAME
-from accel.recipe import GenericRecipe, recipe_for
+from accel.hooks.accelerator import HOOK_NAME
+from accel.hooks.recipe import GenericRecipe, recipe_for
 from pipelines.builders import build_pipeline
 from pipelines.qwen_image import QwenImageRecipe
 from pipelines.z_image import ZImageRecipe
@@ -138,7 +138,7 @@ def test_unknown_diffusers_version_falls_back_to_eager(monkeypatch, caplog) -> N
     pipe.set_progress_bar_config(disable=True)
     ref = _call(pipe, "z-image")
     monkeypatch.setattr(ZImageRecipe, "diffusers_versions", "<0.1")
-    with caplog.at_level(logging.WARNING, logger="accel.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="accel.hooks.accelerator"):
         accelerate_pipeline(pipe)
     assert "tested with diffusers <0.1" in caplog.text
     assert pipe.accel.runners["transformer"].enabled is False
@@ -190,7 +190,7 @@ def test_zimage_caption_padding_is_bit_exact() -> None:
 
 @torch.no_grad()
 def test_zimage_lengths_in_one_multiple_of_32_share_a_signature() -> None:
-    from accel.signature import flatten
+    from accel.graphs.signature import flatten
 
     recipe = ZImageRecipe()
     x, t = [torch.randn(16, 1, 8, 8)], torch.rand(1)
@@ -237,7 +237,7 @@ def test_qwen_text_buckets_pad_with_a_zero_mask_and_stay_close() -> None:
 @torch.no_grad()
 def test_warmup_calls_hit_the_signatures_of_real_calls(name: str) -> None:
     """What warm-up captures must be exactly what real calls look like to the runner."""
-    from accel.signature import flatten
+    from accel.graphs.signature import flatten
 
     pipe = build_pipeline(name, "tiny")
     pipe.set_progress_bar_config(disable=True)
@@ -347,8 +347,8 @@ def test_a_recompile_drops_compiled_graphs_at_the_next_call(monkeypatch) -> None
     """Dynamo runs its newest compiled version for every shape, so graphs captured over older
     kernels are dropped (and captured again) once inductor compiled again; uncompiled modules
     and calls without a recompile keep theirs."""
-    import accel.compile as compile_mod
-    from accel.hook import graph_hook_of
+    import accel.hooks.compile as compile_mod
+    from accel.hooks.graph_hook import graph_hook_of
 
     pipe = build_pipeline("z-image", "tiny")
     pipe.set_progress_bar_config(disable=True)

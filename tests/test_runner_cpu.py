@@ -19,9 +19,10 @@ import pytest
 import torch
 from test_bcg_cpu import fake_capture
 
-from accel import GraphRunner, RunnerStats, bcg, tree
-from accel import runner as runner_mod
-from accel.runner import GraphMemoryBudgetError, capture_session
+from accel import GraphRunner, RunnerStats
+from accel.graphs import bcg, tree
+from accel.graphs import runner as runner_mod
+from accel.graphs.runner import GraphMemoryBudgetError, capture_session
 
 
 @pytest.fixture(autouse=True)
@@ -66,11 +67,11 @@ def test_calls_run_eagerly_and_equal_the_function() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_no_cuda_is_said_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    import accel.runner as runner_mod
+    import accel.graphs.runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "_said_no_cuda", False)
     runners = [GraphRunner(lambda x: x + 1, name=name) for name in ("denoiser", "text_encoder")]
-    with caplog.at_level(logging.INFO, logger="accel.runner"):
+    with caplog.at_level(logging.INFO, logger="accel.graphs.runner"):
         for _ in range(3):
             for runner in runners:
                 runner(torch.zeros(1))

@@ -10,7 +10,7 @@ from accelerate.hooks import ModelHook as AccelerateHook
 from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 
 from accel import accelerate_pipeline
-from accel.safety import RequestLock, offload_reason, weights_fingerprint
+from accel.hooks.safety import RequestLock, offload_reason, weights_fingerprint
 from pipelines.builders import build_pipeline
 
 
@@ -135,7 +135,7 @@ def test_request_lock_times_out_with_a_clear_error_and_survives_a_failed_call() 
 def test_graphs_back_on_after_offload_from_the_first_call_still_take_the_recipe_inputs(monkeypatch) -> None:
     """The recipe's wrapped forward must serve calls once offloading stops, even when the first
     call ran while offloaded (Z-Image's prepare() adds a keyword only the wrapper accepts)."""
-    import accel.hook as hook_mod
+    import accel.hooks.graph_hook as hook_mod
 
     pipe = build_pipeline("z-image", "tiny")
     pipe.set_progress_bar_config(disable=True)

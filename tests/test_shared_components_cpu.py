@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import accel.pipeline as pipeline_mod
+import accel.hooks.accelerator as pipeline_mod
 from accel import accelerate_pipeline
-from accel.hook import HOOK_NAME, graph_hook_of
+from accel.hooks.graph_hook import HOOK_NAME, graph_hook_of
 from pipelines.builders import build_pipeline
 
 MODELS = ["z-image", "qwen-image"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from accel.signature import describe_diff, flatten
+from accel.graphs.signature import describe_diff, flatten
 
 
 def key(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""Nested values (accel.tree): every walker of the library covers the same containers.
+"""Nested values (accel.graphs.tree): every walker of the library covers the same containers.
 
 Each container kind is put through each walker's job: listing tensors, copying an output
 (runner), copying a break's replay output back into its boundary buffer (bcg), replacing pool
@@ -19,9 +19,9 @@ from diffusers.utils import BaseOutput
 from test_bcg_cpu import fake_capture
 from transformers.utils import ModelOutput
 
-from accel import bcg, tree
-from accel.bcg import CopyBackError, copy_back
-from accel.signature import describe_diff, flatten
+from accel.graphs import bcg, tree
+from accel.graphs.bcg import CopyBackError, copy_back
+from accel.graphs.signature import describe_diff, flatten
 
 # --------------------------------------------------------------------------------------------
 # One value per container kind: make(a, b) holds a at field "a" and b = [tensor, 3] at field "b"

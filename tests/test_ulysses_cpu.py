@@ -18,7 +18,7 @@ WORLD = 2
 def test_install_nests_and_puts_diffusers_class_back() -> None:
     from diffusers.models import attention_dispatch as dispatch
 
-    from accel import ulysses
+    from accel.parallel import ulysses
 
     stock = dispatch.TemplatedUlyssesAttention
     assert ulysses.install() and ulysses.install()
@@ -60,7 +60,7 @@ def _worker(out: Path) -> None:
     from diffusers.models import attention_dispatch as dispatch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from accel import ulysses
+    from accel.parallel import ulysses
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

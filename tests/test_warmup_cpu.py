@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-import accel.warmup as warmup_mod
-from accel.recipe import Recipe
-from accel.warmup import plan_warmup, run_warmup
+import accel.hooks.warmup as warmup_mod
+from accel.hooks.recipe import Recipe
+from accel.hooks.warmup import plan_warmup, run_warmup
 
 
 class FakePool:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from accel.bcg import eager_on_graph
+from accel.graphs.bcg import eager_on_graph
 
 
 class ToyCache:

@@ -1,4 +1,4 @@
-"""Model defaults: each recipe knows its model's (accel.recipe.Recipe.generation_defaults)."""
+"""Model defaults: each recipe knows its model's (accel.Recipe.generation_defaults)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,12 @@ import inspect
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # accel imports torch: not before it is needed
-    from accel.options import GenerationDefaults
+    from accel import GenerationDefaults
 
 
 def generation_defaults(pipe: Any) -> GenerationDefaults:
     """How ``pipe`` is usually run: its recipe's defaults, else what its signature allows."""
-    from accel.options import GenerationDefaults
-    from accel.pipeline import DENOISER_NAMES
-    from accel.recipe import recipe_for
+    from accel import DENOISER_NAMES, GenerationDefaults, recipe_for
 
     for name in DENOISER_NAMES:
         module = getattr(pipe, name, None)

@@ -24,7 +24,7 @@ def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str
     import numpy as np
     import torch
 
-    from accel.parallel import ParallelError
+    from accel import ParallelError
 
     try:
         images = pipe(**kwargs).images

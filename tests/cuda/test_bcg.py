@@ -48,7 +48,7 @@ def _poison(runner: GraphRunner) -> None:
 
 
 def _tensors(obj):
-    from accel.tree import tensors
+    from accel.graphs.tree import tensors
 
     return tensors(obj)
 
@@ -228,7 +228,7 @@ def test_miss_runs_eagerly_and_capture_failure_blocks_signature(caplog) -> None:
     with runner.capturing():
         runner(x, t)
     x2, t2 = _inputs(1, 48)
-    with caplog.at_level("INFO", logger="accel.runner"):
+    with caplog.at_level("INFO", logger="accel.graphs.runner"):
         assert torch.equal(runner(x2, t2), model(x2, t2))
     assert runner.stats().misses == 1
     assert "args[0]: tensor[1, 48, 128]" in caplog.text

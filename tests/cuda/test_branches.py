@@ -15,7 +15,7 @@ import torch
 from toy_cache import ToyCache, toy_forward
 
 from accel import GraphRunner
-from accel.tree import tensors
+from accel.graphs.tree import tensors
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from accel import accelerate_pipeline
-from accel.tree import tensors
+from accel.graphs.tree import tensors
 from pipelines.builders import build_pipeline
 
 pytestmark = pytest.mark.cuda

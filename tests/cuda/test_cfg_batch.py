@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from accel import accelerate_pipeline
-from accel.cfg_batch import cfg_batch_hook_of
+from accel.hooks.cfg_batch import cfg_batch_hook_of
 from pipelines.builders import build_pipeline
 
 pytestmark = pytest.mark.cuda

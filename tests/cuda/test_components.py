@@ -17,8 +17,9 @@ import random
 import pytest
 import torch
 
-from accel import accelerate_pipeline, tree
-from accel.runner import GraphRunner
+from accel import accelerate_pipeline
+from accel.graphs import tree
+from accel.graphs.runner import GraphRunner
 from pipelines.builders import build_pipeline
 
 pytestmark = pytest.mark.cuda

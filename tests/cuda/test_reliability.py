@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-import accel.bcg as bcg
+import accel.graphs.bcg as bcg
 from accel import accelerate_pipeline
 from pipelines.builders import build_pipeline
 

@@ -24,15 +24,15 @@ from typing import Any
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
+from ..graphs import discover
+from ..graphs.pool import GraphPool
+from ..graphs.runner import GraphRunner
 from . import compile as compile_mod
-from . import discover
 from .caches import CacheBinding
 from .caches.binding import is_registry_forward
 from .cfg_batch import ContextProbe
 from .options import RECIPE_DEFAULT, AcceleratorOptions
-from .pool import GraphPool
 from .recipe import GenericRecipe, Recipe, recipe_for, version_supported
-from .runner import GraphRunner
 from .safety import offload_reason, weights_fingerprint
 
 __all__ = [
@@ -210,7 +210,7 @@ class GraphHook(ModelHook):
         weights changed or moved since capture (each is captured again on its next call), and
         switch graphs off while the weights are offloaded (on again once offloading stops). With
         compiled blocks, likewise drop every graph once inductor compiled again (see
-        :mod:`accel.compile`).
+        :mod:`accel.hooks.compile`).
 
         Runs once per pipeline call for a denoiser, at every call for a component (and after a
         warm-up), never per step.

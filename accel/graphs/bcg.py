@@ -18,7 +18,7 @@ Contract (see the project's design notes):
   address. On replay the function runs again with the same argument objects, whose storage the
   previous segment has just rewritten, and its fresh output is copied into the boundary buffer.
 * Copy-back is strict: a different structure, shape, dtype or constant raises
-  :class:`CopyBackError` naming the break and the field. Outputs are walked by :mod:`accel.tree`
+  :class:`CopyBackError` naming the break and the field. Outputs are walked by :mod:`accel.graphs.tree`
   (tensors, tuples, lists, dicts, namedtuples, dataclasses, model outputs, plain objects).
 * Replay is a flat walk over segments and breaks on the current stream, with no host sync.
 * During capture each segment is replayed once as soon as it is closed, so a break runs on the
@@ -28,13 +28,13 @@ Contract (see the project's design notes):
 * A *decision* (``eager_on_graph(decision=True)``) is a break whose result is a small host value
   (a bool, an int, a string, None, or a tuple of them) that picks what the code does next. A
   capture records the values its decisions took (:attr:`BreakableCUDAGraph.path`); the segments
-  after a decision are the continuation for that value only. :mod:`accel.branches` keeps one chain
+  after a decision are the continuation for that value only. :mod:`accel.graphs.branches` keeps one chain
   per path and picks the chain at replay; a chain's own replay never follows another value.
 * ``keeps_inputs=True`` marks a break that keeps its tensor arguments past the call (a cache
   storing a residual): it is handed owned copies of them at capture and at every replay, never
   the graph's memory, which the next replay rewrites.
 * A call whose first breaks already ran (a replay that left its chain's path, see
-  :mod:`accel.branches`) is run again under :func:`rerun`: those breaks return what they returned
+  :mod:`accel.graphs.branches`) is run again under :func:`rerun`: those breaks return what they returned
   then, without running again, so their host effects (a step counter) happen once per call.
 
 This module knows nothing of diffusers.
@@ -360,7 +360,7 @@ def _weak_view(t: torch.Tensor) -> torch.Tensor:
 def _views_of_pool_tensors(obj: Any, pool_map: _PoolMap) -> Any:
     """``obj`` with every tensor the graph pool owns replaced by a non-owning view of it.
 
-    Walks ``obj`` as arguments are walked (:mod:`accel.tree`): containers, namedtuples and
+    Walks ``obj`` as arguments are walked (:mod:`accel.graphs.tree`): containers, namedtuples and
     dataclasses are rebuilt around the views; plain objects are passed on as they are, so a
     tensor inside one stays strongly held. ``obj`` itself comes back when nothing was replaced.
     """
@@ -472,7 +472,7 @@ class BreakableCUDAGraph:
         """Replay every segment and run every break, in order, on the current stream.
 
         A decision that comes out otherwise than at capture raises :class:`CopyBackError`: the
-        segments after it belong to the other value (:mod:`accel.branches` switches chains).
+        segments after it belong to the other value (:mod:`accel.graphs.branches` switches chains).
         """
         segments = self.segments
         for i, brk in enumerate(self.breaks):

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from ..graphs.pool import GraphPool
+from ..graphs.runner import GraphRunner, capture_session
 from .compile import compiled_graph_count
 from .options import check_resolution
-from .pool import GraphPool
 from .recipe import Recipe
-from .runner import GraphRunner, capture_session
 
 __all__ = ["WarmupPlan", "WarmupReport", "WarmupRow", "normalise_resolutions", "plan_warmup", "run_warmup"]
 

@@ -9,10 +9,10 @@ blocks keep working.
 Dynamo runs the newest compiled version whose guards pass for every shape, so a recompile (a new
 shape) changes what older shapes compute too; graphs captured before it would replay the older
 kernels. Warm-up therefore compiles every case before capturing any, and a recompile after that
-drops the compiled graphs (:meth:`accel.hook.GraphHook.follow_weights`); each is captured again on
+drops the compiled graphs (:meth:`accel.hooks.graph_hook.GraphHook.follow_weights`); each is captured again on
 its next call.
 
-Compiled kernels persist in a cache folder (:func:`accel.options.default_compile_cache_dir`:
+Compiled kernels persist in a cache folder (:func:`accel.hooks.options.default_compile_cache_dir`:
 ``$BCG_COMPILE_CACHE`` or ``~/.cache/bcg-diffusers/compile``), so a second process starts in
 seconds. Deleting the folder clears it. A second process still traces every block with dynamo;
 what it skips is AOTAutograd's and inductor's work, found in that folder. AOTAutograd's cache

@@ -24,8 +24,8 @@ launch`` builds a :class:`ParallelSession`. Contract:
 * Ulysses: ``module.enable_parallelism(ContextParallelConfig(ulysses_degree=M, mesh=...))`` with
   the recipe's plan (:meth:`Recipe.context_parallel_plan`); calls are first made splittable
   (:meth:`Recipe.prepare_context_parallel`). Query, key and value travel in one all-to-all
-  (:mod:`accel.ulysses`). Where the recipe joins a step's two guidance calls
-  (:mod:`accel.cfg_batch`, whose hook sits outside this one), the joined call is what the group
+  (:mod:`accel.parallel.ulysses`). Where the recipe joins a step's two guidance calls
+  (:mod:`accel.hooks.cfg_batch`, whose hook sits outside this one), the joined call is what the group
   computes. The all-to-alls run inside graph segments. Every rank
   of a Ulysses group sees the same calls, so they capture the same signatures in the same order;
   after any call that captured (or failed to), the group agrees on the outcome (a gloo all-reduce)
@@ -72,11 +72,12 @@ import torch
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry, ModelHook
 
-from . import tree, ulysses
-from .cfg_batch import ContextProbe
-from .guard import CallGuard
-from .hook import GraphHook, module_device
-from .options import AcceleratorOptions
+from ..graphs import tree
+from ..hooks.cfg_batch import ContextProbe
+from ..hooks.graph_hook import GraphHook, module_device
+from ..hooks.guard import CallGuard
+from ..hooks.options import AcceleratorOptions
+from . import ulysses
 
 __all__ = [
     "PARALLEL_HOOK_NAME",
@@ -442,7 +443,7 @@ def _restore_parallel_state(
 # The session
 # --------------------------------------------------------------------------------------------
 class ParallelSession:
-    """The several-process side of one :class:`~accel.pipeline.PipelineAccelerator`.
+    """The several-process side of one :class:`~accel.hooks.accelerator.PipelineAccelerator`.
 
     Built collectively (every rank of the launch, same options); see the module docstring.
 

@@ -7,7 +7,7 @@ that once per call, never per step:
 * calls are serialised across threads (a pipeline keeps per-call state in its scheduler, so two
   threads in one pipeline corrupt each other's images, with or without graphs);
 * every accelerated denoiser checks whether its weights moved or changed, or are offloaded;
-* listeners (one image on several GPUs, accel/parallel.py) hear where calls begin and end and
+* listeners (one image on several GPUs, accel/parallel) hear where calls begin and end and
   before every scheduler step.
 
 Pipelines built from one another's components share their scheduler, so the guard belongs to the
@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import bcg
+from ..graphs import bcg
 from .safety import RequestLock, shadow_method, unwrap_method, wrap_method
 
 __all__ = ["CallGuard"]

@@ -79,7 +79,7 @@ class Recipe:
         """How the model is usually run, for front ends; None where the recipe does not know."""
         return None
 
-    # -- several GPUs (accelerate_pipeline(parallel=...), accel/parallel.py) ----------------
+    # -- several GPUs (accelerate_pipeline(parallel=...), accel/parallel) ----------------
     def cfg_parallel_support(self, module: torch.nn.Module) -> str | None:
         """None where the model's pipelines run the two guidance branches as separate denoiser
         calls that :meth:`cfg_branch` tells apart (so each can run on its own GPU, bit for bit);
@@ -102,7 +102,7 @@ class Recipe:
         self, module: torch.nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], *, degree: int = 1
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """The two guidance branches' calls ``[(args, kwargs), ...]`` joined into one call whose
-        output is theirs stacked along the batch dimension (accel/cfg_batch.py); None to run
+        output is theirs stacked along the batch dimension (accel/hooks/cfg_batch.py); None to run
         them one after the other. ``degree`` is the number of Ulysses ranks the joined call's
         sequence will be split over (1 on one GPU): each rank computes ``1/degree`` of it. Join
         only calls already normalised to within bf16 noise of eager: a batch changes which

@@ -1,7 +1,7 @@
 """Call signatures: what must match for a captured graph to serve a call.
 
 A signature is the call's structure (positional and keyword arguments and every container in
-them, as :mod:`accel.tree` sees arguments) and a key per leaf: a tensor by (shape, dtype,
+them, as :mod:`accel.graphs.tree` sees arguments) and a key per leaf: a tensor by (shape, dtype,
 device), a literal constant by (type, value), anything else by identity. Two calls with equal
 signatures can share one graph: tensor values are copied into static buffers, everything else
 was baked into the graph at capture.

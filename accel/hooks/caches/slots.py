@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .. import tree
+from ...graphs import tree
 
 __all__ = ["Slots"]
 

@@ -12,13 +12,13 @@ Contract:
   ends), :func:`locate_by_sync_debug` re-runs the call eagerly with host syncs made errors.
   :func:`discover` tries both, in that order, and only for capture errors.
 * :func:`mark_as_break` rebinds that function, wherever it is bound (its module, every module that did
-  ``from x import f``, or the class defining the method), to :func:`accel.bcg.eager_on_graph` of it, and
+  ``from x import f``, or the class defining the method), to :func:`accel.graphs.bcg.eager_on_graph` of it, and
   returns an undo. A :class:`BreakSite` keeps the code object and where to look, never the frame, so
   locating and marking are separate steps.
 * Only a pure function of its inputs may be marked. A break re-runs at every replay with the *same
   argument objects* and its tensor outputs are copied into the boundary buffer later segments read; the
   Python constants it returns (a bool, a list of lengths) are checked by copy-back, so a changed value
-  raises :class:`accel.bcg.CopyBackError` rather than silently replaying the branch taken at capture.
+  raises :class:`accel.graphs.bcg.CopyBackError` rather than silently replaying the branch taken at capture.
   Anything it reads besides its arguments (globals, counters) makes replays wrong.
 * Marking is opt-in, and whoever marks must check that the retried graph's output equals eager.
 

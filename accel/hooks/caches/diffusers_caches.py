@@ -4,7 +4,7 @@ Each is applied the diffusers way (``transformer.enable_cache(config)`` or ``app
 config)``) and keeps its state in ``StateManager``s, one state object per guidance branch,
 rebuilt at every pipeline call. The rules here turn their decisions into decision breaks, their
 host bookkeeping into eager breaks, and the tensors they keep into fixed buffers or owned copies
-(see :mod:`accel.caches.rules`); their arithmetic is captured unchanged.
+(see :mod:`accel.hooks.caches.rules`); their arithmetic is captured unchanged.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A captured call as a small tree of chains: one breakable graph per decision path.
 
-A decision (``eager_on_graph(decision=True)``, see :mod:`accel.bcg`) picks what the code does
+A decision (``eager_on_graph(decision=True)``, see :mod:`accel.graphs.bcg`) picks what the code does
 next from a host value: a cache's "compute the remaining blocks, or reuse last step's". One
 capture follows one value of each decision it meets; a :class:`GraphTree` keeps one chain for
 every path captured so far, all in the same memory pool and reading the same static inputs.
@@ -16,7 +16,7 @@ Contract:
   its breaks filled from the breaks that already ran instead of running them again, and the walk
   continues there. A replay never runs a segment captured for another value.
 * When no chain starts with the values taken, :class:`PathMiss` is raised, carrying the path and a
-  :class:`~accel.bcg.Memo` of what every break of this call returned so far: the caller finishes
+  :class:`~accel.graphs.bcg.Memo` of what every break of this call returned so far: the caller finishes
   the call by running it again under that memo (eagerly, or capturing the new path) so that no
   break's host effect happens twice.
 * Segments before a decision run once per chain switch, so they must be idempotent: they may
@@ -157,7 +157,7 @@ class GraphTree:
         whose output buffers hold the result. ``memo``: the call's first breaks already ran
         (a path capture's own call); they take their values from it instead of running.
 
-        Raises :class:`PathMiss` (see the contract) or :class:`~accel.bcg.CopyBackError` (a
+        Raises :class:`PathMiss` (see the contract) or :class:`~accel.graphs.bcg.CopyBackError` (a
         break's output no longer fits its buffer; ``exc.memo`` says what ran before it).
         """
         n = len(self._taken)

@@ -1,7 +1,7 @@
 """Per-signature capture and replay of one callable (a denoiser's forward).
 
 A :class:`GraphRunner` sits where the callable was. Each call is reduced to a
-:class:`~accel.signature.Signature`; a signature that has a captured entry replays it (live
+:class:`~accel.graphs.signature.Signature`; a signature that has a captured entry replays it (live
 tensors are copied into the entry's static buffers, the breakable graph replays, a copy of its
 output is returned). Anything else runs eagerly: capture happens only inside
 :meth:`GraphRunner.capturing` (an explicit warm-up) or, when opted in, on first use. A capture
@@ -40,7 +40,7 @@ class GraphMemoryBudgetError(RuntimeError):
     """A capture was refused because graph memory would exceed the runner's ``memory_budget``.
 
     A RuntimeError, not a :class:`MemoryError` (nothing ran out of memory: a limit the caller set
-    was reached) and not a :class:`~accel.bcg.BreakError` (those come from the breakable-graph
+    was reached) and not a :class:`~accel.graphs.bcg.BreakError` (those come from the breakable-graph
     core; the budget is the runner's policy). The runner catches it like any capture failure:
     the signature is blocked and runs eagerly, and :attr:`GraphRunner.blocked` keeps the reason.
     """
@@ -350,7 +350,7 @@ class GraphRunner:
 
     def new_sequence(self) -> None:
         """A new sequence of calls begins (a pipeline call): replays with decisions start on the
-        path the last sequence took at the same call (see :mod:`accel.branches`)."""
+        path the last sequence took at the same call (see :mod:`accel.graphs.branches`)."""
         for entry in self._entries.values():
             entry.tree.new_sequence()
 

@@ -5,11 +5,11 @@ the host, per call or per block, whether to compute or to reuse what it kept fro
 step. Captured as it is, a graph would freeze the capture's decision and the capture's tensors.
 A :class:`CacheRule` rewrites, only while it is installed, the few places where the cache:
 
-* decides: the function becomes a decision break (:func:`accel.bcg.eager_on_graph` with
-  ``decision=True``), so every path gets its own chain (:mod:`accel.branches`);
+* decides: the function becomes a decision break (:func:`accel.graphs.bcg.eager_on_graph` with
+  ``decision=True``), so every path gets its own chain (:mod:`accel.graphs.branches`);
 * changes host state (step counters, lists of cached steps): the function becomes an eager break,
   so it runs at every replay, once;
-* keeps tensors for a later step: they go into fixed buffers (:class:`~accel.caches.slots.Slots`)
+* keeps tensors for a later step: they go into fixed buffers (:class:`~accel.hooks.caches.slots.Slots`)
   or are kept as owned copies by a break (``keeps_inputs=True``), never as graph memory.
 
 Everything else in the cache (its arithmetic on the hidden states) is captured as it is, so a
@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import bcg
+from ...graphs import bcg
 
 __all__ = ["CacheRule", "CallCounts", "decision", "effect", "register_rule", "rule_for_hook"]
 

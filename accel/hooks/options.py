@@ -36,7 +36,7 @@ __all__ = [
 Mode = Literal["bcg", "debug", "eager"]
 MODES: tuple[str, ...] = get_args(Mode)
 
-# One image on several processes (accel/parallel.py): the guidance branches on two ranks, diffusers'
+# One image on several processes (accel/parallel): the guidance branches on two ranks, diffusers'
 # Ulysses context parallelism over all ranks, or both (two Ulysses groups, one per branch).
 Parallel = Literal["cfg", "ulysses", "cfg+ulysses"]
 PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)

@@ -5,7 +5,7 @@ pipeline call (cheap: one walk over the module tree) it looks at every hook and 
 on the denoiser and its submodules:
 
 * the library's own hooks, and hooks that run outside the captured call, are fine;
-* a step cache the library knows (:mod:`accel.caches.rules`) gets its rule installed while graphs
+* a step cache the library knows (:mod:`accel.hooks.caches.rules`) gets its rule installed while graphs
   are on; its decisions then pick the graphs' paths, and its state survives captures;
 * anything else, including a second step cache beside a first, is *foreign*: a graph would freeze
   whatever it decides or keeps, so graphs stay off for the denoiser while it is there, and one
@@ -42,7 +42,7 @@ __all__ = ["CacheBinding", "find_caches", "is_registry_forward"]
 logger = logging.getLogger(__name__)
 
 # diffusers hooks that are neither caches nor foreign to graphs: the context-parallel split and
-# gather of parallel="ulysses" (accel/parallel.py runs them inside its graphs on purpose).
+# gather of parallel="ulysses" (accel/parallel runs them inside its graphs on purpose).
 _BENIGN = ("ContextParallelSplitHook", "ContextParallelGatherHook")
 DEFAULT_CONTEXT = "inference"
 

@@ -2,11 +2,11 @@
 
 The walker finds every denoiser (``transformer``, ``transformer_2``, ``unet``) and, as
 components, the text encoders and the VAE's decoder, and applies a
-:class:`~accel.hook.GraphHook` to each (one per module, shared by every pipeline that uses the
+:class:`~accel.hooks.graph_hook.GraphHook` to each (one per module, shared by every pipeline that uses the
 module); all of a pipeline's graphs share one pool, so the decode's activations reuse the
-denoiser's. A :class:`~accel.guard.CallGuard` on the scheduler serialises calls and checks the
+denoiser's. A :class:`~accel.hooks.guard.CallGuard` on the scheduler serialises calls and checks the
 denoisers' weights once per call (components check theirs as they are called);
-:mod:`accel.warmup` plans and runs the captures. Noise, scheduler steps, guidance and
+:mod:`accel.hooks.warmup` plans and runs the captures. Noise, scheduler steps, guidance and
 post-processing stay eager. With ``parallel=`` one image is computed by several processes
 (:mod:`accel.parallel`); each rank runs the components (which hold no collectives) with its own
 graphs.
@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from ..graphs.pool import GraphPool
+from ..graphs.runner import GraphRunner, RunnerStats
 from .cfg_batch import CFGBatchHook, apply_cfg_batch, remove_cfg_batch
+from .graph_hook import HOOK_NAME, GraphHook, apply_graph_runner, module_device, release_graph_runner
 from .guard import CallGuard
-from .hook import HOOK_NAME, GraphHook, apply_graph_runner, module_device, release_graph_runner
 from .options import (
     DEFAULT_PARALLEL_TIMEOUT_S,
     MODES,
@@ -34,10 +36,7 @@ from .options import (
     AcceleratorOptions,
     RecipeDefault,
 )
-from .parallel import ParallelSession
-from .pool import GraphPool
 from .recipe import Recipe
-from .runner import GraphRunner, RunnerStats
 from .safety import RequestLock
 from .warmup import WarmupReport, WarmupRow, plan_warmup, run_warmup
 
@@ -73,6 +72,31 @@ def _components(pipe: Any, options: AcceleratorOptions) -> list[str]:
     if options.vae:
         names.append(VAE_DECODER)
     return [n for n in names if _component(pipe, n) is not None]
+
+
+class ParallelSession(Protocol):
+    """What the accelerator asks of a several-process session (:class:`accel.parallel.ParallelSession`)."""
+
+    layout: Any
+
+    def check_same(self, what: str, lines: list[str]) -> None: ...
+
+    def describe(self) -> str: ...
+
+    def close(self) -> None: ...
+
+    def leave_process_group(self) -> None: ...
+
+
+# accel.parallel sits above this layer, so this layer never imports it: importing it (accel's
+# __init__ does) registers the session here.
+_parallel_session: Callable[..., ParallelSession] | None = None
+
+
+def register_parallel_session(factory: Callable[..., ParallelSession]) -> None:
+    """Make ``factory(pipe, denoisers, guard, options)`` build the session for ``parallel=``."""
+    global _parallel_session
+    _parallel_session = factory
 
 
 _said_no_cuda = False
@@ -137,7 +161,9 @@ class PipelineAccelerator:
             if options.parallel is not None:
                 # Collective: every rank of the launch builds its session here, or all fail.
                 denoisers = {n: self._hooks[n] for n in self._denoisers}
-                self._parallel = ParallelSession(pipe, denoisers, self._guard, options)
+                if _parallel_session is None:
+                    raise RuntimeError("parallel= needs accel.parallel, which was not imported")
+                self._parallel = _parallel_session(pipe, denoisers, self._guard, options)
             if options.cfg_batch:
                 self._apply_cfg_batch()
         except BaseException:
@@ -245,7 +271,7 @@ class PipelineAccelerator:
     @property
     def found_breaks(self) -> dict[str, list[Any]]:
         """Where captures failed on operations a graph cannot hold, by component: each a
-        :class:`~accel.discover.BreakSite` (function, file, line, error)."""
+        :class:`~accel.graphs.discover.BreakSite` (function, file, line, error)."""
         return {name: list(h.runner.found_breaks) for name, h in self._hooks.items() if h.runner.found_breaks}
 
     def _pool_for(self, device: torch.device) -> GraphPool | None:
@@ -528,7 +554,7 @@ def accelerate_pipeline(
             true CFG) and the recipe finds it pays (Qwen-Image: up to 768x768 on one GPU, where
             it pads text anyway; up to 1024x1024 under ``parallel="ulysses"`` on 2 ranks), run
             the two as one call at twice the batch (CUDA only; not under ``"cfg"`` layouts,
-            which put the branches on different ranks; see :mod:`accel.cfg_batch`). Off: one
+            which put the branches on different ranks; see :mod:`accel.hooks.cfg_batch`). Off: one
             call each.
 
     Raises:
