@@ -24,10 +24,10 @@ from accel.graphs.bcg import (
     CopyBackError,
     NestedBreakError,
     break_graph,
-    copy_back,
     eager_on_graph,
     is_capturing,
 )
+from accel.graphs.copyback import copy_back
 
 # --------------------------------------------------------------------------------------------
 # Outside a capture

@@ -16,7 +16,7 @@ import torch
 from graph_emulator import emulate_cuda, segment_replays
 from toy_cache import ToyCache, toy_forward
 
-from accel.graphs import bcg
+from accel.graphs import bcg, marks
 from accel.graphs.bcg import BreakError, eager_on_graph
 from accel.graphs.branches import Chain, GraphTree
 from accel.graphs.runner import GraphRunner
@@ -198,7 +198,13 @@ def test_tree_refuses_chains_that_part_without_a_decision() -> None:
             decision = v is not None
             g.breaks.append(
                 bcg._Break(
-                    fn=lambda: None, name=n, args=(), kwargs={}, buffer=None, kind=bcg._Kind(decision=decision), value=v
+                    fn=lambda: None,
+                    name=n,
+                    args=(),
+                    kwargs={},
+                    buffer=None,
+                    kind=marks.BreakKind(decision=decision),
+                    value=v,
                 )
             )
         return Chain(g, None, [], 0.0)

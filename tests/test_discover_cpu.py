@@ -21,7 +21,7 @@ import torch
 from discover_toys import CAPTURE_ERROR, raising_op
 from test_bcg_cpu import fake_capture
 
-from accel.graphs import bcg
+from accel.graphs import bcg, marks
 from accel.graphs.discover import (
     BreakSite,
     discover,
@@ -41,7 +41,7 @@ def _always() -> bool:
 def _recording_a_segment() -> bool:
     # bcg has no public "inside a segment, not inside a break" predicate; is_capturing() is also
     # True while a break runs, so read the capture's own flag.
-    cap = bcg._ACTIVE.get()
+    cap = marks.ACTIVE.get()
     return cap is not None and not cap.in_break
 
 

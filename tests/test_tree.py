@@ -20,7 +20,8 @@ from test_bcg_cpu import fake_capture
 from transformers.utils import ModelOutput
 
 from accel.graphs import bcg, tree
-from accel.graphs.bcg import CopyBackError, copy_back
+from accel.graphs.copyback import copy_back, views_of_pool_tensors
+from accel.graphs.errors import CopyBackError
 from accel.graphs.signature import describe_diff, flatten
 
 # --------------------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ def _re(path: str) -> str:
 
 
 class FakePoolMap:
-    """Stands in for bcg._PoolMap: 'owns' exactly the given tensors."""
+    """Stands in for copyback.PoolMap: 'owns' exactly the given tensors."""
 
     def __init__(self, *owned: torch.Tensor) -> None:
         self.owned = owned
@@ -171,8 +172,8 @@ def test_break_arguments_get_views_of_pool_tensors(kind: str) -> None:
     a, b = fresh()
     value = make(kind, a, b)
     args, kwargs = (value, a), {"extra": value}
-    new_args = bcg._views_of_pool_tensors(args, FakePoolMap(a, b))
-    new_kwargs = bcg._views_of_pool_tensors(kwargs, FakePoolMap(a, b))
+    new_args = views_of_pool_tensors(args, FakePoolMap(a, b))
+    new_kwargs = views_of_pool_tensors(kwargs, FakePoolMap(a, b))
     assert new_args[1] is not a and new_args[1].data_ptr() == a.data_ptr()  # a view: same memory
     if kind in OBJECTS:
         # passed on by identity: the callee gets the very object (its tensors stay strongly held)
@@ -194,7 +195,7 @@ def test_namedtuple_and_dataclass_arguments_no_longer_pin_pool_tensors() -> None
     a, b = fresh()
     pool = FakePoolMap(a, b)
     for arg in (Pair(a, b), Fields(a, [b])):
-        (out,) = bcg._views_of_pool_tensors((arg,), pool)
+        (out,) = views_of_pool_tensors((arg,), pool)
         assert out is not arg
         assert not any(t is a or t is b for t in tree.tensors(out))
 
@@ -220,25 +221,43 @@ def test_a_break_records_views_of_pool_tensors_inside_a_namedtuple_argument(monk
     assert out.item() == 30.0 + 6.0 + 30.0
 
 
-def test_a_type_torch_refuses_to_register_is_a_leaf(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_type_torch_declares_opaque_is_a_leaf(monkeypatch: pytest.MonkeyPatch) -> None:
     @dataclasses.dataclass
-    class Refused:
+    class Opaque:
         x: torch.Tensor
 
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise ValueError("opaque type")
+    import torch._library.opaque_object as opaque_object
 
-    monkeypatch.setattr(torch.utils._pytree, "register_pytree_node", refuse)
-    value = Refused(torch.zeros(1))
+    real = opaque_object.is_opaque_type
+    monkeypatch.setattr(opaque_object, "is_opaque_type", lambda cls: cls is Opaque or real(cls))
+    value = Opaque(torch.zeros(1))
     assert tree.flatten([value])[0] == [value]
     assert tree.clone([value])[0] is value
+
+
+def test_dataclasses_and_objects_stay_out_of_torchs_registry() -> None:
+    @dataclasses.dataclass
+    class Mine:
+        x: torch.Tensor
+
+    class Holder:
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+
+    before = dict(torch.utils._pytree.SUPPORTED_NODES)
+    value = [Mine(torch.ones(1)), Holder(torch.ones(2))]
+    copy = tree.clone(value)
+    assert type(copy[0]) is Mine and type(copy[1]) is Holder and copy[0].x is not value[0].x
+    assert dict(torch.utils._pytree.SUPPORTED_NODES) == before
+    # so torch's own pytree still sees them as leaves, as it would without this library
+    assert torch.utils._pytree.tree_leaves(value) == value
 
 
 def test_arguments_without_pool_tensors_come_back_unchanged() -> None:
     a, b = fresh()
     args = (Pair(a, 1), [b], {"k": Fields(a, b)})
-    assert bcg._views_of_pool_tensors(args, FakePoolMap()) is args
-    assert bcg._views_of_pool_tensors(args, FakePoolMap(torch.zeros(1))) is args
+    assert views_of_pool_tensors(args, FakePoolMap()) is args
+    assert views_of_pool_tensors(args, FakePoolMap(torch.zeros(1))) is args
 
 
 @kinds

@@ -37,23 +37,26 @@ Contract (see the project's design notes):
   :mod:`accel.graphs.branches`) is run again under :func:`rerun`: those breaks return what they returned
   then, without running again, so their host effects (a step counter) happen once per call.
 
-This module knows nothing of diffusers.
+Marking lives in :mod:`accel.graphs.marks`, copy-back in :mod:`accel.graphs.copyback`, the
+errors in :mod:`accel.graphs.errors`; this module records and replays, and exports them all.
+It knows nothing of diffusers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
-import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from . import tree
+from .copyback import PoolMap, copy_into, owned, views_of_pool_tensors
+from .errors import BreakError, CopyBackError, NestedBreakError
+from .marks import ACTIVE, BreakKind, Memo, break_graph, check_decision, eager_on_graph, is_capturing, rerun
 
 __all__ = [
     "BreakError",
@@ -69,306 +72,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class BreakError(RuntimeError):
-    """Base class of the errors raised by the breakable-graph core."""
-
-
-class NestedBreakError(BreakError):
-    """A marked function was called while another marked function was running as a break."""
-
-
-class CopyBackError(BreakError):
-    """A break's replay output does not match the boundary buffer recorded at capture.
-
-    ``output`` is what the break returned, for a caller that finishes the call another way.
-    """
-
-    def __init__(self, message: str, output: Any = None) -> None:
-        super().__init__(message)
-        self.output = output
-
-
-@dataclasses.dataclass(frozen=True)
-class _Kind:
-    """How a marked function behaves as a break."""
-
-    inline_nested: bool = False
-    decision: bool = False
-    keeps_inputs: bool = False
-
-
-# What this thread's marked functions answer to: an open capture, a re-run, or nothing (plain calls).
-_ACTIVE: contextvars.ContextVar[_Capture | _Rerun | None] = contextvars.ContextVar("bcg_active_capture", default=None)
-
-
-def is_capturing() -> bool:
-    """True while a breakable capture is active in this thread (also while a break runs in it)."""
-    return isinstance(_ACTIVE.get(), _Capture)
-
-
-def eager_on_graph(
-    fn: F | None = None,
-    *,
-    name: str | None = None,
-    inline_nested: bool = False,
-    decision: bool = False,
-    keeps_inputs: bool = False,
-) -> Any:
-    """Mark ``fn`` as an eager break.
-
-    Usable as ``@eager_on_graph`` or ``@eager_on_graph(name="...")``. Outside a capture the
-    wrapper is ``fn`` itself (one context-variable lookup more). ``inline_nested=True`` lets
-    marked functions called from inside ``fn`` run as plain calls instead of raising
-    :class:`NestedBreakError`; the debug mode uses it to run a whole forward as one break.
-    ``decision=True``: ``fn`` returns a small host value that picks the continuation (see the
-    module's contract). ``keeps_inputs=True``: ``fn`` keeps its tensor arguments, so under a
-    capture it gets owned copies of them.
-    """
-    kind = _Kind(inline_nested, decision, keeps_inputs)
-
-    def decorate(f: F) -> F:
-        label = name or getattr(f, "__qualname__", None) or repr(f)
-
-        @functools.wraps(f)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            cap = _ACTIVE.get()
-            if cap is None:
-                return f(*args, **kwargs)
-            return cap.run_break(f, label, args, kwargs, kind)
-
-        wrapper.__bcg_eager__ = True  # type: ignore[attr-defined]
-        return wrapper  # type: ignore[return-value]
-
-    return decorate(fn) if fn is not None else decorate
-
-
-_DECISION_TYPES = (bool, int, str, type(None))
-
-
-def check_decision(value: Any, name: str) -> Any:
-    """``value`` if it can be a decision (a small hashable host value), else BreakError naming the break."""
-    if isinstance(value, _DECISION_TYPES) or (
-        isinstance(value, tuple) and all(isinstance(v, _DECISION_TYPES) for v in value)
-    ):
-        return value
-    raise BreakError(
-        f"decision {name!r} returned a {type(value).__name__}; a decision returns a bool, an int, a string, "
-        "None, or a tuple of those"
-    )
-
-
-class Memo:
-    """What the first breaks of a call returned, in order, for running the call again.
-
-    ``entries`` is a list of ``(name, value)``; :meth:`take` hands them out in order and checks
-    that the same break asks for each (the code took another way otherwise, and nothing of the
-    rest could be trusted).
-    """
-
-    def __init__(self, entries: list[tuple[str, Any]]) -> None:
-        self.entries = list(entries)
-        self._next = 0
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def fresh(self) -> Memo:
-        """The same entries, handed out from the start again."""
-        return Memo(self.entries)
-
-    @property
-    def pending(self) -> bool:
-        return self._next < len(self.entries)
-
-    def take(self, name: str) -> Any:
-        want, value = self.entries[self._next]
-        if want != name:
-            raise BreakError(
-                f"running a call again reached break {name!r} where the first run had {want!r} "
-                f"(break {self._next}): the call is not deterministic"
-            )
-        self._next += 1
-        return value
-
-
-class _Rerun:
-    """Marked functions during a call run again outside any capture: the memo's breaks return
-    their recorded values, later ones run as plain calls."""
-
-    def __init__(self, memo: Memo) -> None:
-        self.memo = memo
-
-    def run_break(
-        self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any], kind: _Kind
-    ) -> Any:
-        if self.memo.pending:
-            return self.memo.take(name)
-        return fn(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def rerun(memo: Memo | None) -> Iterator[None]:
-    """Run a call again whose first breaks already ran: each of them returns its value from
-    ``memo`` instead of running (see the module's contract). ``None``: nothing to skip."""
-    if memo is None or not len(memo):
-        yield
-        return
-    token = _ACTIVE.set(_Rerun(memo.fresh()))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-@eager_on_graph(name="break_graph")
-def _empty_break() -> None:
-    return None
-
-
-def break_graph() -> None:
-    """Force a segment boundary here (a no-op outside a capture)."""
-    _empty_break()
-
-
-# --------------------------------------------------------------------------------------------
-# Copy-back
-# --------------------------------------------------------------------------------------------
-def _same_constant(captured: Any, replayed: Any) -> bool:
-    if captured is replayed:
-        return True
-    try:
-        return bool(captured == replayed)
-    except Exception:  # e.g. an array's elementwise ==: not a constant we can vouch for
-        return False
-
-
-def _leaf_mismatch(captured: Any, replayed: Any) -> str | None:
-    """Why ``replayed`` cannot be copied into the captured leaf, or None if it can."""
-    if isinstance(captured, torch.Tensor):
-        if not isinstance(replayed, torch.Tensor):
-            return f"expected a tensor, got {type(replayed).__name__}"
-        if replayed.shape != captured.shape or replayed.dtype != captured.dtype or replayed.device != captured.device:
-            return (
-                f"captured {tuple(captured.shape)} {captured.dtype} on {captured.device}, "
-                f"replay gave {tuple(replayed.shape)} {replayed.dtype} on {replayed.device}"
-            )
-        return None
-    if type(replayed) is not type(captured):
-        return f"captured a {type(captured).__name__}, replay gave a {type(replayed).__name__}"
-    # A constant: the segments after this break were recorded with the captured value baked in.
-    if not _same_constant(captured, replayed):
-        return f"constant changed from {captured!r} to {replayed!r}"
-    return None
-
-
-def _structure_mismatch(dst: tree.Flat, leaves: list[Any], spec: tree.TreeSpec, root: str) -> str:
-    """``path: why`` for the first place where a replay output's structure left the buffer's."""
-    for step in tree.align(dst.spec, spec, root):
-        if step.leaves:
-            continue
-        captured = dst.leaves[step.a_leaf] if step.a.is_leaf() else None
-        if step.a.is_leaf() and isinstance(captured, torch.Tensor):
-            got = type(leaves[step.b_leaf]).__name__ if step.b.is_leaf() else tree.type_name(step.b)
-            return f"{step.path}: expected a tensor, got {got}"
-        if step.a.is_leaf() or step.b.is_leaf() or tree.node_type(step.a) is not tree.node_type(step.b):
-            was = type(captured).__name__ if step.a.is_leaf() else tree.type_name(step.a)
-            now = type(leaves[step.b_leaf]).__name__ if step.b.is_leaf() else tree.type_name(step.b)
-            return f"{step.path}: captured a {was}, replay gave a {now}"
-        return f"{step.path}: {tree.describe_change(step.a, step.b)}"
-    return f"{root}: structure changed"  # unreachable while align and spec_key agree
-
-
-def _copy_into(dst: tree.Flat, src: Any, break_name: str, root: str = "output") -> None:
-    """Copy ``src`` into the flattened boundary buffer ``dst`` in place; strict (see the contract).
-
-    Replay calls this once per break: the buffer was flattened at capture, only ``src`` is walked.
-    """
-    if dst.key is None and isinstance(src, torch.Tensor):
-        leaves = [src]  # a bare leaf captured, a tensor back (the common case): no spec to build
-    else:
-        leaves, key = tree.flatten_key(src)
-        if key != dst.key:
-            why = _structure_mismatch(dst, leaves, tree.flatten(src)[1], root)
-            raise CopyBackError(f"break {break_name!r}: {why}", src)
-    for i, (d, s) in enumerate(zip(dst.leaves, leaves)):
-        why = _leaf_mismatch(d, s)
-        if why is not None:
-            raise CopyBackError(f"break {break_name!r}: {root}{tree.leaf_paths(dst.spec)[i]}: {why}", src)
-        if isinstance(d, torch.Tensor) and (s.data_ptr() != d.data_ptr() or s.stride() != d.stride()):
-            d.copy_(s)
-
-
-def copy_back(dst: Any, src: Any, break_name: str, path: str = "output") -> None:
-    """Copy ``src`` into ``dst`` in place, raising :class:`CopyBackError` on any mismatch.
-
-    The message names the break and the field, e.g. ``break 'x': output[1]['pair'][0]: ...``.
-    """
-    _copy_into(tree.Flat(dst), src, break_name, path)
-
-
-# --------------------------------------------------------------------------------------------
-# Weak views of pool-resident break inputs
-# --------------------------------------------------------------------------------------------
-class _PoolMap:
-    """Which device addresses belong to one graph pool, from the caching allocator's snapshot.
-
-    A break's inputs that a segment produced live in the graph pool. Holding them strongly would
-    pin one activation per break and make graph memory grow with the number of breaks; a
-    non-owning view of the same address is enough, because within a replay the producing segment
-    writes it right before the break reads it, and every other writer of pool memory is a replay
-    of some graph, which never runs concurrently with this one.
-    """
-
-    def __init__(self, pool: Any, device: torch.device) -> None:
-        self.pool = tuple(pool) if pool is not None else None
-        self.device = device
-        self.ranges: list[tuple[int, int, bool]] = []
-
-    def _refresh(self) -> None:
-        segments = torch.cuda.memory._snapshot(self.device)["segments"]  # type: ignore[attr-defined]
-        self.ranges = [
-            (s["address"], s["address"] + s["total_size"], tuple(s.get("segment_pool_id", ())) == self.pool)
-            for s in segments
-            if s.get("device", self.device.index) == self.device.index
-        ]
-
-    def owns(self, t: torch.Tensor) -> bool:
-        if self.pool is None or t.device.type != "cuda" or t.untyped_storage().nbytes() == 0:
-            return False
-        ptr = t.untyped_storage().data_ptr()
-        for attempt in range(2):
-            for lo, hi, in_pool in self.ranges:
-                if lo <= ptr < hi:
-                    return in_pool
-            if attempt == 0:
-                self._refresh()
-        return False
-
-
-def _weak_view(t: torch.Tensor) -> torch.Tensor:
-    storage = t.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    out = torch.empty((0,), dtype=t.dtype, device=t.device)
-    out.set_(alias, t.storage_offset(), t.size(), t.stride())
-    return out
-
-
-def _views_of_pool_tensors(obj: Any, pool_map: _PoolMap) -> Any:
-    """``obj`` with every tensor the graph pool owns replaced by a non-owning view of it.
-
-    Walks ``obj`` as arguments are walked (:mod:`accel.graphs.tree`): containers, namedtuples and
-    dataclasses are rebuilt around the views; plain objects are passed on as they are, so a
-    tensor inside one stays strongly held. ``obj`` itself comes back when nothing was replaced.
-    """
-    leaves, spec = tree.flatten(obj, into_objects=False)
-    views = [_weak_view(x) if type(x) is torch.Tensor and pool_map.owns(x) else x for x in leaves]
-    if all(v is x for v, x in zip(views, leaves)):
-        return obj
-    return tree.unflatten(views, spec)
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,7 +90,7 @@ class _Break:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     buffer: Any
-    kind: _Kind
+    kind: BreakKind
     value: Any = None
     flat_buffer: tree.Flat = dataclasses.field(init=False, repr=False)
 
@@ -402,13 +105,13 @@ class _Break:
         """Run the function again on the recorded arguments; returns what it returned."""
         args, kwargs = self.args, self.kwargs
         if self.kind.keeps_inputs:
-            args, kwargs = _owned(args), _owned(kwargs)
+            args, kwargs = owned(args), owned(kwargs)
         if self.kind.inline_nested:
-            token = _ACTIVE.set(None)
+            token = ACTIVE.set(None)
             try:
                 return self.fn(*args, **kwargs)
             finally:
-                _ACTIVE.reset(token)
+                ACTIVE.reset(token)
         return self.fn(*args, **kwargs)
 
     def __call__(self) -> Any:
@@ -417,7 +120,7 @@ class _Break:
         out = self.run()
         if self.kind.decision:
             return check_decision(out, self.name)
-        _copy_into(self.flat_buffer, out, self.name)
+        copy_into(self.flat_buffer, out, self.name)
         return None
 
     def memo_value(self) -> Any:
@@ -427,12 +130,7 @@ class _Break:
     def set_from(self, value: Any) -> None:
         """Take ``value`` as this break's output without running it (a re-run's memo)."""
         if not self.kind.decision and value is not self.buffer:
-            _copy_into(self.flat_buffer, value, self.name)
-
-
-def _owned(obj: Any) -> Any:
-    """``obj`` with every tensor cloned (a break that keeps its inputs must not keep graph memory)."""
-    return tree.map_tensors(lambda t: t.clone(), obj, into_objects=False)
+            copy_into(self.flat_buffer, value, self.name)
 
 
 class BreakableCUDAGraph:
@@ -506,13 +204,15 @@ def _reset_generator_capture_state() -> None:
 
 
 class _Capture:
+    capturing = True
+
     def __init__(
         self, graph: BreakableCUDAGraph, pool: Any, error_mode: str, device: torch.device, memo: Memo | None = None
     ) -> None:
         self.graph = graph
         self.pool = pool
         self.error_mode = error_mode
-        self.pool_map = _PoolMap(pool, device)
+        self.pool_map = PoolMap(pool, device)
         self.open_segment: torch.cuda.CUDAGraph | None = None
         self.in_break = False
         self.memo = memo
@@ -544,7 +244,7 @@ class _Capture:
             _reset_generator_capture_state()
 
     def run_break(
-        self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any], kind: _Kind
+        self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any], kind: BreakKind
     ) -> Any:
         if self.in_break:
             raise NestedBreakError(
@@ -569,8 +269,8 @@ class _Capture:
             _Break(
                 fn=fn,
                 name=name,
-                args=_views_of_pool_tensors(args, self.pool_map),
-                kwargs=_views_of_pool_tensors(kwargs, self.pool_map),
+                args=views_of_pool_tensors(args, self.pool_map),
+                kwargs=views_of_pool_tensors(kwargs, self.pool_map),
                 buffer=None if kind.decision else out,
                 kind=kind,
                 value=value,
@@ -579,16 +279,16 @@ class _Capture:
         self.open()
         return out
 
-    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], kind: _Kind) -> Any:
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], kind: BreakKind) -> Any:
         if kind.keeps_inputs:
-            args, kwargs = _owned(args), _owned(kwargs)
+            args, kwargs = owned(args), owned(kwargs)
         self.in_break = True
-        token = _ACTIVE.set(None) if kind.inline_nested else None
+        token = ACTIVE.set(None) if kind.inline_nested else None
         try:
             return fn(*args, **kwargs)
         finally:
             if token is not None:
-                _ACTIVE.reset(token)
+                ACTIVE.reset(token)
             self.in_break = False
 
 
@@ -611,7 +311,7 @@ def capture(
     :func:`rerun`); they take their values from it. On error the graph is reset and the error
     propagates.
     """
-    if isinstance(_ACTIVE.get(), _Capture):
+    if is_capturing():
         raise BreakError("a breakable capture is already active in this thread")
     if graph.segments:
         raise BreakError("this BreakableCUDAGraph already holds a capture; call reset() first")
@@ -628,7 +328,7 @@ def _run_capture(cap: _Capture) -> Iterator[None]:
 
     On any error the open segment is abandoned, the graph reset, and the error propagates.
     """
-    token = _ACTIVE.set(cap)
+    token = ACTIVE.set(cap)
     try:
         cap.open()
         yield
@@ -638,4 +338,4 @@ def _run_capture(cap: _Capture) -> Iterator[None]:
         cap.graph.reset()
         raise
     finally:
-        _ACTIVE.reset(token)
+        ACTIVE.reset(token)

@@ -1,16 +1,17 @@
-"""Nested values: one traversal, over :mod:`torch.utils._pytree`'s registry, for the whole library.
+"""Nested values: one traversal for the whole library.
 
 Copy-back, the weak views of a break's arguments, output copies, call signatures and tensor
 listings all walk nested values; they walk them through this module, so they all agree on what
-a container is. Containers are flattened and rebuilt by the functions torch's pytree registry
-holds for them, and structures are torch ``TreeSpec`` objects.
+a container is. Structures are torch ``TreeSpec`` objects.
 
 Contract:
 
 * Containers are what torch's pytree registry holds (tuple, list, dict, OrderedDict, defaultdict,
   deque, namedtuple, torch.return_types, and diffusers ``BaseOutput`` / transformers
-  ``ModelOutput`` subclasses, which register themselves when they are defined), plus two kinds
-  this module registers on first sight, process-wide, in torch's registry:
+  ``ModelOutput`` subclasses, which register themselves when they are defined), walked with
+  torch's functions, plus two kinds walked with functions of this library's own
+  (:mod:`accel.graphs.nodes`; torch's registry is read, never written, so how ``torch.compile``,
+  ``torch.export`` and pytree treat a user's types does not change):
 
   - dataclasses: every field that is set. Rebuilt through the constructor (as torch's
     ``register_dataclass`` and ``dataclasses.replace`` do); fields with ``init=False`` are set
@@ -20,16 +21,17 @@ Contract:
     attributes, sorted by name, are the children. Rebuilt like ``copy.copy``: ``__new__``, then
     the attributes, without ``__init__``.
 
-* Everything else is a leaf: tensors, literals, modules and other callables, and objects this
-  module cannot rebuild. ``torch.Size`` is always a leaf (recent torch registers it as a node,
-  older releases do not; a size is a value either way).
+* Everything else is a leaf: tensors, literals, modules and other callables, torch's opaque
+  types, and objects this module cannot rebuild. ``torch.Size`` is always a leaf (recent torch
+  registers it as a node, older releases do not; a size is a value either way).
 * Two views. Values the library produces and owns (graph outputs, break outputs) open plain
   objects: ``into_objects=True``, the default. Values it passes on to someone else's code (call
   arguments, a break's recorded arguments) keep plain objects as leaves, ``into_objects=False``:
   the callee may rely on the object's identity or mutate it, so it must get the object itself.
   Dataclasses and registered containers are containers in both views.
 * A spec is a torch ``TreeSpec``; :func:`spec_key` is its hashable, exact form (a TreeSpec's own
-  hash and equality are not: dict contexts are lists, and types compare by name).
+  hash and equality are not: dict contexts are lists, and types compare by name). Rebuild values
+  with :func:`unflatten`, not ``TreeSpec.unflatten`` (which knows only torch's registry).
 * Hot paths (a call's signature, a break's copy-back, a replay's output copy) never build a
   TreeSpec: the walk here produces the spec key directly (:func:`flatten_key`), specs of known
   structures come from a cache (:func:`structure`), and :class:`Flat` keeps a value flattened
@@ -44,15 +46,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
-import functools
-import threading
-import types
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
+
+from . import nodes
 
 __all__ = [
     "Aligned",
@@ -61,7 +61,6 @@ __all__ = [
     "clone",
     "describe",
     "describe_change",
-    "field_names",
     "flatten",
     "flatten_key",
     "leaf_paths",
@@ -78,18 +77,7 @@ __all__ = [
 
 TreeSpec = pytree.TreeSpec
 _LEAF_SPEC = pytree.tree_flatten(0)[1]  # the leaf spec, however this torch release spells it
-
-# How instances of a type are walked, decided on first sight of the type.
-_BY_REGISTRY = "by torch's registry"  # a container if registered (now or later), else a leaf
-_NAMEDTUPLE = "namedtuple"  # registered under collections.namedtuple, as pytree does
-_ALWAYS_LEAF = "always a leaf"
-_OBJECT = "plain object"  # a container in the values view, a leaf in the arguments view
-_DATACLASS = "dataclass"  # registered here on first sight, then walked by the registry
-
-_kinds: dict[type, str] = {}
-_registered_here: dict[type, str] = {}  # types this module put in torch's registry: _DATACLASS or _OBJECT
-_register_lock = threading.Lock()
-_REBUILDABLE_NEW = (object.__new__, dict.__new__, types.SimpleNamespace.__new__)
+_KINDS = nodes.KINDS
 
 if hasattr(TreeSpec, "children"):  # newer torch deprecates the children_specs attribute
 
@@ -102,28 +90,6 @@ else:
         return spec.children_specs
 
 
-_is_namedtuple_class: Callable[[type], bool] = getattr(
-    pytree,
-    "is_namedtuple_class",
-    lambda cls: issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple),
-)
-
-
-def _classify(node: Any) -> str:
-    cls = type(node)
-    if cls is torch.Size:
-        return _ALWAYS_LEAF
-    if _is_namedtuple_class(cls):
-        return _NAMEDTUPLE
-    if cls in pytree.SUPPORTED_NODES or isinstance(node, (torch.Tensor, torch.nn.Module, enum.Enum, type)):
-        return _BY_REGISTRY
-    if dataclasses.is_dataclass(cls):
-        return _BY_REGISTRY if _register(cls, _DATACLASS) else _ALWAYS_LEAF
-    if hasattr(node, "__dict__") and not callable(node) and cls.__new__ in _REBUILDABLE_NEW:
-        return _OBJECT  # registered when first opened: the arguments view never needs it
-    return _BY_REGISTRY
-
-
 def _walk(node: Any, leaves: list[Any], open_objects: bool, build: bool) -> Any:
     """Flatten ``node`` into ``leaves``; return its spec (``build``) or its spec key.
 
@@ -131,19 +97,17 @@ def _walk(node: Any, leaves: list[Any], open_objects: bool, build: bool) -> Any:
     it can produce the hashable key without building TreeSpec objects (costly on hot paths).
     """
     cls = type(node)
-    kind = _kinds.get(cls)
+    kind = _KINDS.get(cls)
     if kind is None:
-        kind = _kinds[cls] = _classify(node)
-    if kind is _BY_REGISTRY:
+        kind = nodes.kind(node)
+    if kind is nodes.BY_REGISTRY or kind is nodes.DATACLASS or (kind is nodes.OBJECT and open_objects):
         node_type: Any = cls
-    elif kind is _NAMEDTUPLE:
+    elif kind is nodes.NAMEDTUPLE:
         node_type = collections.namedtuple
-    elif kind is _OBJECT and open_objects and (cls in _registered_here or _register(cls, _OBJECT)):
-        node_type = cls
     else:
         leaves.append(node)
         return _LEAF_SPEC if build else None
-    node_def = pytree.SUPPORTED_NODES.get(node_type)
+    node_def = nodes.node(node_type)
     if node_def is None:
         leaves.append(node)
         return _LEAF_SPEC if build else None
@@ -151,87 +115,6 @@ def _walk(node: Any, leaves: list[Any], open_objects: bool, build: bool) -> Any:
     if build:
         return TreeSpec(node_type, context, [_walk(c, leaves, open_objects, True) for c in children])
     return (node_type, _hashable(context), tuple([_walk(c, leaves, open_objects, False) for c in children]))
-
-
-# --------------------------------------------------------------------------------------------
-# Registration of dataclasses and plain objects
-# --------------------------------------------------------------------------------------------
-def _register(cls: type, kind: str) -> bool:
-    """Put ``cls`` in torch's registry as a ``kind``; False if torch refuses (then it is a leaf)."""
-    with _register_lock:
-        if cls in _registered_here or cls in pytree.SUPPORTED_NODES:
-            return True
-        if kind is _DATACLASS:
-            fns = _dataclass_functions(cls)
-        else:
-            fns = (_object_flatten, functools.partial(_object_unflatten, cls), _object_flatten_with_keys)
-        flatten_fn, unflatten_fn, with_keys_fn = fns
-        try:
-            pytree.register_pytree_node(cls, flatten_fn, unflatten_fn, flatten_with_keys_fn=with_keys_fn)
-        except Exception:  # e.g. torch's opaque types must stay leaves
-            _kinds[cls] = _ALWAYS_LEAF
-            return False
-        _registered_here[cls] = kind
-        return True
-
-
-_UNSET = object()
-
-
-def _dataclass_functions(cls: type) -> tuple[Callable, Callable, Callable]:
-    names = tuple(f.name for f in dataclasses.fields(cls))
-    init = frozenset(f.name for f in dataclasses.fields(cls) if f.init)
-
-    def flatten_fn(obj: Any) -> tuple[list[Any], tuple[str, ...]]:
-        values = [getattr(obj, n, _UNSET) for n in names]
-        if any(v is _UNSET for v in values):  # an init=False field without a default, never set
-            present = tuple(n for n, v in zip(names, values) if v is not _UNSET)
-            return [v for v in values if v is not _UNSET], present
-        return values, names
-
-    def unflatten_fn(values: Any, present: tuple[str, ...]) -> Any:
-        fields = dict(zip(present, values))
-        obj = cls(**{n: v for n, v in fields.items() if n in init})
-        for n, v in fields.items():
-            if n not in init:
-                object.__setattr__(obj, n, v)  # also works on frozen dataclasses
-        return obj
-
-    def with_keys_fn(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[str, ...]]:
-        values, present = flatten_fn(obj)
-        return [(pytree.GetAttrKey(n), v) for n, v in zip(present, values)], present
-
-    return flatten_fn, unflatten_fn, with_keys_fn
-
-
-def _object_parts(obj: Any) -> tuple[list[Any], list[Any], list[str]]:
-    keys = list(dict.keys(obj)) if isinstance(obj, dict) else []
-    names = sorted(vars(obj), key=str)
-    values = [dict.__getitem__(obj, k) for k in keys] + [vars(obj)[n] for n in names]
-    return values, keys, names
-
-
-def _object_flatten(obj: Any) -> tuple[list[Any], tuple[tuple[Any, ...] | None, tuple[str, ...]]]:
-    values, keys, names = _object_parts(obj)
-    return values, (tuple(keys) if isinstance(obj, dict) else None, tuple(names))
-
-
-def _object_unflatten(cls: type, values: Any, context: tuple[tuple[Any, ...] | None, tuple[str, ...]]) -> Any:
-    keys, names = context
-    values = list(values)
-    obj = cls.__new__(cls)
-    if keys is not None:
-        dict.update(obj, zip(keys, values[: len(keys)]))
-        values = values[len(keys) :]
-    obj.__dict__.update(zip(names, values))
-    return obj
-
-
-def _object_flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    values, context = _object_flatten(obj)
-    keys, names = context
-    entries = [pytree.MappingKey(k) for k in keys or ()] + [pytree.GetAttrKey(n) for n in names]
-    return list(zip(entries, values)), context
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +151,10 @@ def flatten_key(obj: Any, *, into_objects: bool = True) -> tuple[list[Any], Hash
 
 def unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
     """Rebuild a value of shape ``spec`` around ``leaves``."""
-    return spec.unflatten(leaves)
+    leaves = list(leaves)
+    if len(leaves) != spec.num_leaves:
+        raise ValueError(f"a structure of {spec.num_leaves} leaves cannot take {len(leaves)}")
+    return _rebuilder(spec)(iter(leaves))
 
 
 def tensors(obj: Any, *, into_objects: bool = True) -> list[torch.Tensor]:
@@ -279,7 +165,7 @@ def tensors(obj: Any, *, into_objects: bool = True) -> list[torch.Tensor]:
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any, *, into_objects: bool = True) -> Any:
     """``obj`` rebuilt with ``fn`` applied to every tensor leaf; other leaves are shared."""
     leaves, spec = flatten(obj, into_objects=into_objects)
-    return spec.unflatten([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves])
+    return _rebuilder(spec)(iter([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves]))
 
 
 def clone(obj: Any) -> Any:
@@ -291,7 +177,7 @@ def _rebuilder(spec: TreeSpec) -> Callable[[Iterator[Any]], Any]:
     """``spec.unflatten`` compiled into nested closures that draw leaves from an iterator."""
     if spec.is_leaf():
         return next
-    unflatten_fn = pytree.SUPPORTED_NODES[spec.type].unflatten_fn
+    unflatten_fn = nodes.node(spec.type).unflatten_fn
     context = spec.context
     parts = [_rebuilder(child) for child in _children(spec)]
 
@@ -373,12 +259,12 @@ def type_name(spec: TreeSpec) -> str:
 def _labels(spec: TreeSpec) -> list[tuple[str, Any]]:
     """How each child of ``spec`` is reached: ("index", i), ("key", k) or ("attr", name)."""
     t, ctx, n = spec.type, spec.context, spec.num_children
-    ours = _registered_here.get(t)
+    ours = nodes.ours(t)
     if t is collections.namedtuple:
         return [("attr", f) for f in ctx._fields]
-    if ours is _DATACLASS:
+    if ours is nodes.DATACLASS:
         return [("attr", f) for f in ctx]
-    if ours is _OBJECT:
+    if ours is nodes.OBJECT:
         keys, names = ctx
         return [("key", k) for k in keys or ()] + [("attr", a) for a in names]
     if t is collections.defaultdict:
@@ -412,7 +298,7 @@ def field_names(spec: TreeSpec) -> list[str] | None:
     if spec.is_leaf():
         return None
     names = [what for how, what in _labels(spec) if how == "attr"]
-    return names if names or _registered_here.get(spec.type) else None
+    return names if names or nodes.ours(spec.type) else None
 
 
 def leaf_paths(spec: TreeSpec) -> list[str]:
@@ -436,7 +322,7 @@ def describe_change(before: TreeSpec, after: TreeSpec) -> str:
     if mapping_keys(before) != mapping_keys(after):
         return f"keys changed from {mapping_keys(before)} to {mapping_keys(after)}"
     if field_names(before) != field_names(after):
-        noun = "attributes" if _registered_here.get(before.type) is _OBJECT else "fields"
+        noun = "attributes" if nodes.ours(before.type) is nodes.OBJECT else "fields"
         return f"{noun} changed from {sorted(field_names(before) or [])} to {sorted(field_names(after) or [])}"
     if before.num_children != after.num_children:
         return f"length changed from {before.num_children} to {after.num_children}"
