@@ -129,14 +129,14 @@ def emulate_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(runner_mod, "GraphPool", _FakePool)
     # The inputs are CPU tensors: skip only the device checks, keep the blocked-signature one.
-    monkeypatch.setattr(GraphRunner, "_capturable", lambda self, key, leaves: key not in self._blocked)
+    monkeypatch.setattr(GraphRunner, "_capturable", lambda self, key, leaves: key not in self.store.blocked)
 
 
 def segment_replays(runner: GraphRunner) -> int:
     """Segment replays of every chain of every entry of ``runner`` so far."""
     return sum(
         seg.replays
-        for entry in runner._entries.values()
+        for entry in runner.store.entries.values()
         for chain in entry.tree.chains.values()
         for seg in chain.graph.segments
     )

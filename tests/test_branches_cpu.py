@@ -100,7 +100,7 @@ def test_replay_never_runs_the_other_paths_segments(emulated: None) -> None:
     runner.state = cache
     for x in xs[:3]:
         runner(x, cache)  # both paths captured by now (compute, cache, cache)
-    entry = next(iter(runner._entries.values()))
+    entry = next(iter(runner.store.entries.values()))
     chains = entry.tree.chains
     cached_tail = chains[(False,)].graph.segments[-1]
     computed_tail = chains[(True,)].graph.segments[-1]
@@ -161,7 +161,7 @@ def test_keeps_inputs_gets_owned_copies_at_capture_and_replay(emulated: None) ->
     runner = GraphRunner(fn, name="keep", capture_on_miss=True)
     runner(torch.ones(2))
     runner(torch.full((2,), 2.0))
-    entry = next(iter(runner._entries.values()))
+    entry = next(iter(runner.store.entries.values()))
     (chain,) = entry.tree.chains.values()
     recorded = chain.graph.breaks[0].args[0]
     # every kept tensor is its own copy with the value of its call, never the segment's output

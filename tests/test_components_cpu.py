@@ -36,7 +36,7 @@ def test_text_encoder_and_vae_decoder_get_runners_and_restore_gives_them_back() 
     for module in (pipe.text_encoder, pipe.vae.decoder):
         hook = graph_hook_of(module)
         assert hook is not None and hook.component and not hook.compiled
-        assert hook.runner.verify  # a component's graph is compared with eager before it is kept
+        assert hook.runner.config.verify  # a component's graph is compared with eager before it is kept
     # On the CPU nothing is captured: the call is the stock one, bit for bit.
     assert torch.equal(_latents(pipe), reference)
     assert "vae.decoder (Decoder, recipe generic" in pipe.accel.report()

@@ -360,7 +360,11 @@ def test_a_recompile_drops_compiled_graphs_at_the_next_call(monkeypatch) -> None
     dropped = {name: 0 for name in hooks}
     for name, hook in hooks.items():
         monkeypatch.setattr(
-            hook.runner, "invalidate", lambda name=name: dropped.__setitem__(name, dropped[name] + 1) or 1
+            hook.runner,
+            "release",
+            lambda *, recapture=False, name=name: (
+                (dropped.__setitem__(name, dropped[name] + 1) or 1) if recapture else 0
+            ),
         )
 
     _call(pipe, "z-image")

@@ -313,7 +313,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(runner_mod, "GraphPool", FakePool)
     monkeypatch.setattr(bcg, "capture", capture)
     # The inputs are CPU tensors: skip only the device checks, keep the blocked-signature one.
-    monkeypatch.setattr(GraphRunner, "_capturable", lambda self, key, leaves: key not in self._blocked)
+    monkeypatch.setattr(GraphRunner, "_capturable", lambda self, key, leaves: key not in self.store.blocked)
     return state
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BCGError", "BreakError", "CopyBackError", "NestedBreakError"]
+__all__ = ["BCGError", "BreakError", "CopyBackError", "GraphMemoryBudgetError", "NestedBreakError"]
 
 
 class BCGError(RuntimeError):
@@ -31,3 +31,13 @@ class CopyBackError(BreakError):
     def __init__(self, message: str, output: Any = None) -> None:
         super().__init__(message)
         self.output = output
+
+
+class GraphMemoryBudgetError(BCGError):
+    """A capture was refused because graph memory would exceed the runner's ``memory_budget``.
+
+    Not a :class:`MemoryError` (nothing ran out of memory: a limit the caller set was reached)
+    and not a :class:`BreakError` (those come from the breakable-graph core; the budget is the
+    runner's policy). The runner catches it like any capture failure: the signature is blocked
+    and runs eagerly, and :attr:`GraphRunner.blocked` keeps the reason.
+    """

@@ -304,7 +304,7 @@ class GraphHook(ModelHook):
             self._arranged = None
 
     def _drop_graphs(self, why: str, level: int) -> int:
-        dropped = self.runner.invalidate()
+        dropped = self.runner.release(recapture=True)
         if dropped:
             logger.log(
                 level, "%s: %s; dropped %d graphs, each is captured again on its next call", self.name, why, dropped

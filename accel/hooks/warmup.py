@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from ..graphs.capture import capture_session
 from ..graphs.pool import GraphPool
-from ..graphs.runner import GraphRunner, capture_session
+from ..graphs.runner import GraphRunner
 from .compile import compiled_graph_count
 from .options import check_resolution
 from .recipe import Recipe

@@ -36,7 +36,7 @@ def _inputs(b: int, s: int, d: int = 128, seed: int | None = None) -> tuple[torc
 
 def _poison(runner: GraphRunner) -> None:
     """NaN-fill every captured output and boundary buffer: a replay that skips a write shows."""
-    for entry in runner._entries.values():
+    for entry in runner.store.entries.values():
         for chain in entry.tree.chains.values():
             for t in _tensors(chain.output):
                 if t.is_floating_point():
@@ -88,7 +88,7 @@ def test_debug_mode_runs_whole_call_as_one_break() -> None:
     x, t = _inputs(1, 32)
     with runner.capturing():
         runner(x, t)
-    entry = next(iter(runner._entries.values()))
+    entry = next(iter(runner.store.entries.values()))
     (chain,) = entry.tree.chains.values()
     assert chain.graph.num_segments == 2 and len(chain.graph.breaks) == 1
     for _ in range(3):

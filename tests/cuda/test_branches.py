@@ -22,7 +22,7 @@ DEV = "cuda"
 
 
 def _poison(runner: GraphRunner) -> None:
-    for entry in runner._entries.values():
+    for entry in runner.store.entries.values():
         for chain in entry.tree.chains.values():
             for t in [*tensors(chain.output), *(t for b in chain.graph.breaks for t in tensors(b.buffer))]:
                 if t.is_floating_point():

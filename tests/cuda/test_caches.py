@@ -40,7 +40,7 @@ def _call(pipe, name: str, prompt: str, wh, seed: int) -> torch.Tensor:
 
 
 def _poison(pipe) -> None:
-    for entry in pipe.accel.runners["transformer"]._entries.values():
+    for entry in pipe.accel.runners["transformer"].store.entries.values():
         for chain in entry.tree.chains.values():
             for t in [*tensors(chain.output), *(t for b in chain.graph.breaks for t in tensors(b.buffer))]:
                 if t.is_floating_point():
