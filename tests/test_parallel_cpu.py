@@ -213,6 +213,7 @@ def test_two_processes_cfg_exact_ulysses_close_errors_clear(tmp_path: Path) -> N
         assert "rank 1 has hidden_states: tensor(1, 12, 64) float32" in r["call_error"]
         assert "cannot split transformer: Z-Image runs both guidance branches as one batched call" in r["z_cfg_error"]
         assert r["restored"], "restore() left parallel hooks or settings behind"
+        assert r["patches_left"] == [], r["patches_left"]
     assert "parallel cfg: rank 1 of 2; computes guidance branch 1" in r1["report"]
 
 
@@ -328,7 +329,7 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
             res["options_error"] = str(e)
         accelerate_pipeline(pipe, parallel="cfg", parallel_timeout_s=60)
         res["cfg"], res["nocfg"] = run(pipe, **qwen_kw()), run(pipe, **qwen_kw(cfg=False))
-        hook = pipe.accel.parallel._hooks["transformer"]
+        hook = pipe.accel.parallel.hooks["transformer"]
         res["counts"] = (hook.computed, hook.skipped)
         res["accelerated"] = sorted(pipe.accel.stats())
         try:
@@ -363,6 +364,9 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
         res["z_uly"] = run(z, **zkw)
         z.accel.shutdown()
         res["restored"] = res["restored"] and _hook_state(z.transformer) == zbefore
+        from accel.graphs import patches
+
+        res["patches_left"] = patches.active()  # the destroy_process_group wrap included
     elif scenario == "cfg_ulysses":
         pipe = build_pipeline("qwen-image", "tiny")
         pipe.set_progress_bar_config(disable=True)

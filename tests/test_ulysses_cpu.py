@@ -15,20 +15,24 @@ from ranks import launch_ranks
 WORLD = 2
 
 
-def test_install_nests_and_puts_diffusers_class_back() -> None:
+def test_fused_attention_nests_and_puts_diffusers_class_back() -> None:
     from diffusers.models import attention_dispatch as dispatch
 
+    from accel.graphs import patches
     from accel.parallel import ulysses
 
     stock = dispatch.TemplatedUlyssesAttention
-    assert ulysses.install() and ulysses.install()
+    first, second = ulysses.fused_attention(), ulysses.fused_attention()
+    assert first is not None and second is not None
     assert dispatch.TemplatedUlyssesAttention is ulysses.FusedUlyssesAttention
-    ulysses.uninstall()
+    assert any("TemplatedUlyssesAttention" in line for line in patches.active())
+    first.undo()
     assert dispatch.TemplatedUlyssesAttention is ulysses.FusedUlyssesAttention  # one hold left
-    ulysses.uninstall()
+    second.undo()
     assert dispatch.TemplatedUlyssesAttention is stock
-    ulysses.uninstall()  # one too many: harmless
+    second.undo()  # one too many: harmless
     assert dispatch.TemplatedUlyssesAttention is stock
+    assert not any("TemplatedUlyssesAttention" in line for line in patches.active())
 
 
 def test_fused_equals_diffusers_ulysses_on_two_processes(tmp_path: Path) -> None:
@@ -89,7 +93,8 @@ def _worker(out: Path) -> None:
             mask_strides.append(attn_mask.stride(-1))
         return ops[0](ctx, q, k, v, attn_mask, *rest, **kw)
 
-    assert ulysses.install()
+    held = ulysses.fused_attention()
+    assert held is not None
     for batch, tokens, heads, dim, scale, masked in cases:
         q, k, v = (torch.randn(batch, tokens, heads, dim, generator=gen) for _ in range(3))
         mask = None
@@ -127,7 +132,7 @@ def _worker(out: Path) -> None:
         dispatch.TemplatedUlyssesAttention.apply(q, k, v, additive, 0.0, False, None, False, False, *ops, config)
     fell_back += ["float mask"] if calls else []
     ulysses._stock = stock
-    ulysses.uninstall()
+    held.undo()
     assert dispatch.TemplatedUlyssesAttention is stock
     torch.save(
         dict(cases=len(cases), pairs=pairs, fell_back=fell_back, mask_strides=mask_strides), out / f"result{rank}.pt"

@@ -83,9 +83,9 @@ class ParallelSession(Protocol):
 
     def describe(self) -> str: ...
 
-    def close(self) -> None: ...
+    def restore(self) -> None: ...
 
-    def leave_process_group(self) -> None: ...
+    def shutdown(self) -> None: ...
 
 
 # accel.parallel sits above this layer, so this layer never imports it: importing it (accel's
@@ -218,7 +218,7 @@ class PipelineAccelerator:
             remove_cfg_batch(getattr(self.pipe, name), self)
         self._cfg_batch.clear()
         if self._parallel is not None:
-            self._parallel.close()
+            self._parallel.restore()
             self._parallel = None
         if self._guard is not None:
             for name in self._denoisers:
@@ -478,7 +478,7 @@ class PipelineAccelerator:
         self.release()
         self.restore()
         if parallel is not None:
-            parallel.leave_process_group()
+            parallel.shutdown()
         return self.pipe
 
     def _require_installed(self) -> None:

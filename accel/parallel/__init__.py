@@ -5,8 +5,10 @@ one for ``accelerate_pipeline(pipe, parallel=...)``; ``accel`` imports it.
 """
 
 from ..hooks.accelerator import register_parallel_session
-from .session import ParallelConfigError, ParallelError, ParallelSession, plan_layout
+from .errors import ParallelConfigError, ParallelError
+from .layout import Layout, plan_layout
+from .session import ParallelSession
 
 register_parallel_session(ParallelSession)
 
-__all__ = ["ParallelConfigError", "ParallelError", "ParallelSession", "plan_layout"]
+__all__ = ["Layout", "ParallelConfigError", "ParallelError", "ParallelSession", "plan_layout"]

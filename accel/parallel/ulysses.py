@@ -4,8 +4,8 @@ diffusers' ``TemplatedUlyssesAttention`` sends query, key and value in three all
 after a permuting copy, and copies each again into the attention's layout on arrival: per
 attention, four all-to-alls (and an all-gather where a mask comes) and eight copies of a
 sequence shard; inside a graph, every collective also leaves the GPU idle for tens of
-microseconds. :func:`install` puts in its place (while at least one install is held) a
-forward-only version that:
+microseconds. :func:`fused_attention` puts in its place (while the patch it returns is held: a
+session holds one during each of its denoiser calls) a forward-only version that:
 
 * writes the three into one buffer laid out ``[rank, token, batch, q|k|v, head, dim]`` (three
   permuting copies, as before) and sends it in **one** all-to-all, whose larger message NCCL moves
@@ -20,25 +20,39 @@ attention kernel's reading order can differ (within a run, graphs and eager agre
 Calls it does not cover go to diffusers' version unchanged: inside ``torch.compile`` (compiled
 blocks; inductor fuses diffusers' copies into their producers), gradients wanted, ``return_lse``
 (ring attention), a key sequence of another length than the query's, a mask of another type or
-shape. On a diffusers without the class, :func:`install` changes nothing and says so.
+shape. On a diffusers without the class, :func:`fused_attention` changes nothing and says so.
+
+This module also enables diffusers' context parallelism on a denoiser (:func:`enable_ulysses`,
+undone exactly: diffusers offers no ``disable_parallelism``) and makes a Ulysses group agree on
+every capture (:func:`agree_on_capture`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
+from diffusers.hooks import HookRegistry
+
+from ..graphs.patches import Patch, patch
+
+if TYPE_CHECKING:
+    from .cfg_split import ParallelHook
+    from .session import ParallelSession
+
+__all__ = ["FusedUlyssesAttention", "agree_on_capture", "enable_ulysses", "fused_attention"]
 
 logger = logging.getLogger(__name__)
 
 # Columns added to each token's row for a mask: one carries it, the rest keep rows 16-byte aligned.
 _PAD = 8
 
-_lock = threading.Lock()
-_holds = 0
-_stock: Any = None
+_stock: Any = None  # diffusers' TemplatedUlyssesAttention, for the calls the fused version leaves to it
+_said_missing = False
 
 
 class FusedUlyssesAttention:
@@ -124,34 +138,108 @@ def _covers(
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)))
 
 
-def install() -> bool:
+def fused_attention() -> Patch | None:
     """Route diffusers' Ulysses attention through :class:`FusedUlyssesAttention` until the
-    matching :func:`uninstall`; installs nest. False (nothing changed) on a diffusers without the
-    pieces it replaces."""
-    global _holds, _stock
+    returned patch is undone; patches nest. None (nothing changed, said once) on a diffusers
+    without the pieces it replaces."""
+    global _stock, _said_missing
     from diffusers.models import attention_dispatch as dispatch
 
-    with _lock:
-        if _holds == 0:
-            stock = getattr(dispatch, "TemplatedUlyssesAttention", None)
-            if stock is None or not hasattr(dispatch, "_all_to_all_single"):
-                logger.warning("this diffusers has no TemplatedUlyssesAttention; Ulysses runs diffusers' own way")
-                return False
-            _stock = stock
-            dispatch.TemplatedUlyssesAttention = FusedUlyssesAttention
-        _holds += 1
-        return True
+    if getattr(dispatch, "TemplatedUlyssesAttention", None) is None or not hasattr(dispatch, "_all_to_all_single"):
+        if not _said_missing:
+            _said_missing = True
+            logger.warning("this diffusers has no TemplatedUlyssesAttention; Ulysses runs diffusers' own way")
+        return None
+    held = patch(dispatch, "TemplatedUlyssesAttention", FusedUlyssesAttention, why="one all-to-all for q, k and v")
+    _stock = held.original
+    return held
 
 
-def uninstall() -> None:
-    """Release one :func:`install`; the last puts diffusers' class back."""
-    global _holds, _stock
-    from diffusers.models import attention_dispatch as dispatch
+_MISSING = object()
 
-    with _lock:
-        if _holds == 0:
-            return
-        _holds -= 1
-        if _holds == 0:
-            dispatch.TemplatedUlyssesAttention = _stock
-            _stock = None
+
+def enable_ulysses(module: torch.nn.Module, degree: int, mesh: Any, plan: dict[str, Any]) -> Callable[[], None]:
+    """``module.enable_parallelism`` with ``plan``; returns what puts the module back exactly."""
+    from diffusers import ContextParallelConfig
+    from diffusers.hooks.context_parallel import remove_context_parallel
+
+    subs = list(module.modules())
+    had_registry = [m.__dict__.get("_diffusers_hook", _MISSING) for m in subs]
+    had_forward = ["forward" in m.__dict__ for m in subs]
+    processors = [getattr(m, "processor", None) for m in subs]
+    had_config = [p.__dict__.get("_parallel_config", _MISSING) if p is not None else _MISSING for p in processors]
+    module_config = module.__dict__.get("_parallel_config", _MISSING)
+    try:
+        module.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, mesh=mesh), cp_plan=plan)
+    except BaseException:
+        _restore_parallel_state(module, subs, had_registry, had_forward, processors, had_config, module_config)
+        raise
+    _invalidate_child_registries(module)
+
+    def undo() -> None:
+        with contextlib.suppress(Exception):
+            remove_context_parallel(module, plan)
+        _restore_parallel_state(module, subs, had_registry, had_forward, processors, had_config, module_config)
+        _invalidate_child_registries(module)
+
+    return undo
+
+
+def _invalidate_child_registries(module: torch.nn.Module) -> None:
+    # diffusers caches which submodules carry hooks (for cache_context); ours came and went.
+    registry = module.__dict__.get("_diffusers_hook")
+    if isinstance(registry, HookRegistry) and hasattr(registry, "invalidate_child_registries_cache"):
+        registry.invalidate_child_registries_cache()
+
+
+def _restore_parallel_state(
+    module: torch.nn.Module,
+    subs: list[torch.nn.Module],
+    had_registry: list[Any],
+    had_forward: list[bool],
+    processors: list[Any],
+    had_config: list[Any],
+    module_config: Any,
+) -> None:
+    for m, registry, forward in zip(subs, had_registry, had_forward):
+        current = m.__dict__.get("_diffusers_hook")
+        # Registries diffusers made for its split hooks, empty again: gone, with the forward
+        # attribute they set (the module's own forward is the class's again).
+        if registry is _MISSING and isinstance(current, HookRegistry) and not current.hooks:
+            del m.__dict__["_diffusers_hook"]
+            if not forward:
+                m.__dict__.pop("forward", None)
+    for p, before in zip(processors, had_config):
+        if p is None:
+            continue
+        if before is _MISSING:
+            p.__dict__.pop("_parallel_config", None)
+        else:
+            p.__dict__["_parallel_config"] = before
+    if module_config is _MISSING:
+        module.__dict__.pop("_parallel_config", None)
+    else:
+        module.__dict__["_parallel_config"] = module_config
+
+
+def agree_on_capture(session: ParallelSession, hook: ParallelHook, keys: set[Hashable], blocked: set[Hashable]) -> None:
+    """After a call that captured (or failed to) on this Ulysses group: all keep it or none."""
+    runner = hook.graph_hook.runner
+    new = [k for k in runner.keys if k not in keys]
+    failed = [k for k in runner.blocked if k not in blocked]
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+    session.agreement.collective(
+        lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=session.ulysses_control), "agreeing on a capture"
+    )
+    if not int(flag.item()):
+        return
+    if new:
+        runner.block(
+            new,
+            "another rank failed to capture this call; every rank runs it eagerly (collectives in step)",
+        )
+    logger.warning(
+        "%s: a capture failed on %s; every rank of its Ulysses group runs that call eagerly",
+        hook.name,
+        "this rank" if failed else "another rank",
+    )
