@@ -31,7 +31,7 @@ from graph_emulator import emulate_cuda
 
 from accel import accelerate_pipeline
 from accel.graphs import runner as runner_mod
-from accel.hooks.accelerator import PipelineAccelerator
+from accel.hooks.install import Installation
 from pipelines.builders import build_pipeline
 
 STEPS = 6
@@ -76,10 +76,10 @@ CACHES = {
 def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     emulate_cuda(monkeypatch)
     # The tiny pipelines live on the CPU: let warm-ups run there too.
-    monkeypatch.setattr(PipelineAccelerator, "_why_no_graphs", lambda self, device: None)
+    monkeypatch.setattr(Installation, "why_no_graphs", lambda self, device: None)
     pools: dict[str, object] = {}
     monkeypatch.setattr(
-        PipelineAccelerator, "_pool_for", lambda self, device: pools.setdefault("cpu", runner_mod.GraphPool(device))
+        Installation, "pool_for", lambda self, device: pools.setdefault("cpu", runner_mod.GraphPool(device))
     )
     return monkeypatch
 
@@ -116,7 +116,7 @@ def test_cached_graphs_equal_the_cached_pipeline_run_eagerly(name: str, cache: s
     got = [_call(pipe, name, s, wh, p) for s, wh, p in cases]
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"call {i} {cases[i]}: max diff {(a - b).abs().max()}"
-    hook = pipe.accel._hooks["transformer"]
+    hook = pipe.accel.hooks["transformer"]
     assert hook.active and hook.caches.active, hook.inactive_reason
     st = pipe.accel.stats()["transformer"]
     assert st.replays > 0 and st.eager_calls == 0
@@ -216,7 +216,7 @@ def test_a_hook_without_a_rule_switches_graphs_off_by_name(emulated, caplog) -> 
     assert len(said) == 1 and "'user_counter'" in said[0] and "transformer_blocks.0" in said[0]
     assert all(torch.equal(g, want) for g in got)
     assert hook.calls == 2 * 2 * STEPS  # ran at every call of both branches: nothing was frozen
-    h = pipe.accel._hooks["transformer"]
+    h = pipe.accel.hooks["transformer"]
     assert not h.active and "CountingHook" in h.inactive_reason
     block._diffusers_hook.remove_hook("user_counter")
     _call(pipe, name)
@@ -236,7 +236,7 @@ def test_unsupported_diffusers_cache_and_two_caches_are_refused(emulated, caplog
     with caplog.at_level(logging.WARNING), contextlib.suppress(RuntimeError):
         _call(pipe, name)
     assert any("PyramidAttentionBroadcastHook" in r.getMessage() for r in caplog.records)
-    assert not pipe.accel._hooks["transformer"].active
+    assert not pipe.accel.hooks["transformer"].active
 
     two = _cached(name, "fbc-forced")
     apply_taylorseer_cache(two.transformer, TaylorSeerCacheConfig())
@@ -274,7 +274,7 @@ def test_cache_dit_dbcache_under_graphs_keeps_its_decisions(name: str, order: st
     got = [_call(pipe, name, s, wh, p, steps=8) for s, wh, p in cases]
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"call {i}: max diff {(a - b).abs().max()}"
-    hook = pipe.accel._hooks["transformer"]
+    hook = pipe.accel.hooks["transformer"]
     assert hook.active and hook.caches.active
     st = pipe.accel.stats()["transformer"]
     assert st.eager_calls == 0 and st.path_captures > 0

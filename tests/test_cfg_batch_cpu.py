@@ -42,7 +42,7 @@ def _batched(pipe: Any, **options: Any) -> Iterator[CFGBatchHook]:
     assert graph_hook is not None
     try:
         yield apply_cfg_batch(
-            pipe.transformer, graph_hook.recipe, pipe.accel._guard, name="transformer", user=pipe.accel
+            pipe.transformer, graph_hook.recipe, pipe.accel.guard, name="transformer", user=pipe.accel
         )
     finally:
         remove_cfg_batch(pipe.transformer, pipe.accel)
@@ -142,7 +142,7 @@ def test_pipelines_sharing_the_denoiser_but_not_the_scheduler(qwen: Any) -> None
     reference = _call(other, true_cfg_scale=1.0)
     guided = _call(other)
     with _batched(qwen) as hook, _batched(other) as second:
-        assert second is hook and other.accel._guard is not qwen.accel._guard
+        assert second is hook and other.accel.guard is not qwen.accel.guard
         assert torch.equal(_call(other, true_cfg_scale=1.0), reference)
         assert (hook.joined, hook.alone) == (0, 3)
         torch.testing.assert_close(_call(other), guided, rtol=1e-4, atol=1e-4)
@@ -198,7 +198,7 @@ def test_ulysses_ranks_join_what_one_gpu_keeps_apart() -> None:
 
 def test_one_hook_per_module_and_degree(qwen: Any) -> None:
     with _batched(qwen), pytest.raises(ValueError, match="already joined for 1 Ulysses rank"):
-        apply_cfg_batch(qwen.transformer, graph_hook_of(qwen.transformer).recipe, qwen.accel._guard,
+        apply_cfg_batch(qwen.transformer, graph_hook_of(qwen.transformer).recipe, qwen.accel.guard,
                         name="transformer", user=object(), degree=2)  # fmt: skip
 
 

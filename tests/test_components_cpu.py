@@ -8,8 +8,8 @@ import transformers.masking_utils as masking_utils
 
 from accel import accelerate_pipeline
 from accel.graphs import discover
-from accel.hooks.accelerator import _components
 from accel.hooks.graph_hook import HOOK_NAME, graph_hook_of
+from accel.hooks.install import components
 from accel.hooks.options import AcceleratorOptions
 from pipelines.builders import build_pipeline
 
@@ -58,9 +58,9 @@ def test_components_can_be_left_out_and_run_on_every_rank_under_parallel() -> No
     pipe.accel.restore()
     # One image on several processes: every rank runs them with graphs of its own (they hold no
     # collectives); leaving one out still leaves it out.
-    assert _components(pipe, AcceleratorOptions(parallel="cfg")) == ["text_encoder", "vae.decoder"]
-    assert _components(pipe, AcceleratorOptions(parallel="ulysses", vae=False)) == ["text_encoder"]
-    assert _components(pipe, AcceleratorOptions()) == ["text_encoder", "vae.decoder"]
+    assert components(pipe, AcceleratorOptions(parallel="cfg")) == ["text_encoder", "vae.decoder"]
+    assert components(pipe, AcceleratorOptions(parallel="ulysses", vae=False)) == ["text_encoder"]
+    assert components(pipe, AcceleratorOptions()) == ["text_encoder", "vae.decoder"]
 
 
 def test_known_text_encoder_break_is_marked_while_accelerated_and_given_back() -> None:

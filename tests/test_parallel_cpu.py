@@ -342,7 +342,7 @@ def _worker(scenario: str, out: Path, *extra: str) -> None:
         accelerate_pipeline(pipe, parallel="ulysses")
         res["uly"] = run(pipe, **qwen_kw())
         # Both branches as one call through the Ulysses group, the hook applied as on a GPU.
-        cfg = apply_cfg_batch(pipe.transformer, pipe.accel._hooks["transformer"].recipe, pipe.accel._guard,
+        cfg = apply_cfg_batch(pipe.transformer, pipe.accel.hooks["transformer"].recipe, pipe.accel.guard,
                               name="transformer", user=pipe.accel, degree=2)  # fmt: skip
         res["uly_joined"] = run(pipe, **qwen_kw())
         res["joined"] = (cfg.joined, cfg.alone)

@@ -60,7 +60,7 @@ def test_two_pipelines_share_one_runner_and_restore_per_pipeline(pair) -> None:
     first.accel.restore()
     assert not hasattr(first, "accel")
     hook = graph_hook_of(module)
-    assert hook is not None and hook is second.accel._hooks["transformer"]  # still accelerated for `second`
+    assert hook is not None and hook is second.accel.hooks["transformer"]  # still accelerated for `second`
     assert hasattr(second.scheduler.set_timesteps, "__wrapped__")  # the shared scheduler is still guarded
     assert torch.equal(_latents(second), reference)
 

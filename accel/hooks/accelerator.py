@@ -1,33 +1,26 @@
-"""accelerate_pipeline(pipe): put graph runners into a diffusers pipeline's modules.
+"""``pipe.accel``: the accelerator of one pipeline (:func:`accelerate_pipeline` attaches it).
 
-The walker finds every denoiser (``transformer``, ``transformer_2``, ``unet``) and, as
-components, the text encoders and the VAE's decoder, and applies a
-:class:`~accel.hooks.graph_hook.GraphHook` to each (one per module, shared by every pipeline that uses the
-module); all of a pipeline's graphs share one pool, so the decode's activations reuse the
-denoiser's. A :class:`~accel.hooks.guard.CallGuard` on the scheduler serialises calls and checks the
-denoisers' weights once per call (components check theirs as they are called);
-:mod:`accel.hooks.warmup` plans and runs the captures. Noise, scheduler steps, guidance and
-post-processing stay eager. With ``parallel=`` one image is computed by several processes
-(:mod:`accel.parallel`); each rank runs the components (which hold no collectives) with its own
-graphs.
-:meth:`PipelineAccelerator.restore` gives the pipeline back exactly as it was.
+:class:`PipelineAccelerator` is a facade over what was installed (:mod:`accel.hooks.install`):
+it warms the graphs up (:mod:`accel.hooks.warmup` plans and runs the captures), reports
+(:mod:`accel.hooks.report`), releases graph memory, and restores the pipeline exactly as it was.
+Noise, scheduler steps, guidance and post-processing stay eager.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ..graphs.pool import GraphPool
 from ..graphs.runner import GraphRunner, RunnerStats
-from .cfg_batch import CFGBatchHook, apply_cfg_batch, remove_cfg_batch
-from .graph_hook import HOOK_NAME, GraphHook, apply_graph_runner, module_device, release_graph_runner
-from .guard import CallGuard
+from .graph_hook import HOOK_NAME, GraphHook, module_device
+from .guard import CallGuard, RequestLock
+from .install import DENOISER_NAMES, Installation, ParallelSession, register_parallel_session
 from .options import (
     DEFAULT_PARALLEL_TIMEOUT_S,
     MODES,
@@ -37,7 +30,7 @@ from .options import (
     RecipeDefault,
 )
 from .recipe import Recipe
-from .safety import RequestLock
+from .report import graph_memory_bytes, report
 from .warmup import WarmupReport, WarmupRow, plan_warmup, run_warmup
 
 __all__ = [
@@ -49,55 +42,10 @@ __all__ = [
     "WarmupReport",
     "WarmupRow",
     "accelerate_pipeline",
+    "register_parallel_session",
 ]
 
 logger = logging.getLogger(__name__)
-
-DENOISER_NAMES = ("transformer", "transformer_2", "unet")
-TEXT_ENCODER_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3")
-VAE_DECODER = "vae.decoder"
-
-
-def _component(pipe: Any, name: str) -> torch.nn.Module | None:
-    """The module at a dotted component path (``"vae.decoder"``), if there is one."""
-    obj = pipe
-    for part in name.split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, torch.nn.Module) else None
-
-
-def _components(pipe: Any, options: AcceleratorOptions) -> list[str]:
-    """Names of the non-denoiser modules that get graphs under ``options``."""
-    names = list(TEXT_ENCODER_NAMES) if options.text_encoder else []
-    if options.vae:
-        names.append(VAE_DECODER)
-    return [n for n in names if _component(pipe, n) is not None]
-
-
-class ParallelSession(Protocol):
-    """What the accelerator asks of a several-process session (:class:`accel.parallel.ParallelSession`)."""
-
-    layout: Any
-
-    def check_same(self, what: str, lines: list[str]) -> None: ...
-
-    def describe(self) -> str: ...
-
-    def restore(self) -> None: ...
-
-    def shutdown(self) -> None: ...
-
-
-# accel.parallel sits above this layer, so this layer never imports it: importing it (accel's
-# __init__ does) registers the session here.
-_parallel_session: Callable[..., ParallelSession] | None = None
-
-
-def register_parallel_session(factory: Callable[..., ParallelSession]) -> None:
-    """Make ``factory(pipe, denoisers, guard, options)`` build the session for ``parallel=``."""
-    global _parallel_session
-    _parallel_session = factory
-
 
 _said_no_cuda = False
 
@@ -113,149 +61,58 @@ def _say_no_cuda_once(device: torch.device) -> None:
 
 
 class PipelineAccelerator:
-    """Attached to a pipeline as ``pipe.accel`` by :func:`accelerate_pipeline`."""
+    """Attached to a pipeline as ``pipe.accel`` by :func:`accelerate_pipeline`.
+
+    Lifecycle verbs: :meth:`warmup` captures graphs, :meth:`release` drops them (and gives their
+    memory back), :meth:`restore` takes everything out of the pipeline, :meth:`shutdown` restores
+    and, with ``parallel=``, leaves the process group.
+    """
 
     def __init__(self, pipe: Any, options: AcceleratorOptions) -> None:
         self.pipe = pipe
         self.options = options
-        # Denoisers first, then components (text encoders, the VAE decoder).
-        self._hooks: dict[str, GraphHook] = {}
-        self._denoisers: list[str] = []
-        self._guard: CallGuard | None = None
-        self._parallel: ParallelSession | None = None
-        self._cfg_batch: dict[str, CFGBatchHook] = {}
-        self._own_pool: GraphPool | None = None
-        self._restored = False
-        try:
-            for name in DENOISER_NAMES:
-                module = getattr(pipe, name, None)
-                if isinstance(module, torch.nn.Module):
-                    pool = self._pool_for(module_device(module))
-                    self._hooks[name] = apply_graph_runner(module, options, name=name, user=self, pool=pool)
-                    self._denoisers.append(name)
-            if not self._hooks:
-                raise ValueError(
-                    f"{type(pipe).__name__} has no denoiser to accelerate (looked for components named "
-                    f"{', '.join(DENOISER_NAMES)})"
-                )
-            known = self._hooks[self._denoisers[0]].recipe.component_breaks()
-            for name in _components(pipe, options):
-                module = _component(pipe, name)
-                assert module is not None
-                self._hooks[name] = apply_graph_runner(
-                    module,
-                    options,
-                    name=name,
-                    user=self,
-                    pool=self._pool_for(module_device(module)),
-                    component=True,
-                    breaks=known.get(name, ()),
-                    offload_root=_component(pipe, name.split(".")[0]),
-                )
-            self._guard = CallGuard.attach(pipe, self, self._follow_weights)
-            if self._guard is not None:
-                for name in self._denoisers:
-                    hook = self._hooks[name]
-                    if hook.caches is not None:
-                        self._guard.listen(hook.caches, begin=hook.new_call, end=hook.caches.end_call)
-            if options.parallel is not None:
-                # Collective: every rank of the launch builds its session here, or all fail.
-                denoisers = {n: self._hooks[n] for n in self._denoisers}
-                if _parallel_session is None:
-                    raise RuntimeError("parallel= needs accel.parallel, which was not imported")
-                self._parallel = _parallel_session(pipe, denoisers, self._guard, options)
-            if options.cfg_batch:
-                self._apply_cfg_batch()
-        except BaseException:
-            self._uninstall()
-            raise
-        device = module_device(self._primary_module)
+        self._installed: Installation | None = Installation(pipe, options)
+        device = module_device(self._installed.primary)
         if options.mode != "eager" and (device.type != "cuda" or not torch.cuda.is_available()):
             _say_no_cuda_once(device)
 
-    # ---------------------------------------------------------------------------------------
-    # Installation
-    # ---------------------------------------------------------------------------------------
     @property
-    def _primary_module(self) -> torch.nn.Module:
-        return getattr(self.pipe, self._denoisers[0])
+    def installed(self) -> Installation:
+        """What was installed; RuntimeError once restored."""
+        if self._installed is None:
+            raise RuntimeError("this accelerator was restored; call accelerate_pipeline(pipe) again to use graphs")
+        return self._installed
 
-    def _follow_weights(self) -> None:
-        # Per call, from the scheduler's set_timesteps: the denoisers. Components check
-        # themselves as they are called (text encoders run before set_timesteps).
-        for name in self._denoisers:
-            self._hooks[name].follow_weights()
-
-    def _apply_cfg_batch(self) -> None:
-        # Only where graphs run (CUDA, not eager mode): elsewhere the pipeline stays unchanged.
-        # Under "cfg" layouts each rank computes one branch whole: nothing to join.
-        if self._guard is None or self.options.mode == "eager" or not torch.cuda.is_available():
-            return
-        layout = self._parallel.layout if self._parallel is not None else None
-        if layout is not None and layout.cfg > 1:
-            return
-        degree = layout.ulysses if layout is not None else 1
-        for name in self._denoisers:
-            module, hook = getattr(self.pipe, name), self._hooks[name]
-            if module_device(module).type != "cuda" or not hook.active:
-                continue
-            if hook.recipe.cfg_parallel_support(module) is not None:
-                continue  # the pipeline batches its branches itself (or the recipe does not know)
-            caches = hook.caches
-            self._cfg_batch[name] = apply_cfg_batch(
-                module,
-                hook.recipe,
-                self._guard,
-                name=name,
-                user=self,
-                degree=degree,
-                # Step caches keep their state per guidance branch: the branches stay apart.
-                paused=(lambda c=caches: c.present) if caches is not None else None,
-            )
-
-    def _uninstall(self) -> None:
-        for name in list(self._cfg_batch):
-            remove_cfg_batch(getattr(self.pipe, name), self)
-        self._cfg_batch.clear()
-        if self._parallel is not None:
-            self._parallel.restore()
-            self._parallel = None
-        if self._guard is not None:
-            for name in self._denoisers:
-                caches = self._hooks[name].caches
-                if caches is not None:
-                    self._guard.unlisten(caches)
-            self._guard.detach(self)
-            self._guard = None
-        for name in reversed(list(self._hooks)):
-            module = _component(self.pipe, name)
-            if module is not None:
-                release_graph_runner(module, self)
-        self._hooks.clear()
-        self._denoisers.clear()
-
-    # ---------------------------------------------------------------------------------------
-    # Public surface
-    # ---------------------------------------------------------------------------------------
     @property
     def mode(self) -> str:
         return self.options.mode
 
     @property
+    def hooks(self) -> dict[str, GraphHook]:
+        """The graph hook of each accelerated module, denoisers first, by component name."""
+        return self._installed.hooks if self._installed is not None else {}
+
+    @property
+    def guard(self) -> CallGuard | None:
+        """The scheduler's call guard (None where the pipeline has no scheduler to hook)."""
+        return self._installed.guard if self._installed is not None else None
+
+    @property
     def parallel(self) -> ParallelSession | None:
         """The several-process session (its ``layout``, ``rank``, counters), or None."""
-        return self._parallel
+        return self._installed.parallel if self._installed is not None else None
 
     @property
     def runners(self) -> dict[str, GraphRunner]:
         """The runner of each denoiser and component (``text_encoder``, ``vae.decoder``), by
         component name (shared with other pipelines that use the same module)."""
-        return {name: h.runner for name, h in self._hooks.items()}
+        return {name: h.runner for name, h in self.hooks.items()}
 
     @property
     def recipes(self) -> dict[str, Recipe]:
         """The recipe of each denoiser."""
-        return {name: self._hooks[name].recipe for name in self._denoisers}
+        installed = self._installed
+        return {name: installed.hooks[name].recipe for name in installed.denoisers} if installed else {}
 
     @property
     def pool(self) -> GraphPool | None:
@@ -266,27 +123,38 @@ class PipelineAccelerator:
         depending on other pipelines. A denoiser shared with a pipeline accelerated earlier keeps
         that pipeline's pool.
         """
-        return next((h.runner.pool for h in self._hooks.values() if h.runner.pool is not None), None)
+        return next((h.runner.pool for h in self.hooks.values() if h.runner.pool is not None), None)
 
     @property
     def found_breaks(self) -> dict[str, list[Any]]:
         """Where captures failed on operations a graph cannot hold, by component: each a
         :class:`~accel.graphs.discover.BreakSite` (function, file, line, error)."""
-        return {name: list(h.runner.found_breaks) for name, h in self._hooks.items() if h.runner.found_breaks}
-
-    def _pool_for(self, device: torch.device) -> GraphPool | None:
-        if device.type != "cuda" or not torch.cuda.is_available():
-            return None
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if self._own_pool is None or self._own_pool.device.index != index:
-            self._own_pool = GraphPool(device)
-        return self._own_pool
+        return {name: list(h.runner.found_breaks) for name, h in self.hooks.items() if h.runner.found_breaks}
 
     @property
     def request_lock(self) -> RequestLock | None:
         """The lock that serialises this pipeline's calls (shared with pipelines that share its
         scheduler); None where the pipeline has no scheduler to hook."""
-        return self._guard.lock if self._guard is not None else None
+        return self.guard.lock if self.guard is not None else None
+
+    def stats(self) -> dict[str, RunnerStats]:
+        """Counters of each denoiser's runner, by component name."""
+        return {name: h.runner.stats() for name, h in self.hooks.items()}
+
+    def guidance_batches(self) -> dict[str, tuple[int, int]]:
+        """Per denoiser whose guidance branches may be joined (``cfg_batch``): (pairs run as one
+        batched call, first branches run alone)."""
+        batches = self._installed.cfg_batch if self._installed is not None else {}
+        return {name: (b.joined, b.alone) for name, b in batches.items()}
+
+    def graph_memory_bytes(self) -> int:
+        """Device memory held for graphs: the graph pool(s), static inputs and boundary buffers."""
+        return graph_memory_bytes(self.hooks)
+
+    def report(self) -> str:
+        """A human-readable summary of modes, recipes, counters, graph memory, the patches in
+        place and, where no graph exists, why."""
+        return report(self._installed, type(self.pipe).__name__, self.mode)
 
     def warmup(
         self,
@@ -317,8 +185,9 @@ class PipelineAccelerator:
             ``compile=True``), graphs and resident graph memory per resolution; its ``skipped``
             says why nothing was captured, where nothing was.
         """
-        self._require_installed()
-        primary = self._hooks[self._denoisers[0]]
+        installed = self.installed
+        hooks, denoisers = installed.hooks, installed.denoisers
+        primary = hooks[denoisers[0]]
         plan = plan_warmup(
             primary.recipe,
             self.pipe,
@@ -330,26 +199,26 @@ class PipelineAccelerator:
             negative_prompt=negative_prompt,
             num_inference_steps=num_inference_steps,
         )
-        if self._parallel is not None:
+        if installed.parallel is not None:
             # Every rank must capture the same cases in the same order.
-            self._parallel.check_same("the warm-up plan", [repr(plan)])
-        runners = [h.runner for h in self._hooks.values() if h.active]
-        device = module_device(self._primary_module)
-        skipped = self._why_no_graphs(device) if not runners or device.type != "cuda" else None
+            installed.parallel.check_same("the warm-up plan", [repr(plan)])
+        runners = [h.runner for h in hooks.values() if h.active]
+        device = module_device(installed.primary)
+        skipped = installed.why_no_graphs(device) if not runners or device.type != "cuda" else None
         if skipped is not None:
             logger.warning("warmup: nothing to capture: %s", skipped)
             return WarmupReport([WarmupRow(w, h, 0.0, 0, 0) for w, h in plan.resolutions], skipped=skipped)
         for r in runners:
             if r.pool is None:  # the module reached the GPU after accelerate_pipeline
-                r.pool = self._pool_for(device)
-        compiled = any(h.compiled for h in self._hooks.values())
-        components = [h.runner for n, h in self._hooks.items() if n not in self._denoisers and h.active]
+                r.pool = installed.pool_for(device)
+        compiled = any(h.compiled for h in hooks.values())
+        components = [h.runner for n, h in hooks.items() if n not in denoisers and h.active]
         with contextlib.ExitStack() as forcing:
-            for name in self._denoisers:
-                caches = self._hooks[name].caches
+            for name in denoisers:
+                caches = hooks[name].caches
                 if caches is not None and caches.active:
                     forcing.enter_context(caches.forcing())
-            report = run_warmup(
+            result = run_warmup(
                 self.pipe,
                 primary.recipe,
                 plan,
@@ -361,90 +230,20 @@ class PipelineAccelerator:
                 negative_prompt=negative_prompt,
                 components=components,
             )
-        for hook in self._hooks.values():
+        for hook in hooks.values():
             hook.follow_weights()
-        for name, hook in self._hooks.items():
+        for name, hook in hooks.items():
             for reason in set(hook.runner.blocked.values()):
                 logger.warning("%s: a warm-up capture failed and runs eagerly: %s", name, reason)
-        logger.info("warmup done:\n%s", report)
-        return report
-
-    def _why_no_graphs(self, device: torch.device) -> str | None:
-        if not torch.cuda.is_available():
-            return "CUDA is not available (graphs need a CUDA device)"
-        if device.type != "cuda":
-            return f"the denoiser is on {device}, not a CUDA device"
-        reasons = {h.inactive_reason for h in self._hooks.values() if not h.active}
-        if reasons and not any(h.active for h in self._hooks.values()):
-            return "; ".join(sorted(r for r in reasons if r))
-        return None
-
-    def stats(self) -> dict[str, RunnerStats]:
-        """Counters of each denoiser's runner, by component name."""
-        return {name: h.runner.stats() for name, h in self._hooks.items()}
-
-    def guidance_batches(self) -> dict[str, tuple[int, int]]:
-        """Per denoiser whose guidance branches may be joined (``cfg_batch``): (pairs run as one
-        batched call, first branches run alone)."""
-        return {name: (b.joined, b.alone) for name, b in self._cfg_batch.items()}
-
-    def graph_memory_bytes(self) -> int:
-        """Device memory held for graphs: the graph pool(s), static inputs and boundary buffers."""
-        stats = [h.runner.stats() for h in self._hooks.values()]
-        pools = {id(h.runner.pool): h.runner.pool for h in self._hooks.values() if h.runner.pool is not None}
-        return sum(p.resident_bytes() for p in pools.values()) + sum(s.static_bytes + s.boundary_bytes for s in stats)
-
-    def report(self) -> str:
-        """A human-readable summary of modes, recipes, counters, graph memory and, where no
-        graph exists, why."""
-        lines = [f"bcg-diffusers: {type(self.pipe).__name__}, mode {self.mode}"]
-        if self._restored:
-            return lines[0] + ": restored (not accelerated any more)"
-        device = module_device(self._primary_module)
-        for name, h in self._hooks.items():
-            s = h.runner.stats()
-            state = "graphs" if h.active else f"eager ({h.inactive_reason})"
-            extra = ", compiled blocks" if h.compiled else ""
-            if h.recompile_drops:
-                extra += f", graphs dropped by {h.recompile_drops} recompiles"
-            lines.append(
-                f"  {name} ({type(_component(self.pipe, name)).__name__}, recipe {h.recipe.name}, {state}{extra}): "
-                f"{s.entries} graphs, {s.captures} captures in {s.capture_seconds:.2f}s, {s.replays} replays, "
-                f"{s.misses} misses, {s.eager_calls} eager calls, {s.capture_failures} capture failures, "
-                f"{s.evictions} evictions, segments per graph {s.segments_per_entry or '-'}"
-            )
-            for reason in sorted(set(h.runner.blocked.values())):
-                lines.append(f"    capture failed: {reason}")
-            for site in h.runner.found_breaks:
-                lines.append(f"    capture broke at: {site}")
-            if h.caches is not None and h.caches.active:
-                for line in h.caches.describe():
-                    lines.append(f"    step cache, last call: {line}")
-                paths = [p for entry in s.paths_per_entry for p in entry]
-                lines.append(
-                    f"    decision paths with graphs: {', '.join(sorted(set(paths))) or 'none yet'}; "
-                    f"{s.path_captures} captured on the way, {s.path_misses} taken without a graph, "
-                    f"{s.path_switches} chain switches"
-                )
-            if name in self._cfg_batch:
-                joined, alone = self.guidance_batches()[name]
-                lines.append(f"    guidance branches: {joined} pairs run as one batch, {alone} calls alone")
-            if not s.entries and h.active:
-                why = self._why_no_graphs(device) or (
-                    "nothing warmed up yet: call pipe.accel.warmup(...) or pass capture_on_miss=True"
-                )
-                lines.append(f"    no graphs: {why}")
-        if self._parallel is not None:
-            lines.append(f"  {self._parallel.describe()}")
-        lines.append(f"  graph memory: {self.graph_memory_bytes() / 2**20:.1f} MiB")
-        return "\n".join(lines)
+        logger.info("warmup done:\n%s", result)
+        return result
 
     def release(self) -> None:
         """Drop every captured graph and give the graph memory back to torch.
 
         Graphs are captured again by the next warm-up (or on first use, if enabled).
         """
-        for h in self._hooks.values():
+        for h in self.hooks.values():
             h.runner.release()
         if torch.cuda.is_available():
             # The pool's memory returns to the device once no graph uses it.
@@ -458,10 +257,10 @@ class PipelineAccelerator:
         last pipeline to restore puts the module back exactly as it was. Restoring twice is
         harmless.
         """
-        if self._restored:
+        if self._installed is None:
             return self.pipe
-        self._uninstall()
-        self._restored = True
+        self._installed.uninstall()
+        self._installed = None
         if self.pipe.__dict__.get("accel") is self:
             del self.pipe.__dict__["accel"]
         return self.pipe
@@ -474,16 +273,12 @@ class PipelineAccelerator:
         ``accelerate_pipeline`` created it. Exiting the process does the same by itself (an
         ``atexit`` handler); call this to end a several-GPU run earlier.
         """
-        parallel = self._parallel
+        parallel = self.parallel
         self.release()
         self.restore()
         if parallel is not None:
             parallel.shutdown()
         return self.pipe
-
-    def _require_installed(self) -> None:
-        if self._restored:
-            raise RuntimeError("this accelerator was restored; call accelerate_pipeline(pipe) again to use graphs")
 
 
 def accelerate_pipeline(

@@ -41,7 +41,7 @@ __all__ = [
     "apply_graph_runner",
     "graph_hook_of",
     "module_device",
-    "release_graph_runner",
+    "remove_graph_runner",
 ]
 
 logger = logging.getLogger(__name__)
@@ -338,7 +338,7 @@ def apply_graph_runner(
     ``breaks`` names functions (``module.qualname``) it runs as eager breaks; ``offload_root`` is
     the top-level component whose offload hooks move a submodule's weights (the VAE of its
     decoder). A module already accelerated with other options is
-    refused: its graphs were made for those. Call :func:`release_graph_runner` with the same
+    refused: its graphs were made for those. Call :func:`remove_graph_runner` with the same
     ``user`` to let go.
     """
     hook = graph_hook_of(module)
@@ -373,7 +373,7 @@ def apply_graph_runner(
     return hook
 
 
-def release_graph_runner(module: torch.nn.Module, user: Any) -> bool:
+def remove_graph_runner(module: torch.nn.Module, user: Any) -> bool:
     """Let go of ``module``'s runner for ``user``; the last user removes the hook. True if removed."""
     hook = graph_hook_of(module)
     if hook is None:

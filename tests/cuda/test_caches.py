@@ -141,7 +141,7 @@ def _check(pipe, name: str, cache: str, compiled: bool) -> list[str]:
             del junk
     st = pipe.accel.stats()["transformer"]
     print(pipe.accel.report())
-    hook = pipe.accel._hooks["transformer"]
+    hook = pipe.accel.hooks["transformer"]
     assert hook.active and hook.caches.active, hook.inactive_reason
     assert st.eager_calls == st0.eager_calls, "a call ran eagerly: the warm-up missed a path"
     assert hook.caches.rules[0].counts.total_steps[1] > 0, "no step was cached"
