@@ -28,19 +28,32 @@ from .graphs.bcg import (
     eager_on_graph,
     is_capturing,
 )
+from .graphs.errors import BCGError
+from .graphs.patches import patch, unpatched
 from .graphs.pool import GraphPool
 from .graphs.runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
-from .hooks.options import AcceleratorOptions, GenerationDefaults
-from .hooks.recipe import GenericRecipe, Recipe, check_heads_divisible, recipe_for, register_recipe
+from .hooks.guard import BusyError
+from .hooks.options import AcceleratorOptions
+from .hooks.recipe import (
+    GenerationDefaults,
+    GenericRecipe,
+    Recipe,
+    RecipeError,
+    check_heads_divisible,
+    recipe_for,
+    register_recipe,
+)
 from .hooks.warmup import WarmupReport
 from .parallel import ParallelConfigError, ParallelError
 
 __all__ = [
     "DENOISER_NAMES",
     "AcceleratorOptions",
+    "BCGError",
     "BreakError",
     "BreakableCUDAGraph",
+    "BusyError",
     "CopyBackError",
     "GenerationDefaults",
     "GenericRecipe",
@@ -52,6 +65,7 @@ __all__ = [
     "ParallelError",
     "PipelineAccelerator",
     "Recipe",
+    "RecipeError",
     "RunnerStats",
     "WarmupReport",
     "accelerate_pipeline",
@@ -60,9 +74,11 @@ __all__ = [
     "check_heads_divisible",
     "eager_on_graph",
     "is_capturing",
+    "patch",
     "recipe_for",
     "register_recipe",
     "tree",
+    "unpatched",
 ]
 
 __version__ = "0.1.0"

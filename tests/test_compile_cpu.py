@@ -42,11 +42,27 @@ def test_autocast_regions_become_cacheable_for_aotautograd(monkeypatch: pytest.M
     for node in nodes:  # refused as it comes: every warm start would redo AOTAutograd
         with pytest.raises(BypassAOTAutogradCache, match="autocast"):
             check_node_safe(node)
-    marked = cache_autocast_regions()
+    marked, undo = cache_autocast_regions()
     assert marked == [f"torch.amp.autocast_mode.{n}" for n in AUTOCAST_FUNCTIONS]
     assert all(inductor_config.unsafe_marked_cacheable_functions[m] == torch.__version__ for m in marked)
     for node in nodes:
         check_node_safe(node)  # no longer refused
+    undo()  # only while compiled blocks live: the table is as it was
+    assert inductor_config.unsafe_marked_cacheable_functions == {}
+
+
+def test_the_compile_cache_folder_is_set_only_until_undone(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from accel.hooks.compile import use_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/theirs")
+    folder, undo = use_compile_cache(tmp_path / "kernels")
+    assert folder.is_dir() and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    assert os.environ["TRITON_CACHE_DIR"] == "/theirs"  # the user's own wins
+    undo()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.environ["TRITON_CACHE_DIR"] == "/theirs"
 
 
 def test_compiled_modules_are_called_with_floats_specialised_and_no_duck_sizing() -> None:

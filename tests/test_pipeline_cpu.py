@@ -316,6 +316,42 @@ def test_api_arguments_are_validated_in_one_clear_line() -> None:
             pipe.accel.warmup(bad, progress=False)
 
 
+def test_the_options_object_is_the_api_and_keywords_override_its_fields() -> None:
+    import dataclasses
+
+    from accel import AcceleratorOptions
+
+    pipe = build_pipeline("z-image", "tiny")
+    accelerate_pipeline(pipe, AcceleratorOptions(mode="debug", max_entries=4))
+    assert (pipe.accel.options.mode, pipe.accel.options.max_entries) == ("debug", 4)
+    accelerate_pipeline(pipe, AcceleratorOptions(mode="debug"), max_entries=5, text_buckets=[128, 64])
+    assert pipe.accel.options == AcceleratorOptions(mode="debug", max_entries=5, text_buckets=(64, 128))
+    accelerate_pipeline(pipe, compile_cache_dir="~/kernels")
+    assert pipe.accel.options.compile_cache_dir.name == "kernels" and "~" not in str(
+        pipe.accel.options.compile_cache_dir
+    )
+    fields = [f.name for f in dataclasses.fields(AcceleratorOptions)]
+    with pytest.raises(
+        TypeError, match=r"^unknown options 'modee', 'turbo'; the options \(fields of AcceleratorOptions\) are "
+    ) as e:
+        accelerate_pipeline(pipe, modee="eager", turbo=True)
+    assert str(e.value).endswith(", ".join(fields))
+    with pytest.raises(TypeError, match="options must be an AcceleratorOptions, got dict"):
+        accelerate_pipeline(pipe, {"mode": "eager"})  # type: ignore[arg-type]
+    assert pipe.accel.options.compile_cache_dir is not None  # the accelerator in place stays
+    pipe.accel.restore()
+
+
+def test_every_option_is_documented_on_the_dataclass() -> None:
+    import dataclasses
+
+    from accel import AcceleratorOptions
+
+    doc = AcceleratorOptions.__doc__ or ""
+    missing = [f.name for f in dataclasses.fields(AcceleratorOptions) if f"        {f.name}: " not in doc]
+    assert not missing, f"AcceleratorOptions does not document {missing}"
+
+
 def test_restore_twice_is_harmless_and_a_restored_accelerator_says_so(tiny) -> None:
     _, pipe = tiny
     accelerate_pipeline(pipe)
@@ -325,6 +361,24 @@ def test_restore_twice_is_harmless_and_a_restored_accelerator_says_so(tiny) -> N
     assert "restored" in accel.report()
     with pytest.raises(RuntimeError, match="restored"):
         accel.warmup((64, 64), progress=False)
+
+
+def test_the_report_lists_the_patches_in_place_and_restore_takes_them_all_away(tiny) -> None:
+    from accel.graphs import patches
+
+    name, pipe = tiny
+    before = patches.active()
+    accelerate_pipeline(pipe)
+    report = pipe.accel.report()
+    assert "patches in place (process-wide):" in report
+    shown = [line.strip() for line in report.splitlines()[report.splitlines().index(
+        next(line for line in report.splitlines() if "patches in place" in line)) + 1 :]]  # fmt: skip
+    assert shown == patches.active() and len(shown) > len(before)
+    assert any(line.endswith(".step") and "call guard" in line for line in shown)  # scheduler.step
+    if name == "qwen-image":
+        assert any("text-mask helper" in line for line in shown)
+    pipe.accel.restore()
+    assert patches.active() == before
 
 
 def test_qwen_pads_text_only_where_the_forward_is_launch_bound() -> None:

@@ -10,7 +10,8 @@ from accelerate.hooks import ModelHook as AccelerateHook
 from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 
 from accel import accelerate_pipeline
-from accel.hooks.safety import RequestLock, offload_reason, weights_fingerprint
+from accel.hooks.guard import RequestLock
+from accel.hooks.weights import offload_reason, weights_fingerprint
 from pipelines.builders import build_pipeline
 
 

@@ -12,9 +12,9 @@ Contract:
   ends), :func:`locate_by_sync_debug` re-runs the call eagerly with host syncs made errors.
   :func:`discover` tries both, in that order, and only for capture errors.
 * :func:`mark_as_break` rebinds that function, wherever it is bound (its module, every module that did
-  ``from x import f``, or the class defining the method), to :func:`accel.graphs.bcg.eager_on_graph` of it, and
-  returns an undo. A :class:`BreakSite` keeps the code object and where to look, never the frame, so
-  locating and marking are separate steps.
+  ``from x import f``, or the class defining the method), to :func:`accel.graphs.bcg.eager_on_graph` of it,
+  through :mod:`accel.graphs.patches`, and returns an undo. A :class:`BreakSite` keeps the code object and
+  where to look, never the frame, so locating and marking are separate steps.
 * Only a pure function of its inputs may be marked. A break re-runs at every replay with the *same
   argument objects* and its tensor outputs are copied into the boundary buffer later segments read; the
   Python constants it returns (a bool, a list of lengths) are checked by copy-back, so a changed value
@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from . import bcg
+from .patches import Patch, patch
 
 __all__ = [
     "DEFAULT_SKIP",
@@ -300,20 +301,18 @@ def mark_as_break(site: BreakSite, *, refuse: Iterable[CodeType] = ()) -> Callab
         raise ValueError(f"{site.function} is already marked as an eager break")
     if any(c.co_flags & _NOT_PLAIN for c in codes):
         raise ValueError(f"cannot mark {site.function}: a generator or coroutine cannot run as a break")
-    done: list[tuple[Any, str, Any]] = []
+    done: list[tuple[Any, str, Patch]] = []
 
     def undo() -> None:
         while done:  # emptied as it goes: a second call finds nothing left to put back
-            ns, name, raw = done.pop()
-            setattr(ns, name, raw)
+            done.pop()[2].undo()
 
     made: dict[int, Any] = {}
     try:
         for ns, name, raw in res.bindings:
             if id(raw) not in made:  # one wrapper per object, so copies of it stay identical
                 made[id(raw)] = _marked(raw, site.function)
-            setattr(ns, name, made[id(raw)])
-            done.append((ns, name, raw))
+            done.append((ns, name, patch(ns, name, made[id(raw)], why=f"an eager break ({site.function})")))
     except (AttributeError, TypeError) as e:  # a read-only namespace: leave nothing half marked
         undo()
         raise ValueError(f"cannot mark {site.function}: {e}") from e

@@ -1,9 +1,9 @@
 """Reversible patches: the one way the library changes code and settings it does not own.
 
 :func:`patch` puts a value in a place and returns a :class:`Patch`; :meth:`Patch.undo` takes it
-away again. A place is an attribute (``where="attr"``: ``setattr``), an object's own instance
-dictionary (``where="dict"``: bypasses a ``__setattr__``, as a pipeline's must be) or a mapping
-item (``where="item"``: ``os.environ``, a settings table).
+away again. A place is an attribute (``where="attr"``: ``setattr``; for modules, classes and settings
+objects), an object's own instance dictionary (``where="dict"``: bypasses a ``__setattr__``, as
+a pipeline's must be) or a mapping item (``where="item"``: ``os.environ``, a settings table).
 
 Patches of one place stack: the newest one still in place is in effect, and undoing any of them,
 in any order, leaves the newest remaining one (or, after the last, what the place held before
@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
-__all__ = ["MISSING", "Patch", "active", "patch"]
+__all__ = ["MISSING", "Patch", "active", "patch", "unpatched"]
 
 Where = Literal["attr", "dict", "item"]
 
@@ -83,16 +83,29 @@ class _Place:
         self.key = key
         self.name = name
         self.where = where
-        self.label = _label(target, name, where)
         self.original = self._read(target)
         self.layers: list[Patch] = []
 
+    @property
+    def label(self) -> str:
+        target = self._ref()
+        return _label(target, self.name, self.where) if target is not None else f"<gone>.{self.name}"
+
     def _read(self, target: Any) -> Any:
-        if self.where == "item":
-            return target.get(self.name, MISSING) if hasattr(target, "get") else MISSING
-        if self.where == "dict":
-            return vars(target).get(self.name, MISSING)
-        return getattr(target, self.name, MISSING)
+        return self._read_value(target, self.name, self.where)
+
+    @staticmethod
+    def _read_value(target: Any, name: Any, where: Where) -> Any:
+        if where == "item":
+            return target.get(name, MISSING) if hasattr(target, "get") else MISSING
+        if where == "dict":
+            return vars(target).get(name, MISSING)
+        own = getattr(target, "__dict__", None)
+        if own is not None and name in own:
+            return own[name]  # as stored: a staticmethod stays one
+        if isinstance(target, type):
+            return MISSING  # inherited: taking ours away lets the lookup find the base's again
+        return getattr(target, name, MISSING)  # a module's __getattr__, a settings object
 
     def _write(self, target: Any, value: Any) -> None:
         if self.where == "item":
@@ -155,10 +168,22 @@ def patch(target: Any, name: Any, value: Any, *, why: str, where: Where = "attr"
     with _lock:
         place = _places.get(key)
         if place is None or place._ref() is not target:
-            place = _places[key] = _Place(target, name, where, key)
+            place = _Place(target, name, where, key)
         layer = Patch(place, value, why)
-        place.add(layer)
+        place.add(layer)  # raises, changing nothing, where the place cannot be written
+        _places[key] = place
         return layer
+
+
+def unpatched(target: Any, name: Any, where: Where = "attr") -> Any:
+    """What ``target``'s ``name`` holds without this library's patches: the value before the
+    first patch of it (:data:`MISSING` if none), or the current value where it is not patched.
+    Wrap this, not the current value, to add a patch that must not wrap another one."""
+    with _lock:
+        place = _places.get((id(target), where, name))
+        if place is not None and place._ref() is target:
+            return place.original
+        return _Place._read_value(target, name, where)
 
 
 def active() -> list[str]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .errors import BCGError
+
 __all__ = ["GraphPool"]
 
 
@@ -22,7 +24,7 @@ class GraphPool:
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
         if not torch.cuda.is_available():
-            raise RuntimeError("GraphPool needs a CUDA device; none is available")
+            raise BCGError("GraphPool needs a CUDA device; none is available")
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"GraphPool needs a CUDA device, got {device}")

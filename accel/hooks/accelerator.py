@@ -11,24 +11,17 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..graphs.errors import BCGError
 from ..graphs.pool import GraphPool
 from ..graphs.runner import GraphRunner, RunnerStats
 from .graph_hook import HOOK_NAME, GraphHook, module_device
 from .guard import CallGuard, RequestLock
 from .install import DENOISER_NAMES, Installation, ParallelSession, register_parallel_session
-from .options import (
-    DEFAULT_PARALLEL_TIMEOUT_S,
-    MODES,
-    RECIPE_DEFAULT,
-    RESOLUTION_MULTIPLE,
-    AcceleratorOptions,
-    RecipeDefault,
-)
+from .options import MODES, RESOLUTION_MULTIPLE, AcceleratorOptions, with_overrides
 from .recipe import Recipe
 from .report import graph_memory_bytes, report
 from .warmup import WarmupReport, WarmupRow, plan_warmup, run_warmup
@@ -80,7 +73,7 @@ class PipelineAccelerator:
     def installed(self) -> Installation:
         """What was installed; RuntimeError once restored."""
         if self._installed is None:
-            raise RuntimeError("this accelerator was restored; call accelerate_pipeline(pipe) again to use graphs")
+            raise BCGError("this accelerator was restored; call accelerate_pipeline(pipe) again to use graphs")
         return self._installed
 
     @property
@@ -281,83 +274,25 @@ class PipelineAccelerator:
         return self.pipe
 
 
-def accelerate_pipeline(
-    pipe: Any,
-    *,
-    mode: str = "bcg",
-    capture_on_miss: bool = False,
-    text_buckets: Sequence[int] | RecipeDefault | None = RECIPE_DEFAULT,
-    max_entries: int = 32,
-    max_segments: int = 512,
-    memory_budget_mb: float | None = None,
-    compile: bool = False,
-    compile_cache_dir: str | Path | None = None,
-    parallel: str | None = None,
-    parallel_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S,
-    text_encoder: bool = True,
-    vae: bool = True,
-    auto_breaks: bool = False,
-    cfg_batch: bool = True,
-) -> Any:
+def accelerate_pipeline(pipe: Any, options: AcceleratorOptions | None = None, **overrides: Any) -> Any:
     """Make ``pipe``'s denoising loop replay CUDA graphs; returns ``pipe`` with ``pipe.accel``.
 
     Args:
         pipe: a diffusers pipeline (``DiffusionPipeline``); its denoisers are found by name.
             Pipelines sharing a denoiser module (built from one another's components) share
             its graphs.
-        mode: ``"bcg"`` (graphs), ``"debug"`` (each denoiser call runs eagerly as one break
-            through the same runner) or ``"eager"`` (attached but never captures).
-        capture_on_miss: capture a new signature on first use instead of running it eagerly.
-        text_buckets: text lengths prompts are padded to (masked) where the recipe pads text,
-            so prompts of different lengths share a graph; ``None`` disables padding; by default
-            the recipe's own buckets.
-        max_entries: graphs kept per denoiser (least recently used evicted beyond).
-        max_segments: a capture with more segments than this runs eagerly instead.
-        memory_budget_mb: graph memory beyond which further captures are refused (they run
-            eagerly, with a message); None for no limit.
-        compile: compile the denoiser's repeated blocks with inductor (dynamic shapes, compiled
-            once for every resolution) and capture the graphs over the compiled kernels. Needs
-            CUDA; elsewhere it is skipped with one message.
-        compile_cache_dir: where compiled kernels persist between processes; default
-            ``$BCG_COMPILE_CACHE`` or ``~/.cache/bcg-diffusers/compile``. Delete it to clear.
-        parallel: one image on every process of a ``torchrun`` / ``accelerate launch`` (each with
-            its pipeline on its own GPU, all making the same calls with the same seed): ``"cfg"``
-            (2 processes: the two guidance branches, one per GPU, bit-identical to one GPU;
-            pipelines that batch their branches into one call, like Z-Image's, are refused),
-            ``"ulysses"`` (diffusers' Ulysses context parallelism over all processes) or
-            ``"cfg+ulysses"`` (2 x N/2 processes, N >= 4). Every rank returns the same image.
-            Collective: every process must call this with the same options. The process group is
-            created if none exists. See :mod:`accel.parallel`.
-        parallel_timeout_s: how long a rank waits for the others (a dead or diverging rank)
-            before it fails with an error instead of hanging; also the process group's timeout
-            when this call creates it.
-        text_encoder: graphs for the text encoders too (``text_encoder``, ``text_encoder_2``,
-            ``text_encoder_3``), one per token length, captured by :meth:`PipelineAccelerator.warmup`
-            from the prompts it is given (or on first use with ``capture_on_miss``). Embeddings
-            stay bit-identical to eager: nothing is padded. With ``parallel=`` every rank runs its
-            own (they hold no collectives).
-        vae: graphs for the VAE's decoder, one per latent shape, captured by the warm-up in the
-            same memory pool as the denoiser's graphs, so the decode's activations reuse the
-            pool instead of adding to it. With ``parallel=`` every rank decodes with its own.
-        auto_breaks: when a capture fails on an operation a graph cannot hold (a host sync, a
-            data-dependent shape), run the function that did it as an eager break and capture
-            again; the graph is kept only if it equals an eager run bit for bit. Off: the failure
-            is named (function, file and line) in :meth:`PipelineAccelerator.report`. Marks only
-            functions that are pure functions of their inputs safely; the equality check is
-            the guard.
-        cfg_batch: where a pipeline calls the denoiser once per guidance branch (Qwen-Image's
-            true CFG) and the recipe finds it pays (Qwen-Image: up to 768x768 on one GPU, where
-            it pads text anyway; up to 1024x1024 under ``parallel="ulysses"`` on 2 ranks), run
-            the two as one call at twice the batch (CUDA only; not under ``"cfg"`` layouts,
-            which put the branches on different ranks; see :mod:`accel.hooks.cfg_batch`). Off: one
-            call each.
+        options: an :class:`~accel.hooks.options.AcceleratorOptions` (each field is documented
+            there); None for the defaults.
+        overrides: fields of the options, by name, in place of ``options``' own
+            (``accelerate_pipeline(pipe, mode="debug", capture_on_miss=True)``).
 
     Raises:
-        TypeError: ``pipe`` is not a diffusers pipeline.
+        TypeError: ``pipe`` is not a diffusers pipeline, or an override names no field (the
+            message lists them).
         ValueError: an option is invalid, the pipeline has no denoiser, or a denoiser is
             already accelerated by another pipeline with other options.
-        accel.parallel.ParallelConfigError: (a ValueError) with ``parallel=``, raised on every
-            rank alike: the launch, the model or another rank's options do not fit.
+        accel.ParallelConfigError: (a ValueError) with ``parallel``, raised on every rank alike:
+            the launch, the model or another rank's options do not fit.
 
     Calling it again with the same options is harmless; other options re-install.
     """
@@ -365,22 +300,7 @@ def accelerate_pipeline(
 
     if not isinstance(pipe, DiffusionPipeline):
         raise TypeError(f"accelerate_pipeline expects a diffusers DiffusionPipeline, got {type(pipe).__name__}")
-    options = AcceleratorOptions(
-        mode=mode,  # type: ignore[arg-type]
-        capture_on_miss=capture_on_miss,
-        text_buckets=text_buckets,  # type: ignore[arg-type]
-        max_entries=max_entries,
-        max_segments=max_segments,
-        memory_budget_mb=memory_budget_mb,
-        compile=compile,
-        compile_cache_dir=Path(compile_cache_dir) if compile_cache_dir is not None else None,
-        parallel=parallel,  # type: ignore[arg-type]
-        parallel_timeout_s=parallel_timeout_s,
-        text_encoder=text_encoder,
-        vae=vae,
-        auto_breaks=auto_breaks,
-        cfg_batch=cfg_batch,
-    )
+    options = with_overrides(options, overrides)
     existing = pipe.__dict__.get("accel")
     if isinstance(existing, PipelineAccelerator):
         if existing.options == options:

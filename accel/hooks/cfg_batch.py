@@ -36,7 +36,7 @@ from diffusers.hooks.hooks import BaseState, StateManager
 
 from ..graphs import tree
 from .guard import CallGuard
-from .recipe import Recipe
+from .recipe import Recipe, RecipeError
 
 __all__ = [
     "CFG_BATCH_HOOK_NAME",
@@ -143,7 +143,7 @@ class CFGBatchHook(ModelHook):
     def _fill(self, placeholder: Any, computed: Any) -> None:
         dst, src = tree.tensors(placeholder), tree.tensors(computed)
         if len(dst) != len(src) or any(d.shape != s.shape or d.dtype != s.dtype for d, s in zip(dst, src)):
-            raise RuntimeError(
+            raise RecipeError(
                 f"{self.name}: the {self.recipe.name} recipe described the first guidance branch's output as "
                 f"{[(tuple(d.shape), d.dtype) for d in dst]} but the model returned "
                 f"{[(tuple(s.shape), s.dtype) for s in src]}"

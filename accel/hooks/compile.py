@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..graphs.patches import patch
 from .options import default_compile_cache_dir
 
 __all__ = [
@@ -53,29 +54,34 @@ logger = logging.getLogger(__name__)
 COMPILE_OPTIONS: dict[str, Any] = dict(fullgraph=True, dynamic=True)
 
 
-def use_compile_cache(folder: Path | None) -> Path:
-    """Point inductor's (and Triton's) persistent caches at ``folder`` (the default if None).
+def use_compile_cache(folder: Path | None) -> tuple[Path, Callable[[], None]]:
+    """Point inductor's (and Triton's) persistent caches at ``folder`` (the default if None)
+    until the returned undo is called; returns the folder and the undo.
 
     Inductor reads its cache folder from the environment at every compile, so this takes effect
-    for compiles that have not happened yet; a folder set by the user's own environment wins
-    when ``folder`` is None.
+    for compiles that have not happened yet, and must stay while compiled blocks may still
+    compile; a folder set by the user's own environment wins when ``folder`` is None, and a
+    ``TRITON_CACHE_DIR`` of theirs always does.
     """
     if folder is None and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]), lambda: None
     folder = Path(folder) if folder is not None else default_compile_cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    os.environ.setdefault("TRITON_CACHE_DIR", str(folder / "triton"))
-    return folder
+    why = "the compile cache folder (compile=True)"
+    held = [patch(os.environ, "TORCHINDUCTOR_CACHE_DIR", str(folder), why=why, where="item")]
+    if "TRITON_CACHE_DIR" not in os.environ:
+        held.append(patch(os.environ, "TRITON_CACHE_DIR", str(folder / "triton"), why=why, where="item"))
+    return folder, lambda: [p.undo() for p in reversed(held)] and None
 
 
 # torch.amp's functions that dynamo puts into a graph for a ``with torch.autocast(...)`` block.
 AUTOCAST_FUNCTIONS = ("_enter_autocast", "_exit_autocast")
 
 
-def cache_autocast_regions() -> list[str]:
-    """Let AOTAutograd's persistent cache keep graphs with autocast regions; returns the names
-    marked (none on a torch without these functions).
+def cache_autocast_regions() -> tuple[list[str], Callable[[], None]]:
+    """Let AOTAutograd's persistent cache keep graphs with autocast regions until the returned
+    undo is called; returns the names marked (none on a torch without these functions) and the
+    undo.
 
     Without it a warm start re-runs AOTAutograd for every such graph (measured on the CPU with
     inductor, tiny Z-Image, 3 graphs: 8.4 s warm, 5.5 s with the mark; cold and warm outputs
@@ -89,9 +95,10 @@ def cache_autocast_regions() -> list[str]:
     marked = [f"{autocast_mode.__name__}.{n}" for n in AUTOCAST_FUNCTIONS if hasattr(autocast_mode, n)]
     table = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
     if not isinstance(table, dict) or len(marked) != len(AUTOCAST_FUNCTIONS):
-        return []
-    table.update(dict.fromkeys(marked, torch.__version__))
-    return marked
+        return [], lambda: None
+    why = "autocast regions cacheable by AOTAutograd (compile=True)"
+    held = [patch(table, name, torch.__version__, why=why, where="item") for name in marked]
+    return marked, lambda: [p.undo() for p in reversed(held)] and None
 
 
 @contextlib.contextmanager
@@ -110,17 +117,16 @@ def tracing_settings() -> Iterator[None]:
       above 768x768 with the recipe, anywhere in the stock pipeline) failed that guard and
       compiled again (CPU inductor, tiny stock Qwen-Image at 1024, 768 and 512: 4 graphs -> 2).
 
-    Only for the duration of a call; the rest of the process keeps the defaults. Entered on every
-    call of a compiled module, replays included: plain attribute swaps (``config.patch`` costs
-    about 20 times as much per call).
+    Only for the duration of a call (the rest of the process keeps the defaults), through
+    :mod:`accel.graphs.patches`, so calls in several threads put the defaults back whatever order
+    they end in. Entered on every call of a compiled module, replays included.
     """
-    dynamo, shapes = torch._dynamo.config, torch.fx.experimental._config
-    before = dynamo.specialize_float, shapes.use_duck_shape
-    dynamo.specialize_float, shapes.use_duck_shape = True, False
-    try:
+    why = "dynamo settings for a compiled module's call"
+    with (
+        patch(torch._dynamo.config, "specialize_float", True, why=why),
+        patch(torch.fx.experimental._config, "use_duck_shape", False, why=why),
+    ):
         yield
-    finally:
-        dynamo.specialize_float, shapes.use_duck_shape = before
 
 
 def _detached(value: Any) -> Any:
@@ -173,8 +179,8 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str, cache_dir: Path 
     if not blocks or not hasattr(module, "compile_repeated_blocks"):
         logger.warning("%s: %s declares no repeated blocks to compile; not compiling", name, type(module).__name__)
         return None
-    folder = use_compile_cache(cache_dir)
-    cache_autocast_regions()
+    folder, forget_folder = use_compile_cache(cache_dir)
+    _, unmark = cache_autocast_regions()
     previous = [m.__dict__.get("_compiled_call_impl") for m in blocks]
     module.compile_repeated_blocks(**COMPILE_OPTIONS)
     for m in blocks:
@@ -190,6 +196,8 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str, cache_dir: Path 
     def undo() -> None:
         for m, impl in zip(blocks, previous):
             m._compiled_call_impl = impl
+        unmark()
+        forget_folder()
 
     return undo
 

@@ -33,7 +33,7 @@ from .caches.binding import is_registry_forward
 from .cfg_batch import ContextProbe
 from .options import RECIPE_DEFAULT, AcceleratorOptions
 from .recipe import GenericRecipe, Recipe, recipe_for, version_supported
-from .safety import offload_reason, weights_fingerprint
+from .weights import offload_reason, weights_fingerprint
 
 __all__ = [
     "HOOK_NAME",

@@ -18,16 +18,75 @@ the last of them.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..graphs import bcg
-from .safety import RequestLock, shadow_method, unwrap_method, wrap_method
+from ..graphs.errors import BCGError
+from ..graphs.patches import Patch, patch
 
-__all__ = ["CallGuard"]
+__all__ = ["BusyError", "CallGuard", "RequestLock"]
 
 _guards: weakref.WeakKeyDictionary[Any, CallGuard] = weakref.WeakKeyDictionary()
+
+
+class BusyError(BCGError):
+    """Another thread has held the pipeline past the request lock's timeout."""
+
+
+class RequestLock:
+    """Serialises whole pipeline calls across threads.
+
+    A diffusers pipeline keeps per-call state (the scheduler's step index, the guidance scale),
+    so two threads in one pipeline corrupt each other's images with or without graphs. The lock
+    is taken where a call starts (the scheduler's ``set_timesteps``) and given back where it
+    ends (``maybe_free_model_hooks``). A call that raised in between leaves the lock with its
+    thread, which may start again; other threads wait ``timeout`` seconds, then get a clear error.
+    """
+
+    def __init__(self, timeout: float = 600.0) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self.timeout = timeout
+
+    def begin(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:
+            return
+        if not self._lock.acquire(timeout=self.timeout):
+            raise BusyError(
+                "this accelerated pipeline has been busy in another thread for "
+                f"{self.timeout:.0f}s; diffusers pipelines cannot run concurrently: use one pipeline per "
+                "thread, or wait for the other call to finish"
+            )
+        self._owner = me
+
+    def end(self) -> None:
+        if self._owner == threading.get_ident():
+            self._owner = None
+            self._lock.release()
+
+    @property
+    def busy(self) -> bool:
+        return self._owner is not None
+
+
+def _around(method: Callable[..., Any], before: Callable[[], None] | None, after: Callable[[], None] | None) -> Any:
+    """``method`` calling ``before`` and ``after`` around it (``after`` also when it raises)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            if after is not None:
+                after()
+
+    return wrapper
 
 
 class CallGuard:
@@ -37,20 +96,20 @@ class CallGuard:
         self.scheduler = scheduler
         self.lock = RequestLock()
         self._checks: dict[int, Callable[[], None]] = {}
-        self._users: dict[int, list[tuple[Any, str, Any]]] = {}
-        self._shadowed: list[tuple[Any, str, Any]] = []
+        self._users: dict[int, list[Patch]] = {}
+        # Through the instances' own dictionaries: a pipeline's __setattr__ would register a component.
+        self._shadowed: list[Patch] = []
         # user id -> (begin, step, end); called in that order of events, never per denoiser call.
         self._listeners: dict[int, tuple[Callable[[], None] | None, ...]] = {}
         # The scheduler indexes its sigmas with a Python int that advances every step: inside a
         # graph that would freeze one step. It runs outside the denoiser anyway; marking it
         # eager keeps it eager even if someone captures a larger region.
         if hasattr(scheduler, "step"):
-            make = lambda step: bcg.eager_on_graph(self._stepping(step), name="scheduler.step")  # noqa: E731
-            self._shadowed.append((scheduler, "step", shadow_method(scheduler, "step", make)))
+            step = bcg.eager_on_graph(self._stepping(scheduler.step), name="scheduler.step")
+            self._shadowed.append(patch(scheduler, "step", step, why="the call guard (an eager break)", where="dict"))
         if hasattr(scheduler, "set_timesteps"):
-            self._shadowed.append(
-                (scheduler, "set_timesteps", wrap_method(scheduler, "set_timesteps", before=self.begin))
-            )
+            begin = _around(scheduler.set_timesteps, self.begin, None)
+            self._shadowed.append(patch(scheduler, "set_timesteps", begin, why="the call guard", where="dict"))
 
     @classmethod
     def attach(cls, pipe: Any, user: Any, check: Callable[[], None]) -> CallGuard | None:
@@ -66,21 +125,22 @@ class CallGuard:
         if guard is None:
             guard = _guards[scheduler] = cls(scheduler)
         guard._checks[id(user)] = check
-        ends: list[tuple[Any, str, Any]] = []
+        ends: list[Patch] = []
         if hasattr(pipe, "maybe_free_model_hooks"):
-            ends.append((pipe, "maybe_free_model_hooks", wrap_method(pipe, "maybe_free_model_hooks", after=guard.end)))
+            end = _around(pipe.maybe_free_model_hooks, None, guard.end)
+            ends.append(patch(pipe, "maybe_free_model_hooks", end, why="the call guard", where="dict"))
         guard._users[id(user)] = ends
         return guard
 
     def detach(self, user: Any) -> None:
         """Take ``user``'s check and end hook off; the last user takes the guard off."""
         self._checks.pop(id(user), None)
-        for obj, name, previous in reversed(self._users.pop(id(user), [])):
-            unwrap_method(obj, name, previous)
+        for end in reversed(self._users.pop(id(user), [])):
+            end.undo()
         if self._users:
             return
-        for obj, name, previous in reversed(self._shadowed):
-            unwrap_method(obj, name, previous)
+        for shadow in reversed(self._shadowed):
+            shadow.undo()
         self._shadowed.clear()
         _guards.pop(self.scheduler, None)
 

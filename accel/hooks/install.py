@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..graphs.errors import BCGError
 from ..graphs.pool import GraphPool
 from .cfg_batch import CFGBatchHook, apply_cfg_batch, remove_cfg_batch
 from .graph_hook import GraphHook, apply_graph_runner, module_device, remove_graph_runner
@@ -137,7 +138,7 @@ class Installation:
             # Collective: every rank of the launch builds its session here, or all fail.
             denoisers = {n: self.hooks[n] for n in self.denoisers}
             if _parallel_session is None:
-                raise RuntimeError("parallel= needs accel.parallel, which was not imported")
+                raise BCGError("parallel= needs accel.parallel, which was not imported")
             self.parallel = _parallel_session(pipe, denoisers, self.guard, options)
         if options.cfg_batch:
             self._apply_cfg_batch()

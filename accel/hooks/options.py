@@ -1,10 +1,10 @@
-"""Typed options and the constants every layer shares.
+"""The options of :func:`accel.accelerate_pipeline`, and the constants every layer shares.
 
-:class:`AcceleratorOptions` is what :func:`accel.accelerate_pipeline` was asked for, validated
-once, frozen and comparable (calling it again with equal options is a no-op).
-:class:`GenerationDefaults` is how a model family is usually run, as a recipe states it for front
-ends (the CLI, the benchmark). Both replace string-keyed dicts; the one sentinel left,
-:data:`RECIPE_DEFAULT`, is a typed enum member rather than a magic string.
+:class:`AcceleratorOptions` is the API: what :func:`accel.accelerate_pipeline` is asked for,
+validated once, frozen and comparable (calling it again with equal options is a no-op). Each
+field is documented on the class. The one sentinel, :data:`RECIPE_DEFAULT`, is a typed enum
+member. This file needs only the standard library: the command line reads it before torch is
+imported.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ __all__ = [
     "RECIPE_DEFAULT",
     "RESOLUTION_MULTIPLE",
     "AcceleratorOptions",
-    "GenerationDefaults",
     "Mode",
     "Parallel",
     "RecipeDefault",
     "check_resolution",
     "default_compile_cache_dir",
     "parse_resolution",
+    "with_overrides",
 ]
 
 Mode = Literal["bcg", "debug", "eager"]
@@ -110,28 +110,102 @@ def _positive_int(name: str, value: object) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class AcceleratorOptions:
-    """What :func:`accel.accelerate_pipeline` applies; see its docstring for each field.
+    """What :func:`accel.accelerate_pipeline` applies: ``accelerate_pipeline(pipe, options)``, or
+    the same fields as keywords, ``accelerate_pipeline(pipe, mode="debug")``.
 
-    ``text_buckets`` is :data:`RECIPE_DEFAULT` (the recipe's own buckets), ``None`` (no padding)
-    or a sorted tuple of positive lengths. ``memory_budget_mb`` is None (no limit) or positive.
-    ``parallel`` is None (one process) or one of :data:`PARALLEL_MODES`; ``parallel_timeout_s`` is
-    how long a rank waits for the others before it fails with an error instead of hanging.
+    Graphs:
+
+    Attributes:
+        mode: ``"bcg"`` (graphs), ``"debug"`` (each denoiser call runs eagerly as one break
+            through the same runner: tells capture bugs from model bugs) or ``"eager"`` (attached
+            but never captures). Default ``"bcg"``.
+        capture_on_miss: capture a new signature on first use instead of running it eagerly.
+            Default off: a call nothing was warmed up for runs eagerly and says why once, so a
+            capture never lands in the middle of a timed call.
+        text_buckets: text lengths prompts are padded to (masked) where the recipe pads text, so
+            prompts of different lengths share a graph: a sequence of positive token counts,
+            stored sorted as a tuple; ``None`` disables padding (one graph per length, exact);
+            default :data:`RECIPE_DEFAULT`, the recipe's own buckets.
+        max_entries: graphs kept per denoiser; beyond it the least recently used is evicted.
+            Default 32.
+        max_segments: a capture with more segments than this runs eagerly instead. Default 512.
+        memory_budget_mb: graph memory (MiB: pool, static inputs, boundary buffers) beyond which
+            further captures are refused (they run eagerly, with a message); default None, no
+            limit.
+        auto_breaks: when a capture fails on an operation a graph cannot hold (a host sync, a
+            data-dependent shape), run the function that did it as an eager break and capture
+            again; the graph is kept only if it equals an eager run bit for bit. Default off: the
+            failure is named (function, file and line) in ``pipe.accel.report()``. Marks only
+            functions that are pure functions of their inputs safely; the equality check is the
+            guard.
+
+    Components (more graphs, same pool):
+
+    Attributes:
+        text_encoder: graphs for the text encoders too (``text_encoder``, ``text_encoder_2``,
+            ``text_encoder_3``), one per token length, captured by the warm-up from the prompts
+            it is given (or on first use with ``capture_on_miss``). Embeddings stay
+            bit-identical to eager: nothing is padded. With ``parallel`` every rank runs its own
+            (they hold no collectives). Default on.
+        vae: graphs for the VAE's decoder, one per latent shape, captured by the warm-up in the
+            same memory pool as the denoiser's graphs, so the decode's activations reuse the
+            pool instead of adding to it. With ``parallel`` every rank decodes with its own.
+            Default on.
+        cfg_batch: where a pipeline calls the denoiser once per guidance branch (Qwen-Image's
+            true CFG) and the recipe finds it pays (Qwen-Image: up to 768x768 on one GPU, where
+            it pads text anyway; up to 1024x1024 under ``parallel="ulysses"`` on 2 ranks), run the
+            two as one call at twice the batch (CUDA only; not under ``"cfg"`` layouts, which put
+            the branches on different ranks; see :mod:`accel.hooks.cfg_batch`). Default on; off:
+            one call each.
+
+    Compile:
+
+    Attributes:
+        compile: compile the denoiser's repeated blocks with inductor (dynamic shapes, compiled
+            once for every resolution) and capture the graphs over the compiled kernels: faster
+            steps for a compile of seconds to a minute per process. Needs CUDA; elsewhere it is
+            skipped with one message. Default off.
+        compile_cache_dir: where compiled kernels persist between processes (a path; a string is
+            taken as one); default None: ``$BCG_COMPILE_CACHE`` or
+            ``~/.cache/bcg-diffusers/compile`` (:func:`default_compile_cache_dir`). Delete it to
+            clear.
+
+    Several GPUs:
+
+    Attributes:
+        parallel: one image on every process of a ``torchrun`` / ``accelerate launch`` (each with
+            its pipeline on its own GPU, all making the same calls with the same seed): ``"cfg"``
+            (2 processes: the two guidance branches, one per GPU, bit-identical to one GPU;
+            pipelines that batch their branches into one call, like Z-Image's, are refused),
+            ``"ulysses"`` (diffusers' Ulysses context parallelism over all processes) or
+            ``"cfg+ulysses"`` (2 x N/2 processes, N >= 4). Every rank returns the same image.
+            Collective: every process must pass the same options. The process group is created
+            if none exists. See :mod:`accel.parallel`. Default None: one process.
+        parallel_timeout_s: how long a rank waits for the others (a dead or diverging rank)
+            before it fails with an error instead of hanging; also the process group's timeout
+            when ``accelerate_pipeline`` creates it. Default 300.
+
+    Invalid values raise ValueError naming the field.
     """
 
+    # graphs
     mode: Mode = "bcg"
     capture_on_miss: bool = False
     text_buckets: tuple[int, ...] | RecipeDefault | None = RECIPE_DEFAULT
     max_entries: int = 32
     max_segments: int = 512
     memory_budget_mb: float | None = None
-    compile: bool = False
-    compile_cache_dir: Path | None = None
-    parallel: Parallel | None = None
-    parallel_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S
+    auto_breaks: bool = False
+    # components
     text_encoder: bool = True
     vae: bool = True
-    auto_breaks: bool = False
     cfg_batch: bool = True
+    # compile
+    compile: bool = False
+    compile_cache_dir: Path | None = None
+    # several GPUs
+    parallel: Parallel | None = None
+    parallel_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -171,22 +245,18 @@ class AcceleratorOptions:
         return None if self.memory_budget_mb is None else int(self.memory_budget_mb * 2**20)
 
 
-@dataclasses.dataclass(frozen=True)
-class GenerationDefaults:
-    """How a model family is usually run, for front ends.
-
-    Attributes:
-        steps: denoising steps.
-        guidance: the guidance scale (None: leave the pipeline's own default).
-        guidance_kwarg: the pipeline argument that takes it (``"guidance_scale"``,
-            ``"true_cfg_scale"``) or None when the pipeline takes none.
-        cfg_above: classifier-free guidance runs when the guidance is above this.
-        default_negative: the negative prompt used when guidance is on and none is given (true
-            CFG needs one to run at all), or None.
-    """
-
-    steps: int = 30
-    guidance: float | None = None
-    guidance_kwarg: str | None = None
-    cfg_above: float = 1.0
-    default_negative: str | None = None
+def with_overrides(options: AcceleratorOptions | None, overrides: dict[str, object]) -> AcceleratorOptions:
+    """``options`` (the defaults if None) with some fields replaced; TypeError naming every
+    field for a key that is none, or for ``options`` that are not :class:`AcceleratorOptions`."""
+    fields = [f.name for f in dataclasses.fields(AcceleratorOptions)]
+    unknown = [k for k in overrides if k not in fields]
+    if unknown:
+        raise TypeError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"the options (fields of AcceleratorOptions) are {', '.join(fields)}"
+        )
+    if options is None:
+        options = AcceleratorOptions()
+    elif not isinstance(options, AcceleratorOptions):
+        raise TypeError(f"options must be an AcceleratorOptions, got {type(options).__name__}")
+    return dataclasses.replace(options, **overrides) if overrides else options

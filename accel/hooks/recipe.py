@@ -13,6 +13,7 @@ for denoisers nobody wrote one for.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import logging
 from collections.abc import Callable, Iterator
@@ -21,9 +22,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from .options import GenerationDefaults
+from ..graphs.errors import BCGError
 
-__all__ = ["GenericRecipe", "Recipe", "check_heads_divisible", "recipe_for", "register_recipe", "version_supported"]
+__all__ = [
+    "GenerationDefaults",
+    "GenericRecipe",
+    "Recipe",
+    "RecipeError",
+    "check_heads_divisible",
+    "recipe_for",
+    "register_recipe",
+    "version_supported",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +41,32 @@ ENTRY_POINT_GROUP = "bcg_diffusers.recipes"
 
 _registry: list[type[Recipe]] = []
 _entry_points_loaded = False
+
+
+class RecipeError(BCGError):
+    """What a recipe said of its model does not match what the model did (say the structure of
+    an output it described for a guidance branch)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationDefaults:
+    """How a model family is usually run, as its recipe states it for front ends (the CLI, the benchmark).
+
+    Attributes:
+        steps: denoising steps.
+        guidance: the guidance scale (None: leave the pipeline's own default).
+        guidance_kwarg: the pipeline argument that takes it (``"guidance_scale"``,
+            ``"true_cfg_scale"``) or None when the pipeline takes none.
+        cfg_above: classifier-free guidance runs when the guidance is above this.
+        default_negative: the negative prompt used when guidance is on and none is given (true
+            CFG needs one to run at all), or None.
+    """
+
+    steps: int = 30
+    guidance: float | None = None
+    guidance_kwarg: str | None = None
+    cfg_above: float = 1.0
+    default_negative: str | None = None
 
 
 class Recipe:

@@ -8,14 +8,11 @@ per pipeline call for a denoiser and at every call of a component, never per den
 
 from __future__ import annotations
 
-import functools
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["RequestLock", "offload_reason", "shadow_method", "unwrap_method", "weights_fingerprint", "wrap_method"]
+__all__ = ["offload_reason", "weights_fingerprint"]
 
 
 _ACCELERATE_OFFLOAD = "accelerate offload hooks (enable_model_cpu_offload or enable_sequential_cpu_offload)"
@@ -74,80 +71,3 @@ def offload_reason(module: torch.nn.Module) -> str | None:
         if reason is not None:
             return reason
     return None
-
-
-class RequestLock:
-    """Serialises whole pipeline calls across threads.
-
-    A diffusers pipeline keeps per-call state (the scheduler's step index, the guidance scale),
-    so two threads in one pipeline corrupt each other's images with or without graphs. The lock
-    is taken where a call starts (the scheduler's ``set_timesteps``) and given back where it
-    ends (``maybe_free_model_hooks``). A call that raised in between leaves the lock with its
-    thread, which may start again; other threads wait ``timeout`` seconds, then get a clear error.
-    """
-
-    def __init__(self, timeout: float = 600.0) -> None:
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self.timeout = timeout
-
-    def begin(self) -> None:
-        me = threading.get_ident()
-        if self._owner == me:
-            return
-        if not self._lock.acquire(timeout=self.timeout):
-            raise RuntimeError(
-                "this accelerated pipeline has been busy in another thread for "
-                f"{self.timeout:.0f}s; diffusers pipelines cannot run concurrently: use one pipeline per "
-                "thread, or wait for the other call to finish"
-            )
-        self._owner = me
-
-    def end(self) -> None:
-        if self._owner == threading.get_ident():
-            self._owner = None
-            self._lock.release()
-
-    @property
-    def busy(self) -> bool:
-        return self._owner is not None
-
-
-def shadow_method(obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Any:
-    """Shadow ``obj.name`` with an instance attribute ``make(original)``.
-
-    Returns what :func:`unwrap_method` restores: the previous instance attribute, or None.
-    """
-    previous = vars(obj).get(name)
-    # Through __dict__: a DiffusionPipeline's __setattr__ would treat it as a component.
-    obj.__dict__[name] = make(getattr(obj, name))
-    return previous
-
-
-def wrap_method(
-    obj: Any, name: str, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None
-) -> Any:
-    """Shadow ``obj.name`` with a wrapper calling ``before``/``after`` around it."""
-
-    def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                before()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                if after is not None:
-                    after()
-
-        return wrapper
-
-    return shadow_method(obj, name, make)
-
-
-def unwrap_method(obj: Any, name: str, previous: Any) -> None:
-    """Undo :func:`shadow_method` or :func:`wrap_method`."""
-    if previous is None:
-        obj.__dict__.pop(name, None)
-    else:
-        obj.__dict__[name] = previous
