@@ -121,7 +121,7 @@ def graph(bench: ModelBench, row: CaseRow, case: Case) -> None:
     if not clock.cuda:
         row.fail("skipped", "needs CUDA (torch.cuda.CUDAGraph)")
         return
-    from accel.pool import GraphPool
+    from accel.graphs.pool import GraphPool
 
     fn = bench.stock(case)
     with MemWatch(clock) as mem:
