@@ -31,9 +31,9 @@ from . import compile as compile_mod
 from .caches import CacheBinding
 from .caches.binding import is_registry_forward
 from .cfg_batch import ContextProbe
+from .follow import Follower
 from .options import RECIPE_DEFAULT, AcceleratorOptions
 from .recipe import GenericRecipe, Recipe, recipe_for, version_supported
-from .weights import offload_reason, weights_fingerprint
 
 __all__ = [
     "HOOK_NAME",
@@ -111,14 +111,9 @@ class GraphHook(ModelHook):
         self._undo: list[Callable[[], None]] = []
         self._forward: Callable[..., Any] | None = None
         self._recipe_installed = False
-        self._fingerprint: int | None = None
-        self._compiles: int | None = None
-        self.recompile_drops = 0
-        self._offloaded: str | None = None
         self.caches: CacheBinding | None = None
         self.context = ContextProbe()
-        self._refused_by_caches: str | None = None
-        self._arranged: Callable[[], None] | None = None
+        self.follower = Follower(self)
         # Set once removed: a wrapper someone put over this hook's forward may still call it.
         self._removed = False
         # What removing the hook must undo beyond the registry's own bookkeeping.
@@ -163,7 +158,7 @@ class GraphHook(ModelHook):
         self.runner.unmark()
         if self.caches is not None:
             self.caches.close()
-        self._undo_arrangement()
+        self.follower.undo_arrangement()
         while self._undo:
             self._undo.pop()()
         return module
@@ -206,110 +201,24 @@ class GraphHook(ModelHook):
         self.inactive_reason = reason
 
     def follow_weights(self) -> None:
-        """Keep graphs in step with the weights they read by address: drop every graph when the
-        weights changed or moved since capture (each is captured again on its next call), and
-        switch graphs off while the weights are offloaded (on again once offloading stops). With
-        compiled blocks, likewise drop every graph once inductor compiled again (see
-        :mod:`accel.hooks.compile`).
+        """Keep graphs in step with what they read by address (see :class:`Follower`)."""
+        self.follower.follow()
 
-        Runs once per pipeline call for a denoiser, at every call for a component (and after a
-        warm-up), never per step.
-        """
-        module = self._module_ref() if self._module_ref is not None else None
-        if module is None:
-            return
-        # Also without graphs: a denoiser without CacheMixin gets its caches' context from it.
-        caches_allow = self._follow_caches()
-        if not (self.active or self._offloaded) or not caches_allow:
-            return
-        # Offload hooks sit on a pipeline's top-level components: the VAE's, not its decoder's.
-        root = self.offload_root() if self.offload_root is not None else None
-        reason = offload_reason(root if root is not None else module)
-        if reason is not None:
-            if self._offloaded is None:
-                self._offloaded = reason
-                self.runner.release()
-                self._deactivate(f"{reason} move the weights between calls")
-                logger.warning(
-                    "%s: %s move the weights between calls, so graphs would read stale memory; running "
-                    "eagerly while offloading is on",
-                    self.name,
-                    reason,
-                )
-            return
-        if self._offloaded is not None:
-            logger.info("%s: offloading is off again; graphs are used from the next warm-up", self.name)
-            self._offloaded = None
-            self.active = True
-            self.runner.enabled = True
-            self.inactive_reason = None
-            self._fingerprint = None
-        fingerprint = weights_fingerprint(module)
-        if self._fingerprint is not None and fingerprint != self._fingerprint:
-            self._drop_graphs(
-                "weights changed since capture (LoRA, load_state_dict, a move or a cast)", logging.WARNING
-            )
-        self._fingerprint = fingerprint
-        if self.compiled:
-            # Dynamo runs the newest compiled version whose guards pass, so a recompile (a new
-            # shape) changes the kernels every older shape runs too; a graph captured before it
-            # replays the older ones: valid, but no longer what the model computes without
-            # graphs (measured on Z-Image 1024x1024: 0.16 max abs on the latents after 3 steps).
-            compiles = compile_mod.compiled_graph_count()
-            moved = self._compiles is not None and compiles != self._compiles
-            if moved and self._drop_graphs("inductor compiled again (a new shape)", logging.INFO):
-                self.recompile_drops += 1
-            self._compiles = compiles
+    @property
+    def recompile_drops(self) -> int:
+        """How often a recompile dropped this module's graphs (compiled only)."""
+        return self.follower.recompile_drops
 
-    def _follow_caches(self) -> bool:
-        """Install rules for the step caches found on the denoiser, or switch graphs off while a
-        hook nobody wrote a rule for is on it; False while graphs are off for that reason."""
-        caches = self.caches
-        if caches is None:
-            return True
-        changed = caches.refresh(graphs=self._recipe_installed and not self._offloaded)
-        if changed and self.compiled:
-            self._undo_arrangement()
-            if caches.present:
-                self._arranged = compile_mod.arrange_for_hooks(self._module_ref())
-        if not self._recipe_installed:
-            return True
-        if caches.refused is not None:
-            if self._refused_by_caches is None:
-                self.runner.release()
-                self._deactivate(caches.refused)
-            self._refused_by_caches = caches.refused
-            return False
-        if self._refused_by_caches is not None:
-            logger.info("%s: the hooks that kept graphs off are gone; graphs are used again", self.name)
-            self._refused_by_caches = None
-            self.active = True
-            self.runner.enabled = True
-            self.inactive_reason = None
-        if changed:
-            self._drop_graphs("the step caches on it changed", logging.INFO)
-        self.runner.key_extra = caches.key if caches.active else None
-        self.runner.state = caches if caches.active else None
-        return True
+    def _reactivate(self) -> None:
+        self.active = True
+        self.runner.enabled = True
+        self.inactive_reason = None
 
     def new_call(self) -> None:
         """Where a pipeline call begins (after :meth:`follow_weights`)."""
         if self.caches is not None and self.caches.active:
             self.caches.new_call()
             self.runner.new_sequence()
-
-    def _undo_arrangement(self) -> None:
-        if self._arranged is not None:
-            self._arranged()
-            self._arranged = None
-
-    def _drop_graphs(self, why: str, level: int) -> int:
-        dropped = self.runner.release(recapture=True)
-        if dropped:
-            logger.log(
-                level, "%s: %s; dropped %d graphs, each is captured again on its next call", self.name, why, dropped
-            )
-        return dropped
 
 
 def graph_hook_of(module: torch.nn.Module) -> GraphHook | None:
