@@ -28,7 +28,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "bfloat16": "bfloat16", "bf16": "bfloat16"}  # fmt: skip
 CACHES = ("fbc", "taylorseer", "magcache", "dbcache")
 
-# Mirrors of pipelines.limits (which imports torch); tests/test_cli_fast.py keeps them equal.
+# Mirrors of pipelines.limits (which imports torch); tests/pipelines/cli/test_startup.py keeps them equal.
 MAX_SEED = 2**63 - 1
 MAX_STEPS = 1000
 MEMORY_MARGIN = 1.5

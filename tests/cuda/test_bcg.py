@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from toy import ToyTransformer, eager_scale, scale_by_host_list
 
 from accel import (
     BreakableCUDAGraph,
@@ -19,6 +18,7 @@ from accel import (
     capture,
     eager_on_graph,
 )
+from tests.helpers.toy import ToyTransformer, eager_scale, scale_by_host_list
 
 pytestmark = pytest.mark.cuda
 

@@ -1,4 +1,4 @@
-"""Decisions under real CUDA graphs: the toy step cache of tests/test_branches.py on the GPU.
+"""Decisions under real CUDA graphs: the toy step cache of tests/graphs/test_branches.py on the GPU.
 
 Two input shapes share one pool, replayed in shuffled order with allocator churn between calls;
 every output buffer and boundary buffer is NaN-poisoned before each call, so a replay that skips a
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from toy_cache import ToyCache, toy_forward
 
 from accel import GraphRunner
 from accel.graphs.tree import tensors
+from tests.helpers.toy_cache import ToyCache, toy_forward
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
