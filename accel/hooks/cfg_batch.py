@@ -20,7 +20,7 @@ kernels too small to fill the GPU, so one call at batch 2 costs far less than tw
 * What changes is the batch, not the arithmetic in real numbers: recipes join only calls already
   normalised to within bf16 noise of eager (Qwen-Image's padded text), never where the library
   promises bit-for-bit output.
-* Under ``parallel="ulysses"`` the hook sits outside the :class:`~accel.parallel.ParallelHook`:
+* Under ``parallel="ulysses"`` the hook sits outside the :class:`~accel.parallel.cfg_split.ParallelHook`:
   the joined call is what every rank of the group computes together, and the recipe is told the
   group's size (``degree``), since each rank then computes a share of the sequence.
 """
