@@ -4,12 +4,21 @@
     accelerate_pipeline(pipe)
     pipe.accel.warmup([(512, 512), (1024, 1024)])
 
-The graph core (:mod:`accel.bcg`) and the runner (:mod:`accel.runner`) work on any callable;
-:mod:`accel.pipeline` applies them to diffusers pipelines through model recipes
-(:mod:`accel.hook`, :mod:`accel.guard`, :mod:`accel.warmup`; options in :mod:`accel.options`).
+Three layers, each importing only those before it:
+
+* :mod:`accel.graphs`: the torch-only core. Breakable graphs (:mod:`accel.graphs.bcg`) and their
+  runner (:mod:`accel.graphs.runner`) work on any callable.
+* :mod:`accel.hooks`: the diffusers integration. :func:`accelerate_pipeline` applies graph runners
+  to a pipeline's modules through model recipes (:class:`Recipe`).
+* :mod:`accel.parallel`: one image on several GPUs (``parallel=``).
+
+The names below are the public API; model recipes and front ends (the ``pipelines`` package)
+use only these, plus :mod:`accel.hooks.options`, which needs only the standard library and is
+read by the command line before torch is imported.
 """
 
-from .bcg import (
+from .graphs import tree
+from .graphs.bcg import (
     BreakableCUDAGraph,
     BreakError,
     CopyBackError,
@@ -19,30 +28,57 @@ from .bcg import (
     eager_on_graph,
     is_capturing,
 )
-from .options import AcceleratorOptions, GenerationDefaults
-from .pipeline import PipelineAccelerator, accelerate_pipeline
-from .pool import GraphPool
-from .runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
-from .warmup import WarmupReport
+from .graphs.errors import BCGError
+from .graphs.patches import patch, unpatched
+from .graphs.pool import GraphPool
+from .graphs.runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
+from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
+from .hooks.guard import BusyError
+from .hooks.options import AcceleratorOptions
+from .hooks.recipe import (
+    GenerationDefaults,
+    GenericRecipe,
+    Recipe,
+    RecipeError,
+    check_heads_divisible,
+    recipe_for,
+    register_recipe,
+)
+from .hooks.warmup import WarmupReport
+from .parallel import ParallelConfigError, ParallelError
 
 __all__ = [
+    "DENOISER_NAMES",
     "AcceleratorOptions",
+    "BCGError",
     "BreakError",
     "BreakableCUDAGraph",
+    "BusyError",
     "CopyBackError",
     "GenerationDefaults",
+    "GenericRecipe",
     "GraphMemoryBudgetError",
     "GraphPool",
     "GraphRunner",
     "NestedBreakError",
+    "ParallelConfigError",
+    "ParallelError",
     "PipelineAccelerator",
+    "Recipe",
+    "RecipeError",
     "RunnerStats",
     "WarmupReport",
     "accelerate_pipeline",
     "break_graph",
     "capture",
+    "check_heads_divisible",
     "eager_on_graph",
     "is_capturing",
+    "patch",
+    "recipe_for",
+    "register_recipe",
+    "tree",
+    "unpatched",
 ]
 
 __version__ = "0.1.0"

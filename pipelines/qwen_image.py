@@ -31,16 +31,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from accel import tree
-from accel.bcg import eager_on_graph
-from accel.options import GenerationDefaults
-from accel.recipe import Recipe
+from accel import GenerationDefaults, Recipe, eager_on_graph, patch, tree, unpatched
 
 logger = logging.getLogger(__name__)
 
@@ -56,35 +52,21 @@ CFG_BRANCHES = {"cond": 0, "uncond": 1}
 BATCHED_TENSORS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance")
 PER_SAMPLE_LISTS = ("img_shapes", "txt_seq_lens")
 
-_patch_lock = threading.Lock()
-_patch_users: dict[str, int] = {}
-_patch_originals: dict[str, Callable[..., Any]] = {}
-
 
 def _mark_mask_helper(modname: str) -> Callable[[], None]:
-    """Mark the module-level mask helper eager; reference-counted across denoisers."""
+    """Mark the module-level mask helper eager while the returned undo is not called (each
+    denoiser's install holds one patch; the last undo puts diffusers' function back)."""
     mod = sys.modules[modname]
-    with _patch_lock:
-        if _patch_users.get(modname, 0) == 0:
-            original = mod.compute_text_seq_len_from_mask
-            _patch_originals[modname] = original
-            eager = eager_on_graph(original, name="qwen-image text mask to length")
+    original = unpatched(mod, "compute_text_seq_len_from_mask")
+    eager = eager_on_graph(original, name="qwen-image text mask to length")
 
-            def compute_text_seq_len_from_mask(encoder_hidden_states, encoder_hidden_states_mask):  # type: ignore[no-untyped-def]
-                # Without a mask the helper only reads a shape: no need to split the graph.
-                fn = original if encoder_hidden_states_mask is None else eager
-                return fn(encoder_hidden_states, encoder_hidden_states_mask)
+    def compute_text_seq_len_from_mask(encoder_hidden_states, encoder_hidden_states_mask):  # type: ignore[no-untyped-def]
+        # Without a mask the helper only reads a shape: no need to split the graph.
+        fn = original if encoder_hidden_states_mask is None else eager
+        return fn(encoder_hidden_states, encoder_hidden_states_mask)
 
-            mod.compute_text_seq_len_from_mask = compute_text_seq_len_from_mask
-        _patch_users[modname] = _patch_users.get(modname, 0) + 1
-
-    def undo() -> None:
-        with _patch_lock:
-            _patch_users[modname] -= 1
-            if _patch_users[modname] == 0:
-                mod.compute_text_seq_len_from_mask = _patch_originals.pop(modname)
-
-    return undo
+    why = "qwen-image: the text-mask helper as an eager break"
+    return patch(mod, "compute_text_seq_len_from_mask", compute_text_seq_len_from_mask, why=why).undo
 
 
 def _pad_text(kwargs: dict[str, Any], length: int) -> dict[str, Any]:

@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from accel.options import GenerationDefaults
-from accel.recipe import Recipe
+from accel import GenerationDefaults, Recipe
 
 logger = logging.getLogger(__name__)
 

@@ -292,7 +292,7 @@ class Bench:
 
     def _counts(self) -> Any:
         accel = self.pipe.__dict__.get("accel")
-        hook = accel._hooks.get("transformer") if accel is not None else None
+        hook = accel.hooks.get("transformer") if accel is not None else None
         caches = hook.caches if hook is not None else None
         return caches.rules[0].counts if caches is not None and caches.rules else None
 

@@ -18,7 +18,7 @@ and runs, per resolution, the same pipeline call (same prompt, seed and steps) i
 * ``cfg+ulysses eager`` / ``graphs`` on 4 or more ranks.
 * with ``--branches-apart``, Qwen-Image's ``ulysses graphs`` again with ``cfg_batch=False``
   (``ulysses graphs, branches apart``): its two guidance calls one after the other rather than
-  joined into one batch-2 call (see ``accel.cfg_batch``).
+  joined into one batch-2 call (see ``accel.hooks.cfg_batch``).
 
 Latency: the wall time of the whole pipeline call on rank 0 (``output_type="latent"`` by default:
 text encoding and denoising, no VAE decode, which every rank repeats alike), from a barrier and

@@ -2,7 +2,7 @@
 
 Nothing here imports torch, diffusers or accel's package: ``--help`` and a mistyped option
 answer in a fraction of a second instead of the 3-5 s those imports take. The few constants the
-parser needs come from ``accel/options.py`` (stdlib only), loaded on its own, and from
+parser needs come from ``accel/hooks/options.py`` (stdlib only), loaded on its own, and from
 :mod:`pipelines.limits`, mirrored below and kept equal by a test.
 """
 
@@ -28,7 +28,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "bfloat16": "bfloat16", "bf16": "bfloat16"}  # fmt: skip
 CACHES = ("fbc", "taylorseer", "magcache", "dbcache")
 
-# Mirrors of pipelines.limits (which imports torch); tests/test_cli_fast.py keeps them equal.
+# Mirrors of pipelines.limits (which imports torch); tests/pipelines/cli/test_startup.py keeps them equal.
 MAX_SEED = 2**63 - 1
 MAX_STEPS = 1000
 MEMORY_MARGIN = 1.5
@@ -36,31 +36,31 @@ MEMORY_MARGIN = 1.5
 
 @cache
 def accel_options() -> ModuleType:
-    """``accel.options`` without running ``accel/__init__`` (which imports torch and diffusers).
+    """``accel.hooks.options`` without running ``accel/__init__`` (which imports torch and diffusers).
 
     The file needs only the standard library, so it is executed on its own under a private name.
     Should it ever need the rest of accel, loading it alone fails and the real module is used:
     slower, never wrong.
     """
-    real = sys.modules.get("accel.options")
+    real = sys.modules.get("accel.hooks.options")
     if real is not None:
         return real
     name = "pipelines.cli._accel_options"
     try:
         package = importlib.util.find_spec("accel")  # a top-level find_spec imports nothing
         locations = list(package.submodule_search_locations or []) if package else []
-        spec = importlib.util.spec_from_file_location(name, Path(locations[0]) / "options.py")
+        spec = importlib.util.spec_from_file_location(name, Path(locations[0]) / "hooks" / "options.py")
         if spec is None or spec.loader is None:
-            raise ImportError("accel/options.py not found")
+            raise ImportError("accel/hooks/options.py not found")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses look their module up while the file runs
         spec.loader.exec_module(module)
         return module
     except Exception:
         sys.modules.pop(name, None)
-        import accel.options
+        import accel.hooks.options
 
-        return accel.options
+        return accel.hooks.options
 
 
 def _resolution(text: str) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Model defaults: steps and guidance from the model's recipe (accel.recipe.Recipe.generation_defaults)
+"""Model defaults: steps and guidance from the model's recipe (accel.Recipe.generation_defaults)
 or, for pipelines the generic recipe serves, from the table below; sizes and frames by model."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .arguments import DEFAULT_RESOLUTION
 
 if TYPE_CHECKING:  # accel imports torch: not before it is needed
-    from accel.options import GenerationDefaults
+    from accel import GenerationDefaults
 
 # Pipelines whose denoisers have no recipe of their own (accel's GenericRecipe serves them, and
 # knows no model), run as their model cards run them. FLUX.1-dev: 28 steps, guidance 3.5 fed to
@@ -30,9 +30,7 @@ _VIDEO_DEFAULTS: dict[str, tuple[tuple[int, int], int]] = {"tiny": ((256, 256), 
 
 def generation_defaults(pipe: Any) -> GenerationDefaults:
     """How ``pipe`` is usually run: its recipe's defaults, else the table's, else what its signature allows."""
-    from accel.options import GenerationDefaults
-    from accel.pipeline import DENOISER_NAMES
-    from accel.recipe import recipe_for
+    from accel import DENOISER_NAMES, GenerationDefaults, recipe_for
 
     for name in DENOISER_NAMES:
         module = getattr(pipe, name, None)

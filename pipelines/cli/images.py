@@ -26,7 +26,7 @@ def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str
     import numpy as np
     import torch
 
-    from accel.parallel import ParallelError
+    from accel import ParallelError
 
     try:
         output = pipe(**kwargs)

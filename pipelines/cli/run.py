@@ -254,7 +254,7 @@ def _run(args: argparse.Namespace) -> int:
     warmup_seconds = 0.0
     accelerated = mode != "eager" or args.parallel is not None
     if accelerated:
-        from accel.pipeline import accelerate_pipeline
+        from accel import accelerate_pipeline
 
         options: dict[str, Any] = {}
         if args.parallel is not None:

@@ -17,7 +17,7 @@ report        results.md
 plots         step_time.png, graph_memory.png
 merge         one report from several runs (``--merge``)
 
-Nested call arguments and outputs are walked with ``accel.tree`` (``tensors``, ``clone``), the
+Nested call arguments and outputs are walked with ``accel.graphs.tree`` (``tensors``, ``clone``), the
 library's one traversal. Nothing here imports diffusers at import time, so the compile-cache
 folder can be set first.
 """

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from accel import tree
+from accel.graphs import tree
 
 from .rows import err_text
 from .settings import SEED, pipe_kwargs, say
@@ -17,7 +17,7 @@ def register_recipes() -> None:
     """Recipes are found through entry points once the project is installed; a plain checkout
     (PYTHONPATH) has none, so register them by hand. Harmless when installed."""
     try:
-        from accel.recipe import register_recipe
+        from accel.hooks.recipe import register_recipe
         from pipelines.qwen_image import QwenImageRecipe
         from pipelines.z_image import ZImageRecipe
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from accel import tree
+from accel.graphs import tree
 
 from .rows import err_text, rnd
 from .settings import MiB

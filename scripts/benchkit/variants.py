@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from accel import tree
-from accel.cfg_batch import cfg_batch_hook_of
+from accel.graphs import tree
+from accel.hooks.cfg_batch import cfg_batch_hook_of
 
 from .calls import accelerate, compiled_blocks, denoiser_name
 from .measure import MemWatch, free_memory
@@ -80,7 +80,7 @@ def accelerated(bench: ModelBench, row: CaseRow, case: Case, *, e2e: bool, **opt
         row.capture_only_s = rnd(st0.capture_seconds, 3)
         row.segments_per_graph = st0.segments_per_entry
         if bench.cfg and cfg_batch_hook_of(getattr(pipe, name)) is not None:
-            # The pipeline's calls join both guidance branches at batch 2 (accel.cfg_batch); the
+            # The pipeline's calls join both guidance branches at batch 2 (accel.hooks.cfg_batch); the
             # step timed here is one branch's forward at batch 1, captured apart, untimed.
             accel.warmup([case.wh], prompts=[PROMPT], cfg=False, progress=False)
             st0 = accel.stats()[name]
@@ -121,7 +121,7 @@ def graph(bench: ModelBench, row: CaseRow, case: Case) -> None:
     if not clock.cuda:
         row.fail("skipped", "needs CUDA (torch.cuda.CUDAGraph)")
         return
-    from accel.pool import GraphPool
+    from accel.graphs.pool import GraphPool
 
     fn = bench.stock(case)
     with MemWatch(clock) as mem:

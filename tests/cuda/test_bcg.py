@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-from toy import ToyTransformer, eager_scale, scale_by_host_list
 
 from accel import (
     BreakableCUDAGraph,
@@ -19,6 +18,7 @@ from accel import (
     capture,
     eager_on_graph,
 )
+from tests.helpers.toy import ToyTransformer, eager_scale, scale_by_host_list
 
 pytestmark = pytest.mark.cuda
 
@@ -36,7 +36,7 @@ def _inputs(b: int, s: int, d: int = 128, seed: int | None = None) -> tuple[torc
 
 def _poison(runner: GraphRunner) -> None:
     """NaN-fill every captured output and boundary buffer: a replay that skips a write shows."""
-    for entry in runner._entries.values():
+    for entry in runner.store.entries.values():
         for chain in entry.tree.chains.values():
             for t in _tensors(chain.output):
                 if t.is_floating_point():
@@ -48,7 +48,7 @@ def _poison(runner: GraphRunner) -> None:
 
 
 def _tensors(obj):
-    from accel.tree import tensors
+    from accel.graphs.tree import tensors
 
     return tensors(obj)
 
@@ -88,7 +88,7 @@ def test_debug_mode_runs_whole_call_as_one_break() -> None:
     x, t = _inputs(1, 32)
     with runner.capturing():
         runner(x, t)
-    entry = next(iter(runner._entries.values()))
+    entry = next(iter(runner.store.entries.values()))
     (chain,) = entry.tree.chains.values()
     assert chain.graph.num_segments == 2 and len(chain.graph.breaks) == 1
     for _ in range(3):
@@ -228,7 +228,7 @@ def test_miss_runs_eagerly_and_capture_failure_blocks_signature(caplog) -> None:
     with runner.capturing():
         runner(x, t)
     x2, t2 = _inputs(1, 48)
-    with caplog.at_level("INFO", logger="accel.runner"):
+    with caplog.at_level("INFO", logger="accel.graphs.runner"):
         assert torch.equal(runner(x2, t2), model(x2, t2))
     assert runner.stats().misses == 1
     assert "args[0]: tensor[1, 48, 128]" in caplog.text

@@ -1,4 +1,4 @@
-"""Decisions under real CUDA graphs: the toy step cache of tests/test_branches.py on the GPU.
+"""Decisions under real CUDA graphs: the toy step cache of tests/graphs/test_branches.py on the GPU.
 
 Two input shapes share one pool, replayed in shuffled order with allocator churn between calls;
 every output buffer and boundary buffer is NaN-poisoned before each call, so a replay that skips a
@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 import torch
-from toy_cache import ToyCache, toy_forward
 
 from accel import GraphRunner
-from accel.tree import tensors
+from accel.graphs.tree import tensors
+from tests.helpers.toy_cache import ToyCache, toy_forward
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
 
 
 def _poison(runner: GraphRunner) -> None:
-    for entry in runner._entries.values():
+    for entry in runner.store.entries.values():
         for chain in entry.tree.chains.values():
             for t in [*tensors(chain.output), *(t for b in chain.graph.breaks for t in tensors(b.buffer))]:
                 if t.is_floating_point():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from accel import accelerate_pipeline
-from accel.tree import tensors
+from accel.graphs.tree import tensors
 from pipelines.builders import build_pipeline
 
 pytestmark = pytest.mark.cuda
@@ -40,7 +40,7 @@ def _call(pipe, name: str, prompt: str, wh, seed: int) -> torch.Tensor:
 
 
 def _poison(pipe) -> None:
-    for entry in pipe.accel.runners["transformer"]._entries.values():
+    for entry in pipe.accel.runners["transformer"].store.entries.values():
         for chain in entry.tree.chains.values():
             for t in [*tensors(chain.output), *(t for b in chain.graph.breaks for t in tensors(b.buffer))]:
                 if t.is_floating_point():
@@ -141,7 +141,7 @@ def _check(pipe, name: str, cache: str, compiled: bool) -> list[str]:
             del junk
     st = pipe.accel.stats()["transformer"]
     print(pipe.accel.report())
-    hook = pipe.accel._hooks["transformer"]
+    hook = pipe.accel.hooks["transformer"]
     assert hook.active and hook.caches.active, hook.inactive_reason
     assert st.eager_calls == st0.eager_calls, "a call ran eagerly: the warm-up missed a path"
     assert hook.caches.rules[0].counts.total_steps[1] > 0, "no step was cached"

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from accel import accelerate_pipeline
-from accel.cfg_batch import cfg_batch_hook_of
+from accel.hooks.cfg_batch import cfg_batch_hook_of
 from pipelines.builders import build_pipeline
+from tests.helpers.generate import generate
 
 pytestmark = pytest.mark.cuda
 
@@ -26,16 +27,10 @@ STEPS = 4
 
 
 def _call(pipe, prompt: str, wh, seed: int) -> torch.Tensor:
-    return pipe(
-        prompt=prompt,
-        negative_prompt=NEGATIVE,
-        width=wh[0],
-        height=wh[1],
-        num_inference_steps=STEPS,
-        true_cfg_scale=4.0,
-        generator=torch.Generator("cuda").manual_seed(seed),
-        output_type="latent",
-    ).images
+    # Qwen-Image: true_cfg_scale
+    return generate(
+        pipe, prompt, size=wh, steps=STEPS, negative_prompt=NEGATIVE, guidance=4.0, seed=seed, device="cuda"
+    )
 
 
 @torch.no_grad()

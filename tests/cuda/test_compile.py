@@ -15,6 +15,7 @@ import torch
 
 from accel import accelerate_pipeline
 from pipelines.builders import build_pipeline
+from tests.helpers.generate import generate
 
 pytestmark = pytest.mark.cuda
 
@@ -23,17 +24,8 @@ PROMPTS = ["a red fox in fresh snow at dawn", "an isometric cutaway of a tiny un
 
 
 def _call(pipe, name: str, prompt: str, wh, seed: int) -> torch.Tensor:
-    guidance = dict(true_cfg_scale=4.0) if name == "qwen-image" else dict(guidance_scale=4.0)
-    return pipe(
-        prompt=prompt,
-        negative_prompt="blurry, low quality",
-        width=wh[0],
-        height=wh[1],
-        num_inference_steps=3,
-        generator=torch.Generator("cuda").manual_seed(seed),
-        output_type="latent",
-        **guidance,
-    ).images
+    negative = "blurry, low quality"
+    return generate(pipe, prompt, size=wh, steps=3, negative_prompt=negative, guidance=4.0, seed=seed, device="cuda")
 
 
 def _without_graphs(pipe, *args) -> torch.Tensor:

@@ -1,0 +1,177 @@
+"""One capture of a call signature's decision path, its check against eager, and the gc session around captures.
+
+:func:`attempt` warms the call up on the pool's capture stream and captures it into a new
+:class:`~accel.graphs.branches.Chain`, or raises (nothing is kept). :func:`verify` compares one
+replay of that chain with an eager run of the same inputs, bit for bit. Both leave the state a
+call's breaks keep across calls (:class:`~accel.graphs.entries.StepState`) as it was, so a
+capture has the effect of exactly one call. :func:`capture_session` keeps the garbage collector
+off while graphs are captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import bcg, tree
+from .branches import Chain, GraphTree
+from .entries import Entry, StepState
+from .errors import BreakError
+
+if TYPE_CHECKING:
+    from .pool import GraphPool
+    from .runner import RunnerConfig
+
+__all__ = ["CaptureScope", "attempt", "capture_session", "verify"]
+
+CaptureScope = Callable[[], contextlib.AbstractContextManager[list]]
+
+# Capture sessions of all threads together: the first to open takes the collector's state and
+# turns it off, the last to close restores it, whatever order they close in.
+_session_lock = threading.RLock()  # re-entrant: a finaliser run by gc.collect() may open a session
+_session_depth = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def capture_session() -> Iterator[None]:
+    """Collect garbage once and keep the collector off while graphs are captured.
+
+    A collection in the middle of a capture can run finalisers that touch CUDA; collecting once
+    per session rather than per segment keeps capture fast. Re-entrant, and shared by threads:
+    the collector is back to its state before the first session only when the last one closes.
+    """
+    _open_session()
+    try:
+        yield
+    finally:
+        _close_session()
+
+
+def _open_session() -> None:
+    global _session_depth, _gc_was_enabled
+    with _session_lock:
+        _session_depth += 1
+        if _session_depth > 1:
+            return
+        _gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            gc.collect()  # under the lock: no other thread starts capturing while finalisers run
+        except BaseException:
+            _close_session()
+            raise
+
+
+def _close_session() -> None:
+    global _session_depth
+    with _session_lock:
+        _session_depth -= 1
+        if _session_depth == 0 and _gc_was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _as_one_call(state: StepState | None) -> Iterator[Callable[[], None]]:
+    """Around a capture's runs: yields a function that puts ``state`` back as it was when the
+    block began (called after each run); the block leaves it so too."""
+    if state is None:
+        yield lambda: None
+        return
+    snapshot = state.snapshot()
+    try:
+        yield lambda: state.restore(snapshot)
+    finally:
+        state.restore(snapshot)
+
+
+def attempt(
+    fn: Callable[..., Any],
+    name: str,
+    config: RunnerConfig,
+    pool: GraphPool,
+    entry: Entry,
+    memo: bcg.Memo | None,
+    *,
+    scope: CaptureScope | None,
+    state: StepState | None,
+    check_budget: Callable[[bcg.BreakableCUDAGraph], None],
+    verified: bool,
+) -> Chain:
+    """One warm-up and capture of a path of ``entry``'s signature (the first if ``memo`` is
+    None); raises on any failure (nothing kept). ``check_budget`` raises when the new graph
+    would not fit; ``verified``: the chain must equal an eager run (:func:`verify`)."""
+    sig, static_inputs = entry.signature, entry.static_inputs
+    target = fn
+    if config.debug:
+        target = bcg.eager_on_graph(fn, name=f"{name} (debug: whole call eager)", inline_nested=True)
+    t0 = time.perf_counter()
+    graph = bcg.BreakableCUDAGraph()
+    try:
+        with torch.inference_mode(False), torch.no_grad(), _as_one_call(state) as restore:
+            opened = scope() if scope is not None else contextlib.nullcontext([])
+            with pool.lock, opened as keepalive:
+                caller = torch.cuda.current_stream(pool.device)
+                pool.stream.wait_stream(caller)
+                # Fresh containers for every run: a callee that fills a list it is given
+                # (a causal VAE's feature cache) must find it as the caller built it.
+                with torch.cuda.stream(pool.stream):
+                    for _ in range(config.warmup_runs):
+                        args, kwargs = sig.rebuild(static_inputs)
+                        with bcg.rerun(memo):
+                            fn(*args, **kwargs)
+                        restore()
+                pool.stream.synchronize()
+                args, kwargs = sig.rebuild(static_inputs)
+                with bcg.capture(graph, pool=pool.handle_for(graph), stream=pool.stream, memo=memo):
+                    output = target(*args, **kwargs)
+                caller.wait_stream(pool.stream)
+                pool.stream.synchronize()
+                restore()
+            if graph.num_segments > config.max_segments:
+                raise BreakError(f"{graph.num_segments} segments exceed max_segments={config.max_segments}")
+            check_budget(graph)
+            chain = Chain(graph, output, list(keepalive), time.perf_counter() - t0)
+            if verified:
+                verify(fn, name, pool, entry, chain, memo, restore)
+        return chain
+    except BaseException:
+        graph.reset()
+        raise
+
+
+def verify(
+    fn: Callable[..., Any],
+    name: str,
+    pool: GraphPool,
+    entry: Entry,
+    chain: Chain,
+    memo: bcg.Memo | None,
+    restore: Callable[[], None],
+) -> None:
+    """Raise unless one replay of ``chain`` equals an eager run of the same inputs bit for bit.
+
+    Breaks found automatically are only as safe as the function's purity, which nothing can
+    prove from outside; this comparison is the evidence, for the warmed inputs.
+    """
+    args, kwargs = entry.signature.rebuild(entry.static_inputs)
+    with torch.inference_mode(False), torch.no_grad():
+        with bcg.rerun(memo):
+            expected = tree.clone(fn(*args, **kwargs))
+        restore()
+        trial = GraphTree()
+        trial.add(chain)
+        got = entry.replay(pool, trial, None, memo)
+        restore()
+    want, have = tree.tensors(expected), tree.tensors(got)
+    same = len(want) == len(have) and all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, have)
+    )
+    if not same:
+        raise BreakError(f"{name}: the graph's output differs from an eager run of the same inputs")

@@ -1,0 +1,82 @@
+"""A CUDA-graph memory pool and capture stream that several graph runners share.
+
+All segments of all captured signatures of all denoisers of a pipeline allocate from one pool:
+only one graph replays at a time, so their intermediates can overlay. The pool also serialises
+replays (a lock for threads, an event for streams), because two graphs replaying at once would
+write the same blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from .errors import BCGError
+
+__all__ = ["GraphPool"]
+
+
+class GraphPool:
+    """One graph memory pool, capture stream and replay lock on one CUDA device."""
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise BCGError("GraphPool needs a CUDA device; none is available")
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"GraphPool needs a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        with torch.cuda.device(device):
+            self.handle = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)
+        self.lock = threading.RLock()
+        self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._last_replay_stream: torch.cuda.Stream | None = None
+        self._last_replay_done = torch.cuda.Event()
+
+    def handle_for(self, graph: Any) -> Any:
+        """The pool handle to capture ``graph`` into, registering it as a user of the pool.
+
+        Torch frees a private pool once the last graph using it is gone, and a freed pool's
+        handle cannot take new captures. When no registered graph holds segments any more
+        (all were released, evicted, invalidated or failed), a fresh handle is taken.
+        """
+        if not any(g.num_segments for g in self._graphs):
+            with torch.cuda.device(self.device):
+                self.handle = torch.cuda.graph_pool_handle()
+        self._graphs.add(graph)
+        return self.handle
+
+    def order_after_last_replay(self, stream: torch.cuda.Stream) -> None:
+        """Make ``stream`` wait for the last replay if that ran on another stream (no host sync).
+
+        Call with :attr:`lock` held, before a replay.
+        """
+        if self._last_replay_stream is not None and self._last_replay_stream != stream:
+            stream.wait_event(self._last_replay_done)
+
+    def mark_replay_done(self, stream: torch.cuda.Stream) -> None:
+        """Record that the last replay's work (including the output copy) was issued on ``stream``."""
+        self._last_replay_stream = stream
+        self._last_replay_done.record(stream)
+
+    def _allocator_segments(self) -> list[dict]:
+        """The caching allocator's segments (not graph segments) that belong to this pool."""
+        pool = tuple(self.handle)
+        return [
+            s
+            for s in torch.cuda.memory._snapshot(self.device)["segments"]  # type: ignore[attr-defined]
+            if tuple(s.get("segment_pool_id", ())) == pool and s.get("device", self.device.index) == self.device.index
+        ]
+
+    def resident_bytes(self) -> int:
+        """Device memory the pool holds (reserved segments), whether or not a graph uses it now."""
+        return sum(s["total_size"] for s in self._allocator_segments())
+
+    def __repr__(self) -> str:
+        return f"GraphPool(device={self.device}, handle={tuple(self.handle)})"

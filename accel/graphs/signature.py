@@ -1,0 +1,140 @@
+"""Call signatures: what must match for a captured graph to serve a call.
+
+A signature is the call's structure (positional and keyword arguments and every container in
+them, as :mod:`accel.graphs.tree` sees arguments) and a key per leaf: a tensor by (shape, dtype,
+device), a literal constant by (type, value), anything else by identity. Two calls with equal
+signatures can share one graph: tensor values are copied into static buffers, everything else
+was baked into the graph at capture.
+
+Literals are matched with their type, so ``True``, ``1`` and ``1.0`` never share a graph.
+Objects matched by identity (a module, a callback, a plain object) are held by the signature, so
+their ids cannot be reused by other objects while a graph keyed on them exists.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import tree
+
+__all__ = ["Signature", "describe_diff", "flatten"]
+
+# Matched by value: immutable, so a graph that baked one in serves any equal one (torch.Size too).
+_LITERALS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, torch.Size)
+_BY_IDENTITY = "identity"  # first item of an identity leaf key; tensor and literal keys start with a type
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A hashable call signature plus what is needed to rebuild the call around new tensors.
+
+    ``key`` is ``(spec key, leaf keys)``; ``objects`` holds the identity-matched objects strongly
+    (a graph baked them in). ``spec`` and ``template`` (the call's leaves with ``None`` in place
+    of every tensor, so the caller's tensors are not kept alive) serve :meth:`rebuild`.
+    """
+
+    key: Hashable
+    objects: tuple[Any, ...]
+    spec: tree.TreeSpec = field(compare=False, repr=False)
+    template: tuple[Any, ...] = field(compare=False, repr=False)
+    tensor_at: tuple[int, ...] = field(compare=False, repr=False)
+
+    @property
+    def leaf_keys(self) -> tuple[Hashable, ...]:
+        return self.key[1]  # type: ignore[index]
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Rebuild ``(args, kwargs)`` from this signature with ``tensors`` as the tensor leaves."""
+        leaves = list(self.template)
+        for i, t in zip(self.tensor_at, tensors):
+            leaves[i] = t
+        args, kwargs = tree.unflatten(leaves, self.spec)
+        return args, kwargs
+
+
+def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Signature, list[torch.Tensor]]:
+    """Signature of a call and its tensor leaves, in a fixed order (keywords sorted by name)."""
+    leaves, structure, spec = tree.structure((tuple(args), dict(sorted(kwargs.items()))), into_objects=False)
+    keys: list[Hashable] = []
+    tensors: list[torch.Tensor] = []
+    tensor_at: list[int] = []
+    objects: list[Any] = []
+    template = list(leaves)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            keys.append((torch.Tensor, tuple(leaf.shape), leaf.dtype, leaf.device))
+            tensors.append(leaf)
+            tensor_at.append(i)
+            template[i] = None
+        elif isinstance(leaf, _LITERALS):
+            keys.append((type(leaf), leaf))
+        else:
+            keys.append((_BY_IDENTITY, type(leaf), id(leaf)))
+            objects.append(leaf)
+    key = (structure, tuple(keys))
+    return Signature(key, tuple(objects), spec, tuple(template), tuple(tensor_at)), tensors
+
+
+# --------------------------------------------------------------------------------------------
+# Explaining a miss
+# --------------------------------------------------------------------------------------------
+def _describe_leaf(key: Hashable) -> str:
+    head, *rest = key  # type: ignore[misc]
+    if head is torch.Tensor:
+        shape, dtype, device = rest
+        return f"tensor{list(shape)} {str(dtype).replace('torch.', '')} on {device}"
+    if head == _BY_IDENTITY:
+        cls = rest[0]
+        return f"<{cls.__module__}.{cls.__qualname__} object>"
+    return repr(rest[0])
+
+
+def _describe(sig: Signature, spec: tree.TreeSpec, first_leaf: int) -> str:
+    return _describe_leaf(sig.leaf_keys[first_leaf]) if spec.is_leaf() else tree.describe(spec)
+
+
+def _diffs(call: Signature, captured: Signature, a: Any, b: Any, path: str, ia: int, ib: int, out: list[str]) -> None:
+    for step in tree.align(a, b, path, ia, ib):
+        if step.leaves:
+            ka, kb = call.leaf_keys[step.a_leaf], captured.leaf_keys[step.b_leaf]
+            if ka != kb:
+                out.append(f"{step.path}: {_describe_leaf(ka)} vs {_describe_leaf(kb)}")
+            continue
+        keys_a, keys_b = tree.mapping_keys(step.a), tree.mapping_keys(step.b)
+        if keys_a is not None and keys_b is not None and keys_a != keys_b:
+            differ = sorted(set(map(str, keys_a)) ^ set(map(str, keys_b)))
+            out.append(f"{step.path}: keys differ ({', '.join(differ) or 'order'})")
+        else:
+            a_text = _describe(call, step.a, step.a_leaf)
+            b_text = _describe(captured, step.b, step.b_leaf)
+            out.append(f"{step.path}: {a_text} vs {b_text}")
+
+
+def describe_diff(call: Signature, captured: Signature) -> list[str]:
+    """Human-readable fields in which ``call`` differs from ``captured`` (call value first).
+
+    Positional arguments are named ``args[i]``, keyword arguments by their name, e.g.
+    ``encoder_hidden_states: tensor[1, 64, 3584] bfloat16 on cuda:0 vs tensor[1, 128, 3584] ...``.
+    """
+    out: list[str] = []
+    if call.key == captured.key:
+        return out
+    (_, args_a), (_, kwargs_a) = tree.named_children(call.spec)
+    (_, args_b), (_, kwargs_b) = tree.named_children(captured.spec)
+    _diffs(call, captured, args_a, args_b, "args", 0, 0, out)
+    ia, ib = args_a.num_leaves, args_b.num_leaves
+    names_a, names_b = tree.mapping_keys(kwargs_a), tree.mapping_keys(kwargs_b)
+    if names_a != names_b:
+        differ = sorted(set(names_a or ()) ^ set(names_b or ()))
+        out.append(f"kwargs: keys differ ({', '.join(differ) or 'order'})")
+        return out
+    for name, (_, ca), (_, cb) in zip(names_a or (), tree.named_children(kwargs_a), tree.named_children(kwargs_b)):
+        _diffs(call, captured, ca, cb, name, ia, ib, out)
+        ia += ca.num_leaves
+        ib += cb.num_leaves
+    return out

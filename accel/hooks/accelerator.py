@@ -1,0 +1,312 @@
+"""``pipe.accel``: the accelerator of one pipeline (:func:`accelerate_pipeline` attaches it).
+
+:class:`PipelineAccelerator` is a facade over what was installed (:mod:`accel.hooks.install`):
+it warms the graphs up (:mod:`accel.hooks.warmup` plans and runs the captures), reports
+(:mod:`accel.hooks.report`), releases graph memory, and restores the pipeline exactly as it was.
+Noise, scheduler steps, guidance and post-processing stay eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..graphs.errors import BCGError
+from ..graphs.pool import GraphPool
+from ..graphs.runner import GraphRunner, RunnerStats
+from .graph_hook import HOOK_NAME, GraphHook, module_device
+from .guard import CallGuard, RequestLock
+from .install import DENOISER_NAMES, Installation, ParallelSession, register_parallel_session
+from .options import MODES, RESOLUTION_MULTIPLE, AcceleratorOptions, with_overrides
+from .recipe import Recipe
+from .report import graph_memory_bytes, report
+from .warmup import WarmupReport, WarmupRow, plan_warmup, run_warmup
+
+__all__ = [
+    "DENOISER_NAMES",
+    "HOOK_NAME",
+    "MODES",
+    "RESOLUTION_MULTIPLE",
+    "PipelineAccelerator",
+    "WarmupReport",
+    "WarmupRow",
+    "accelerate_pipeline",
+    "register_parallel_session",
+]
+
+logger = logging.getLogger(__name__)
+
+_said_no_cuda = False
+
+
+def _say_no_cuda_once(device: torch.device) -> None:
+    # Said once per process, at WARNING: an INFO line a user never sees would leave them
+    # wondering why nothing got faster.
+    global _said_no_cuda
+    if not _said_no_cuda:
+        _said_no_cuda = True
+        why = "CUDA is not available" if not torch.cuda.is_available() else f"the denoiser is on {device}"
+        logger.warning("bcg-diffusers: CUDA graphs are off (%s); the pipeline runs eagerly, unchanged", why)
+
+
+class PipelineAccelerator:
+    """Attached to a pipeline as ``pipe.accel`` by :func:`accelerate_pipeline`.
+
+    Lifecycle verbs: :meth:`warmup` captures graphs, :meth:`release` drops them (and gives their
+    memory back), :meth:`restore` takes everything out of the pipeline, :meth:`shutdown` restores
+    and, with ``parallel=``, leaves the process group.
+    """
+
+    def __init__(self, pipe: Any, options: AcceleratorOptions) -> None:
+        self.pipe = pipe
+        self.options = options
+        self._installed: Installation | None = Installation(pipe, options)
+        device = module_device(self._installed.primary)
+        if options.mode != "eager" and (device.type != "cuda" or not torch.cuda.is_available()):
+            _say_no_cuda_once(device)
+
+    @property
+    def installed(self) -> Installation:
+        """What was installed; RuntimeError once restored."""
+        if self._installed is None:
+            raise BCGError("this accelerator was restored; call accelerate_pipeline(pipe) again to use graphs")
+        return self._installed
+
+    @property
+    def mode(self) -> str:
+        return self.options.mode
+
+    @property
+    def hooks(self) -> dict[str, GraphHook]:
+        """The graph hook of each accelerated module, denoisers first, by component name."""
+        return self._installed.hooks if self._installed is not None else {}
+
+    @property
+    def guard(self) -> CallGuard | None:
+        """The scheduler's call guard (None where the pipeline has no scheduler to hook)."""
+        return self._installed.guard if self._installed is not None else None
+
+    @property
+    def parallel(self) -> ParallelSession | None:
+        """The several-process session (its ``layout``, ``rank``, counters), or None."""
+        return self._installed.parallel if self._installed is not None else None
+
+    @property
+    def runners(self) -> dict[str, GraphRunner]:
+        """The runner of each denoiser and component (``text_encoder``, ``vae.decoder``), by
+        component name (shared with other pipelines that use the same module)."""
+        return {name: h.runner for name, h in self.hooks.items()}
+
+    @property
+    def recipes(self) -> dict[str, Recipe]:
+        """The recipe of each denoiser."""
+        installed = self._installed
+        return {name: installed.hooks[name].recipe for name in installed.denoisers} if installed else {}
+
+    @property
+    def pool(self) -> GraphPool | None:
+        """The graph memory pool this pipeline's graphs live in (None before any CUDA use).
+
+        One pool per pipeline: every signature of every denoiser overlays its intermediates in
+        it (only one graph replays at a time), and :meth:`release` gives all of it back without
+        depending on other pipelines. A denoiser shared with a pipeline accelerated earlier keeps
+        that pipeline's pool.
+        """
+        return next((h.runner.pool for h in self.hooks.values() if h.runner.pool is not None), None)
+
+    @property
+    def found_breaks(self) -> dict[str, list[Any]]:
+        """Where captures failed on operations a graph cannot hold, by component: each a
+        :class:`~accel.graphs.discover.BreakSite` (function, file, line, error)."""
+        return {name: list(h.runner.found_breaks) for name, h in self.hooks.items() if h.runner.found_breaks}
+
+    @property
+    def request_lock(self) -> RequestLock | None:
+        """The lock that serialises this pipeline's calls (shared with pipelines that share its
+        scheduler); None where the pipeline has no scheduler to hook."""
+        return self.guard.lock if self.guard is not None else None
+
+    def stats(self) -> dict[str, RunnerStats]:
+        """Counters of each denoiser's runner, by component name."""
+        return {name: h.runner.stats() for name, h in self.hooks.items()}
+
+    def guidance_batches(self) -> dict[str, tuple[int, int]]:
+        """Per denoiser whose guidance branches may be joined (``cfg_batch``): (pairs run as one
+        batched call, first branches run alone)."""
+        batches = self._installed.cfg_batch if self._installed is not None else {}
+        return {name: (b.joined, b.alone) for name, b in batches.items()}
+
+    def graph_memory_bytes(self) -> int:
+        """Device memory held for graphs: the graph pool(s), static inputs and boundary buffers."""
+        return graph_memory_bytes(self.hooks)
+
+    def report(self) -> str:
+        """A human-readable summary of modes, recipes, counters, graph memory, the patches in
+        place and, where no graph exists, why."""
+        return report(self._installed, type(self.pipe).__name__, self.mode)
+
+    def warmup(
+        self,
+        resolutions: tuple[int, int] | Iterable[tuple[int, int]],
+        *,
+        batch_sizes: Sequence[int] = (1,),
+        cfg: bool | Sequence[bool] = True,
+        prompt_lengths: Sequence[int] | None = None,
+        prompts: Sequence[str] | None = None,
+        negative_prompt: str | None = None,
+        num_inference_steps: int = 2,
+        progress: bool = True,
+    ) -> WarmupReport:
+        """Capture every signature that calls at these settings will hit, largest first.
+
+        Args:
+            resolutions: ``(width, height)`` or a list of them; multiples of 16.
+            batch_sizes: images per call to capture for.
+            cfg: whether calls use classifier-free guidance (``True``, ``False`` or both).
+            prompt_lengths: text lengths in tokens to capture for (after the model's template).
+            prompts: real prompts whose lengths to capture for (instead of ``prompt_lengths``).
+            negative_prompt: the negative prompt real calls will use (its length matters).
+            num_inference_steps: steps of each warm-up call (>= 2; graphs do not depend on it).
+            progress: show a progress bar.
+
+        Returns:
+            A :class:`WarmupReport` with capture seconds (and compile seconds with
+            ``compile=True``), graphs and resident graph memory per resolution; its ``skipped``
+            says why nothing was captured, where nothing was.
+        """
+        installed = self.installed
+        hooks, denoisers = installed.hooks, installed.denoisers
+        primary = hooks[denoisers[0]]
+        plan = plan_warmup(
+            primary.recipe,
+            self.pipe,
+            resolutions,
+            batch_sizes=batch_sizes,
+            cfg=cfg,
+            prompt_lengths=prompt_lengths,
+            prompts=prompts,
+            negative_prompt=negative_prompt,
+            num_inference_steps=num_inference_steps,
+        )
+        if installed.parallel is not None:
+            # Every rank must capture the same cases in the same order.
+            installed.parallel.check_same("the warm-up plan", [repr(plan)])
+        runners = [h.runner for h in hooks.values() if h.active]
+        device = module_device(installed.primary)
+        skipped = installed.why_no_graphs(device) if not runners or device.type != "cuda" else None
+        if skipped is not None:
+            logger.warning("warmup: nothing to capture: %s", skipped)
+            return WarmupReport([WarmupRow(w, h, 0.0, 0, 0) for w, h in plan.resolutions], skipped=skipped)
+        for r in runners:
+            if r.pool is None:  # the module reached the GPU after accelerate_pipeline
+                r.pool = installed.pool_for(device)
+        compiled = any(h.compiled for h in hooks.values())
+        components = [h.runner for n, h in hooks.items() if n not in denoisers and h.active]
+        with contextlib.ExitStack() as forcing:
+            for name in denoisers:
+                caches = hooks[name].caches
+                if caches is not None and caches.active:
+                    forcing.enter_context(caches.forcing())
+            result = run_warmup(
+                self.pipe,
+                primary.recipe,
+                plan,
+                runners,
+                device,
+                compiled=compiled,
+                progress=progress,
+                prompts=list(prompts) if prompts else None,
+                negative_prompt=negative_prompt,
+                components=components,
+            )
+        for hook in hooks.values():
+            hook.follow_weights()
+        for name, hook in hooks.items():
+            for reason in set(hook.runner.blocked.values()):
+                logger.warning("%s: a warm-up capture failed and runs eagerly: %s", name, reason)
+        logger.info("warmup done:\n%s", result)
+        return result
+
+    def release(self) -> None:
+        """Drop every captured graph and give the graph memory back to torch.
+
+        Graphs are captured again by the next warm-up (or on first use, if enabled).
+        """
+        for h in self.hooks.values():
+            h.runner.release()
+        if torch.cuda.is_available():
+            # The pool's memory returns to the device once no graph uses it.
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def restore(self) -> Any:
+        """Put the pipeline back as it was before :func:`accelerate_pipeline`.
+
+        A denoiser shared with another accelerated pipeline stays accelerated for that one; the
+        last pipeline to restore puts the module back exactly as it was. Restoring twice is
+        harmless.
+        """
+        if self._installed is None:
+            return self.pipe
+        self._installed.uninstall()
+        self._installed = None
+        if self.pipe.__dict__.get("accel") is self:
+            del self.pipe.__dict__["accel"]
+        return self.pipe
+
+    def shutdown(self) -> Any:
+        """Restore the pipeline and, with ``parallel=``, leave the process group cleanly.
+
+        Graphs holding collectives are released before the process group goes (a process group
+        destroyed under live graphs can hang the exit); the process group is destroyed if
+        ``accelerate_pipeline`` created it. Exiting the process does the same by itself (an
+        ``atexit`` handler); call this to end a several-GPU run earlier.
+        """
+        parallel = self.parallel
+        self.release()
+        self.restore()
+        if parallel is not None:
+            parallel.shutdown()
+        return self.pipe
+
+
+def accelerate_pipeline(pipe: Any, options: AcceleratorOptions | None = None, **overrides: Any) -> Any:
+    """Make ``pipe``'s denoising loop replay CUDA graphs; returns ``pipe`` with ``pipe.accel``.
+
+    Args:
+        pipe: a diffusers pipeline (``DiffusionPipeline``); its denoisers are found by name.
+            Pipelines sharing a denoiser module (built from one another's components) share
+            its graphs.
+        options: an :class:`~accel.hooks.options.AcceleratorOptions` (each field is documented
+            there); None for the defaults.
+        overrides: fields of the options, by name, in place of ``options``' own
+            (``accelerate_pipeline(pipe, mode="debug", capture_on_miss=True)``).
+
+    Raises:
+        TypeError: ``pipe`` is not a diffusers pipeline, or an override names no field (the
+            message lists them).
+        ValueError: an option is invalid, the pipeline has no denoiser, or a denoiser is
+            already accelerated by another pipeline with other options.
+        accel.ParallelConfigError: (a ValueError) with ``parallel``, raised on every rank alike:
+            the launch, the model or another rank's options do not fit.
+
+    Calling it again with the same options is harmless; other options re-install.
+    """
+    from diffusers import DiffusionPipeline
+
+    if not isinstance(pipe, DiffusionPipeline):
+        raise TypeError(f"accelerate_pipeline expects a diffusers DiffusionPipeline, got {type(pipe).__name__}")
+    options = with_overrides(options, overrides)
+    existing = pipe.__dict__.get("accel")
+    if isinstance(existing, PipelineAccelerator):
+        if existing.options == options:
+            return pipe
+        existing.restore()
+    accel = PipelineAccelerator(pipe, options)
+    # Set through __dict__: DiffusionPipeline.__setattr__ would try to register it as a component.
+    pipe.__dict__["accel"] = accel
+    return pipe

@@ -1,0 +1,11 @@
+"""Step caches under graphs: diffusers' FirstBlockCache, TaylorSeer and MagCache, and cache-dit's
+DBCache, each applied the way its library documents, keep every decision they make at graph speed.
+
+:class:`~accel.hooks.caches.binding.CacheBinding` finds them on a denoiser (and refuses, by name, any
+hook it has no rule for); :mod:`accel.hooks.caches.rules` says what a rule does.
+"""
+
+from .binding import CacheBinding, find_caches
+from .rules import CacheRule
+
+__all__ = ["CacheBinding", "CacheRule", "find_caches"]

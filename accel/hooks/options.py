@@ -1,0 +1,262 @@
+"""The options of :func:`accel.accelerate_pipeline`, and the constants every layer shares.
+
+:class:`AcceleratorOptions` is the API: what :func:`accel.accelerate_pipeline` is asked for,
+validated once, frozen and comparable (calling it again with equal options is a no-op). Each
+field is documented on the class. The one sentinel, :data:`RECIPE_DEFAULT`, is a typed enum
+member. This file needs only the standard library: the command line reads it before torch is
+imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal, get_args
+
+__all__ = [
+    "MODES",
+    "PARALLEL_MODES",
+    "RECIPE_DEFAULT",
+    "RESOLUTION_MULTIPLE",
+    "AcceleratorOptions",
+    "Mode",
+    "Parallel",
+    "RecipeDefault",
+    "check_resolution",
+    "default_compile_cache_dir",
+    "parse_resolution",
+    "with_overrides",
+]
+
+Mode = Literal["bcg", "debug", "eager"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+# One image on several processes (accel/parallel): the guidance branches on two ranks, diffusers'
+# Ulysses context parallelism over all ranks, or both (two Ulysses groups, one per branch).
+Parallel = Literal["cfg", "ulysses", "cfg+ulysses"]
+PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)
+DEFAULT_PARALLEL_TIMEOUT_S = 300.0
+
+# Both latent dimensions are divided by the VAE factor (8) and then patchified by 2.
+RESOLUTION_MULTIPLE = 16
+
+COMPILE_CACHE_ENV = "BCG_COMPILE_CACHE"
+
+
+class RecipeDefault(enum.Enum):
+    """Marks an option whose value the model's recipe chooses."""
+
+    RECIPE = "recipe default"
+
+    def __repr__(self) -> str:
+        return "RECIPE_DEFAULT"
+
+
+RECIPE_DEFAULT = RecipeDefault.RECIPE
+
+
+def default_compile_cache_dir() -> Path:
+    """Where compiled kernels persist between processes: ``$BCG_COMPILE_CACHE``, else
+    ``$XDG_CACHE_HOME/bcg-diffusers/compile`` (``~/.cache/bcg-diffusers/compile``)."""
+    env = os.environ.get(COMPILE_CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "bcg-diffusers" / "compile"
+
+
+def check_resolution(width: object, height: object) -> tuple[int, int]:
+    """``(width, height)`` as ints, or ValueError: positive multiples of :data:`RESOLUTION_MULTIPLE`."""
+    if isinstance(width, bool) or isinstance(height, bool):
+        raise ValueError(f"a resolution is a (width, height) pair of integers, got {(width, height)!r}")
+    try:
+        w, h = int(width), int(height)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"a resolution is a (width, height) pair of integers, got {(width, height)!r}") from None
+    if (w, h) != (width, height):
+        raise ValueError(f"a resolution is a (width, height) pair of integers, got {(width, height)!r}")
+    if w <= 0 or h <= 0 or w % RESOLUTION_MULTIPLE or h % RESOLUTION_MULTIPLE:
+        raise ValueError(
+            f"resolution {w}x{h} cannot be generated: width and height must be positive multiples of "
+            f"{RESOLUTION_MULTIPLE}"
+        )
+    return w, h
+
+
+_RESOLUTION = re.compile(r"\s*([+-]?\d+)\s*[xX*]\s*([+-]?\d+)\s*")
+
+
+def parse_resolution(text: str) -> tuple[int, int]:
+    """``"WIDTHxHEIGHT"`` -> ``(width, height)``, or ValueError naming the text."""
+    m = _RESOLUTION.fullmatch(text)
+    if not m:
+        raise ValueError(f"resolution {text!r} is not WIDTHxHEIGHT (for example 512x512)")
+    try:
+        return check_resolution(int(m.group(1)), int(m.group(2)))
+    except ValueError as e:
+        raise ValueError(f"resolution {text!r}: {str(e).split(': ', 1)[-1]}") from None
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceleratorOptions:
+    """What :func:`accel.accelerate_pipeline` applies: ``accelerate_pipeline(pipe, options)``, or
+    the same fields as keywords, ``accelerate_pipeline(pipe, mode="debug")``.
+
+    Graphs:
+
+    Attributes:
+        mode: ``"bcg"`` (graphs), ``"debug"`` (each denoiser call runs eagerly as one break
+            through the same runner: tells capture bugs from model bugs) or ``"eager"`` (attached
+            but never captures). Default ``"bcg"``.
+        capture_on_miss: capture a new signature on first use instead of running it eagerly.
+            Default off: a call nothing was warmed up for runs eagerly and says why once, so a
+            capture never lands in the middle of a timed call.
+        text_buckets: text lengths prompts are padded to (masked) where the recipe pads text, so
+            prompts of different lengths share a graph: a sequence of positive token counts,
+            stored sorted as a tuple; ``None`` disables padding (one graph per length, exact);
+            default :data:`RECIPE_DEFAULT`, the recipe's own buckets.
+        max_entries: graphs kept per denoiser; beyond it the least recently used is evicted.
+            Default 32.
+        max_segments: a capture with more segments than this runs eagerly instead. Default 512.
+        memory_budget_mb: graph memory (MiB: pool, static inputs, boundary buffers) beyond which
+            further captures are refused (they run eagerly, with a message); default None, no
+            limit.
+        auto_breaks: when a capture fails on an operation a graph cannot hold (a host sync, a
+            data-dependent shape), run the function that did it as an eager break and capture
+            again; the graph is kept only if it equals an eager run bit for bit. Default off: the
+            failure is named (function, file and line) in ``pipe.accel.report()``. Marks only
+            functions that are pure functions of their inputs safely; the equality check is the
+            guard.
+
+    Components (more graphs, same pool):
+
+    Attributes:
+        text_encoder: graphs for the text encoders too (``text_encoder``, ``text_encoder_2``,
+            ``text_encoder_3``), one per token length, captured by the warm-up from the prompts
+            it is given (or on first use with ``capture_on_miss``). Embeddings stay
+            bit-identical to eager: nothing is padded. With ``parallel`` every rank runs its own
+            (they hold no collectives). Default on.
+        vae: graphs for the VAE's decoder, one per latent shape, captured by the warm-up in the
+            same memory pool as the denoiser's graphs, so the decode's activations reuse the
+            pool instead of adding to it. With ``parallel`` every rank decodes with its own.
+            Default on.
+        cfg_batch: where a pipeline calls the denoiser once per guidance branch (Qwen-Image's
+            true CFG) and the recipe finds it pays (Qwen-Image: up to 768x768 on one GPU, where
+            it pads text anyway; up to 1024x1024 under ``parallel="ulysses"`` on 2 ranks), run the
+            two as one call at twice the batch (CUDA only; not under ``"cfg"`` layouts, which put
+            the branches on different ranks; see :mod:`accel.hooks.cfg_batch`). Default on; off:
+            one call each.
+
+    Compile:
+
+    Attributes:
+        compile: compile the denoiser's repeated blocks with inductor (dynamic shapes, compiled
+            once for every resolution) and capture the graphs over the compiled kernels: faster
+            steps for a compile of seconds to a minute per process. Needs CUDA; elsewhere it is
+            skipped with one message. Default off.
+        compile_cache_dir: where compiled kernels persist between processes (a path; a string is
+            taken as one); default None: ``$BCG_COMPILE_CACHE`` or
+            ``~/.cache/bcg-diffusers/compile`` (:func:`default_compile_cache_dir`). Delete it to
+            clear.
+
+    Several GPUs:
+
+    Attributes:
+        parallel: one image on every process of a ``torchrun`` / ``accelerate launch`` (each with
+            its pipeline on its own GPU, all making the same calls with the same seed): ``"cfg"``
+            (2 processes: the two guidance branches, one per GPU, bit-identical to one GPU;
+            pipelines that batch their branches into one call, like Z-Image's, are refused),
+            ``"ulysses"`` (diffusers' Ulysses context parallelism over all processes) or
+            ``"cfg+ulysses"`` (2 x N/2 processes, N >= 4). Every rank returns the same image.
+            Collective: every process must pass the same options. The process group is created
+            if none exists. See :mod:`accel.parallel`. Default None: one process.
+        parallel_timeout_s: how long a rank waits for the others (a dead or diverging rank)
+            before it fails with an error instead of hanging; also the process group's timeout
+            when ``accelerate_pipeline`` creates it. Default 300.
+
+    Invalid values raise ValueError naming the field.
+    """
+
+    # graphs
+    mode: Mode = "bcg"
+    capture_on_miss: bool = False
+    text_buckets: tuple[int, ...] | RecipeDefault | None = RECIPE_DEFAULT
+    max_entries: int = 32
+    max_segments: int = 512
+    memory_budget_mb: float | None = None
+    auto_breaks: bool = False
+    # components
+    text_encoder: bool = True
+    vae: bool = True
+    cfg_batch: bool = True
+    # compile
+    compile: bool = False
+    compile_cache_dir: Path | None = None
+    # several GPUs
+    parallel: Parallel | None = None
+    parallel_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        for name in ("capture_on_miss", "compile", "text_encoder", "vae", "auto_breaks", "cfg_batch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        _positive_int("max_entries", self.max_entries)
+        _positive_int("max_segments", self.max_segments)
+        budget = self.memory_budget_mb
+        if budget is not None and not (
+            isinstance(budget, (int, float)) and not isinstance(budget, bool) and math.isfinite(budget) and budget > 0
+        ):
+            raise ValueError(f"memory_budget_mb must be a positive number of MiB or None, got {budget!r}")
+        buckets = self.text_buckets
+        if buckets is not None and buckets is not RECIPE_DEFAULT:
+            if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence):
+                raise ValueError(f"text_buckets must be a sequence of positive token counts or None, got {buckets!r}")
+            for b in buckets:
+                _positive_int("every text bucket", b)
+            object.__setattr__(self, "text_buckets", tuple(sorted(set(buckets))))
+        if self.compile_cache_dir is not None:
+            object.__setattr__(self, "compile_cache_dir", Path(self.compile_cache_dir).expanduser())
+        if self.parallel is not None and self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be None or one of {', '.join(PARALLEL_MODES)}; got {self.parallel!r}")
+        timeout = self.parallel_timeout_s
+        if not (
+            isinstance(timeout, (int, float))
+            and not isinstance(timeout, bool)
+            and math.isfinite(timeout)
+            and timeout > 0
+        ):
+            raise ValueError(f"parallel_timeout_s must be a positive number of seconds, got {timeout!r}")
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        return None if self.memory_budget_mb is None else int(self.memory_budget_mb * 2**20)
+
+
+def with_overrides(options: AcceleratorOptions | None, overrides: dict[str, object]) -> AcceleratorOptions:
+    """``options`` (the defaults if None) with some fields replaced; TypeError naming every
+    field for a key that is none, or for ``options`` that are not :class:`AcceleratorOptions`."""
+    fields = [f.name for f in dataclasses.fields(AcceleratorOptions)]
+    unknown = [k for k in overrides if k not in fields]
+    if unknown:
+        raise TypeError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"the options (fields of AcceleratorOptions) are {', '.join(fields)}"
+        )
+    if options is None:
+        options = AcceleratorOptions()
+    elif not isinstance(options, AcceleratorOptions):
+        raise TypeError(f"options must be an AcceleratorOptions, got {type(options).__name__}")
+    return dataclasses.replace(options, **overrides) if overrides else options

@@ -1,0 +1,282 @@
+"""Recipes: what one family of denoisers needs to be captured, looked up by the denoiser's class.
+
+A recipe says which functions must run as eager breaks, how to normalise a call so that more
+calls share a graph (text padding), which caches a graph reads by address and must stay alive,
+and how to drive the pipeline during warm-up so that exactly the signatures real calls will hit
+get captured; for one image on several GPUs, which denoiser calls are guidance branches and how
+the model's sequence splits over Ulysses ranks. Model-specific recipes live in the ``pipelines``
+package and are found through the ``bcg_diffusers.recipes`` entry-point group (or
+:func:`register_recipe`); this module holds only the interface, the registry and a generic recipe
+for denoisers nobody wrote one for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+
+from ..graphs.errors import BCGError
+
+__all__ = [
+    "GenerationDefaults",
+    "GenericRecipe",
+    "Recipe",
+    "RecipeError",
+    "check_heads_divisible",
+    "recipe_for",
+    "register_recipe",
+    "version_supported",
+]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "bcg_diffusers.recipes"
+
+_registry: list[type[Recipe]] = []
+_entry_points_loaded = False
+
+
+class RecipeError(BCGError):
+    """What a recipe said of its model does not match what the model did (say the structure of
+    an output it described for a guidance branch)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationDefaults:
+    """How a model family is usually run, as its recipe states it for front ends (the CLI, the benchmark).
+
+    Attributes:
+        steps: denoising steps.
+        guidance: the guidance scale (None: leave the pipeline's own default).
+        guidance_kwarg: the pipeline argument that takes it (``"guidance_scale"``,
+            ``"true_cfg_scale"``) or None when the pipeline takes none.
+        cfg_above: classifier-free guidance runs when the guidance is above this.
+        default_negative: the negative prompt used when guidance is on and none is given (true
+            CFG needs one to run at all), or None.
+    """
+
+    steps: int = 30
+    guidance: float | None = None
+    guidance_kwarg: str | None = None
+    cfg_above: float = 1.0
+    default_negative: str | None = None
+
+
+class Recipe:
+    """Base class of model recipes. Subclasses override what their model needs.
+
+    Attributes:
+        name: short name used in logs and reports.
+        denoiser_classes: class names (matched along the MRO) this recipe serves.
+        diffusers_versions: the diffusers range (PEP 440 specifier) the recipe was tested with;
+            outside it the denoiser runs eagerly with a warning.
+        pads_text: the recipe takes a ``text_buckets`` argument (``None`` for no padding).
+    """
+
+    name: ClassVar[str] = "generic"
+    denoiser_classes: ClassVar[tuple[str, ...]] = ()
+    diffusers_versions: ClassVar[str] = ""
+    # Whether the recipe pads text to buckets: only then is it built with ``text_buckets=``.
+    pads_text: ClassVar[bool] = False
+
+    # -- installation ----------------------------------------------------------------------
+    def install(self, module: torch.nn.Module) -> Callable[[], None]:
+        """Mark this module's uncapturable functions as eager breaks; return the undo."""
+        return lambda: None
+
+    def component_breaks(self) -> dict[str, tuple[str, ...]]:
+        """Functions the pipeline's other components must run as eager breaks, by component
+        name (``"text_encoder"``, ``"vae.decoder"``): ``module.qualname`` of pure functions
+        known to break their captures (found with ``auto_breaks``, pinned here once verified)."""
+        return {}
+
+    def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap the module's original forward (e.g. to accept what :meth:`prepare` adds)."""
+        return fn
+
+    # -- per call --------------------------------------------------------------------------
+    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Normalise a call before it reaches the runner (e.g. pad text to a bucket)."""
+        return args, kwargs
+
+    def capture_scope(self, module: torch.nn.Module) -> AbstractContextManager[list]:
+        """Entered around warm-up and capture; objects put in the yielded list stay alive
+        as long as the graph does (caches the graph reads by address)."""
+        return contextlib.nullcontext([])
+
+    def generation_defaults(self) -> GenerationDefaults | None:
+        """How the model is usually run, for front ends; None where the recipe does not know."""
+        return None
+
+    # -- several GPUs (accelerate_pipeline(parallel=...), accel/parallel) ----------------
+    def cfg_parallel_support(self, module: torch.nn.Module) -> str | None:
+        """None where the model's pipelines run the two guidance branches as separate denoiser
+        calls that :meth:`cfg_branch` tells apart (so each can run on its own GPU, bit for bit);
+        otherwise why not, in one line."""
+        return f"no recipe says how pipelines call {type(module).__name__} for guidance"
+
+    def cfg_branch(self, context: str | None) -> int | None:
+        """The guidance branch (0 or 1) a denoiser call computes, from the name of the diffusers
+        ``cache_context`` it runs under (None outside one); None for a call that is not one
+        branch of a pair (every rank computes it)."""
+        return None
+
+    def cfg_output_like(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What this call returns, uncomputed (``torch.empty``), with its exact structure, shapes
+        and dtypes: the rank that does not compute the branch returns it, and the exchange at the
+        end of the pair fills it in place."""
+        raise NotImplementedError(f"the {self.name} recipe cannot describe its model's output for parallel='cfg'")
+
+    def batch_cfg(
+        self, module: torch.nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], *, degree: int = 1
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The two guidance branches' calls ``[(args, kwargs), ...]`` joined into one call whose
+        output is theirs stacked along the batch dimension (accel/hooks/cfg_batch.py); None to run
+        them one after the other. ``degree`` is the number of Ulysses ranks the joined call's
+        sequence will be split over (1 on one GPU): each rank computes ``1/degree`` of it. Join
+        only calls already normalised to within bf16 noise of eager: a batch changes which
+        kernels run, so never where output is promised bit for bit."""
+        return None
+
+    def context_parallel_plan(self, module: torch.nn.Module, degree: int) -> dict[str, Any]:
+        """diffusers' context-parallel plan (``_cp_plan``) for Ulysses over ``degree`` ranks;
+        ValueError, in one line, where the model cannot be split so."""
+        plan = getattr(module, "_cp_plan", None)
+        if plan is None:
+            raise ValueError(
+                f"{type(module).__name__} has no context-parallel plan (_cp_plan) and the {self.name} recipe gives "
+                "none, so parallel='ulysses' cannot split it"
+            )
+        check_heads_divisible(module, degree)
+        return plan
+
+    def prepare_context_parallel(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], degree: int
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Make a call splittable over ``degree`` ranks (sequence lengths divisible by it), on
+        every device; ValueError, in one line, where it cannot be."""
+        return args, kwargs
+
+    # -- warm-up ---------------------------------------------------------------------------
+    def default_prompt_lengths(self) -> tuple[int, ...]:
+        """Text lengths to capture when the user names neither prompts nor lengths."""
+        return (64,)
+
+    def prompt_lengths(self, pipe: Any, prompts: list[str]) -> list[int]:
+        """Encoded lengths of real prompts, as the denoiser will see them."""
+        raise NotImplementedError(f"the {self.name} recipe cannot measure prompt lengths; pass prompt_lengths")
+
+    def warmup_length(self, length: int, width: int, height: int) -> int:
+        """The text length a call of ``length`` tokens at ``width`` x ``height`` reaches the
+        runner with."""
+        return length
+
+    @staticmethod
+    def embedding_setup(pipe: Any) -> tuple[torch.device, torch.dtype, torch.Generator]:
+        """Device, dtype and a seeded generator for random text embeddings that look like the
+        pipeline's own (its text encoder's dtype, on its execution device)."""
+        device = pipe._execution_device
+        encoder = getattr(pipe, "text_encoder", None)
+        dtype = encoder.dtype if encoder is not None else pipe.transformer.dtype
+        return device, dtype, torch.Generator(device).manual_seed(0)
+
+    def warmup_calls(
+        self,
+        pipe: Any,
+        *,
+        width: int,
+        height: int,
+        batch_size: int,
+        cfg: bool,
+        prompt_length: int,
+        negative_prompt_length: int,
+        num_inference_steps: int,
+    ) -> Iterator[dict[str, Any]]:
+        """Pipeline keyword arguments whose calls hit the signatures of one warm-up case."""
+        yield dict(
+            prompt=["a photograph"] * batch_size,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            output_type="latent",
+        )
+
+
+def check_heads_divisible(module: torch.nn.Module, degree: int) -> None:
+    """ValueError unless the model's attention heads split evenly over ``degree`` Ulysses ranks."""
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_heads", None)
+    if isinstance(heads, int) and heads % degree:
+        raise ValueError(
+            f"{type(module).__name__} has {heads} attention heads, which do not split over {degree} Ulysses ranks; "
+            f"use a number of processes that divides {heads}"
+        )
+
+
+class GenericRecipe(Recipe):
+    """For any denoiser without a recipe: capture the whole forward, no breaks, no padding.
+
+    A forward that cannot be captured whole fails its capture and runs eagerly, with the reason
+    in the report.
+    """
+
+    name = "generic"
+
+
+def register_recipe(cls: type[Recipe]) -> type[Recipe]:
+    """Register a recipe class (usable as a decorator). Later registrations win."""
+    if not (isinstance(cls, type) and issubclass(cls, Recipe)):
+        raise TypeError(f"expected a Recipe subclass, got {cls!r}")
+    if cls not in _registry:
+        _registry.append(cls)
+    return cls
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    if not found:
+        logger.warning(
+            "no recipes found (entry-point group %r is empty): is bcg-diffusers installed "
+            "(pip install -e .)? Denoisers get the generic recipe.",
+            ENTRY_POINT_GROUP,
+        )
+    for ep in found:
+        try:
+            register_recipe(ep.load())
+        except Exception as exc:  # a broken plug-in must not take the library down
+            logger.warning("could not load recipe %s (%s): %s", ep.name, ep.value, exc)
+
+
+def recipe_for(module: torch.nn.Module) -> type[Recipe]:
+    """The recipe class serving ``module``'s class (nearest in its MRO), or GenericRecipe."""
+    _load_entry_points()
+    for klass in type(module).__mro__:
+        for recipe in reversed(_registry):
+            if klass.__name__ in recipe.denoiser_classes:
+                return recipe
+    return GenericRecipe
+
+
+def version_supported(recipe: type[Recipe]) -> tuple[bool, str]:
+    """Whether the installed diffusers is inside the recipe's tested range, and which it is."""
+    try:
+        installed = importlib.metadata.version("diffusers")
+    except importlib.metadata.PackageNotFoundError:
+        return False, "not installed"
+    if not recipe.diffusers_versions:
+        return True, installed
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(installed) in SpecifierSet(recipe.diffusers_versions), installed

@@ -1,0 +1,71 @@
+"""``pipe.accel.report()``: what an accelerated pipeline did, in lines a person reads.
+
+Per accelerated module: its state (graphs, or eager and why), counters, capture failures and
+the breaks found, step caches and their decision paths, guidance batches; then the parallel
+session, graph memory, and the patches the library has in place in the process.
+"""
+
+from __future__ import annotations
+
+from ..graphs import patches
+from .graph_hook import GraphHook, module_device
+from .install import Installation, component
+
+__all__ = ["graph_memory_bytes", "report"]
+
+NOTHING_WARMED_UP = "nothing warmed up yet: call pipe.accel.warmup(...) or pass capture_on_miss=True"
+
+
+def graph_memory_bytes(hooks: dict[str, GraphHook]) -> int:
+    """Device memory held for graphs: the graph pool(s), static inputs and boundary buffers."""
+    stats = [h.runner.stats() for h in hooks.values()]
+    pools = {id(h.runner.pool): h.runner.pool for h in hooks.values() if h.runner.pool is not None}
+    return sum(p.resident_bytes() for p in pools.values()) + sum(s.static_bytes + s.boundary_bytes for s in stats)
+
+
+def _module_lines(installed: Installation, name: str, h: GraphHook, why_no_graphs: str | None) -> list[str]:
+    s = h.runner.stats()
+    state = "graphs" if h.active else f"eager ({h.inactive_reason})"
+    extra = ", compiled blocks" if h.compiled else ""
+    if h.recompile_drops:
+        extra += f", graphs dropped by {h.recompile_drops} recompiles"
+    lines = [
+        f"  {name} ({type(component(installed.pipe, name)).__name__}, recipe {h.recipe.name}, {state}{extra}): "
+        f"{s.entries} graphs, {s.captures} captures in {s.capture_seconds:.2f}s, {s.replays} replays, "
+        f"{s.misses} misses, {s.eager_calls} eager calls, {s.capture_failures} capture failures, "
+        f"{s.evictions} evictions, segments per graph {s.segments_per_entry or '-'}"
+    ]
+    lines += [f"    capture failed: {reason}" for reason in sorted(set(h.runner.blocked.values()))]
+    lines += [f"    capture broke at: {site}" for site in h.runner.found_breaks]
+    if h.caches is not None and h.caches.active:
+        lines += [f"    step cache, last call: {line}" for line in h.caches.describe()]
+        paths = [p for entry in s.paths_per_entry for p in entry]
+        lines.append(
+            f"    decision paths with graphs: {', '.join(sorted(set(paths))) or 'none yet'}; "
+            f"{s.path_captures} captured on the way, {s.path_misses} taken without a graph, "
+            f"{s.path_switches} chain switches"
+        )
+    batch = installed.cfg_batch.get(name)
+    if batch is not None:
+        lines.append(f"    guidance branches: {batch.joined} pairs run as one batch, {batch.alone} calls alone")
+    if not s.entries and h.active:
+        lines.append(f"    no graphs: {why_no_graphs or NOTHING_WARMED_UP}")
+    return lines
+
+
+def report(installed: Installation | None, pipeline: str, mode: str) -> str:
+    """The report of one accelerator (``installed`` None once it was restored)."""
+    head = f"bcg-diffusers: {pipeline}, mode {mode}"
+    if installed is None:
+        return head + ": restored (not accelerated any more)"
+    lines = [head]
+    why = installed.why_no_graphs(module_device(installed.primary))
+    for name, h in installed.hooks.items():
+        lines += _module_lines(installed, name, h, why)
+    if installed.parallel is not None:
+        lines.append(f"  {installed.parallel.describe()}")
+    lines.append(f"  graph memory: {graph_memory_bytes(installed.hooks) / 2**20:.1f} MiB")
+    in_place = patches.active()
+    lines.append("  patches in place (process-wide): " + ("none" if not in_place else str(len(in_place))))
+    lines += [f"    {line}" for line in in_place]
+    return "\n".join(lines)

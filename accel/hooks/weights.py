@@ -1,0 +1,73 @@
+"""Checks that keep a graph from replaying something it was not captured for.
+
+A graph reads weights by address. Loading a LoRA, ``load_state_dict``, ``fuse_lora`` or moving
+or casting the pipeline rewrites or moves those weights; CPU offload moves them on every call.
+Replaying then reads stale or freed memory. These helpers tell when that happened. They run once
+per pipeline call for a denoiser and at every call of a component, never per denoiser step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["offload_reason", "weights_fingerprint"]
+
+
+_ACCELERATE_OFFLOAD = "accelerate offload hooks (enable_model_cpu_offload or enable_sequential_cpu_offload)"
+_GROUP_OFFLOAD = "diffusers group offloading"
+
+
+def _tensor_key(t: torch.Tensor) -> tuple[int, int, int]:
+    try:
+        version = t._version
+    except RuntimeError:  # inference tensors have no version counter
+        version = -1
+    return id(t), t.data_ptr(), version
+
+
+def _module_offload(attrs: dict[str, Any]) -> str | None:
+    if attrs.get("_hf_hook") is not None:
+        return _ACCELERATE_OFFLOAD
+    registry = attrs.get("_diffusers_hook")
+    if registry is not None and any("offload" in name for name in registry.hooks):
+        return _GROUP_OFFLOAD
+    return None
+
+
+def weights_fingerprint(module: torch.nn.Module) -> int:
+    """A hash of every parameter's and buffer's identity, address and in-place version, and of
+    PEFT's adapter switches.
+
+    One walk over the module tree, reading instance dictionaries directly: it runs on every
+    pipeline call, and on a 20B-parameter transformer ``parameters()``, ``buffers()`` and
+    ``getattr`` probes (each a raised AttributeError) cost milliseconds of host time. A cast or a
+    move replaces a tensor's storage (its address changes); ``load_state_dict`` and in-place
+    edits bump its version; a new adapter adds tensors. The order of the walk does not count:
+    cache-dit swaps a denoiser's block list in and out during a call, which moves it to the end
+    of the module's children.
+    """
+    items: list[Any] = []
+    for m in module.modules():
+        for t in m._parameters.values():
+            if t is not None:
+                items.append(_tensor_key(t))
+        for t in m._buffers.values():
+            if t is not None:
+                items.append(_tensor_key(t))
+        # PEFT's LoRA layers keep adapter scales and switches as Python values, which a graph bakes in.
+        scaling = m.__dict__.get("scaling")
+        if isinstance(scaling, dict):
+            active = getattr(m, "active_adapters", ())  # only LoRA layers get here: probes are rare
+            items.append((tuple(sorted(scaling.items())), tuple(active), bool(getattr(m, "disable_adapters", False))))
+    return hash(frozenset(items))
+
+
+def offload_reason(module: torch.nn.Module) -> str | None:
+    """Why ``module``'s weights move between calls (CPU offload of any kind), or None."""
+    for m in module.modules():
+        reason = _module_offload(m.__dict__)
+        if reason is not None:
+            return reason
+    return None
