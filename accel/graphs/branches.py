@@ -31,7 +31,7 @@ This module knows nothing of diffusers.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from . import bcg, tree
@@ -72,7 +72,7 @@ class Chain:
         return self.graph.path
 
 
-def _memo(chain: Chain, upto: int, extra: list[tuple[str, Any]] = ()) -> bcg.Memo:  # type: ignore[assignment]
+def _memo(chain: Chain, upto: int, extra: Sequence[tuple[str, Any]] = ()) -> bcg.Memo:
     """What breaks ``0..upto-1`` of ``chain`` returned in the replay that just ran them."""
     entries = [(b.name, b.memo_value()) for b in chain.graph.breaks[:upto]]
     return bcg.Memo(entries + list(extra))
@@ -181,7 +181,7 @@ class GraphTree:
                 else:
                     value = brk()
             except bcg.CopyBackError as exc:
-                exc.memo = _memo(chain, i, [(brk.name, exc.output)])  # type: ignore[attr-defined]
+                exc.memo = _memo(chain, i, [(brk.name, exc.output)])
                 raise
             if brk.kind.decision:
                 taken.append(value)

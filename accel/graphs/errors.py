@@ -25,12 +25,14 @@ class NestedBreakError(BreakError):
 class CopyBackError(BreakError):
     """A break's replay output does not match the boundary buffer recorded at capture.
 
-    ``output`` is what the break returned, for a caller that finishes the call another way.
+    ``output`` is what the break returned, for a caller that finishes the call another way;
+    ``memo``, set where a replay raised it, what every break of the call returned until then.
     """
 
     def __init__(self, message: str, output: Any = None) -> None:
         super().__init__(message)
         self.output = output
+        self.memo: Any = None
 
 
 class GraphMemoryBudgetError(BCGError):

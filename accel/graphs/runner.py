@@ -145,7 +145,7 @@ class GraphRunner:
                 # captured one.
                 self._say_once(("copy-back", key, str(exc)), f"{self.name}: {exc}; this call runs eagerly")
                 self.counts.eager_calls += 1
-                with bcg.rerun(getattr(exc, "memo", None)):
+                with bcg.rerun(exc.memo):
                     return self.fn(*args, **kwargs)
         if not self._capturable(key, leaves):
             self.counts.eager_calls += 1
@@ -168,7 +168,7 @@ class GraphRunner:
         self.counts.path_misses += 1
         path = miss.path
         on_miss = self.config.capture_on_miss
-        if (self._capturing or on_miss) and not any(path == p[: len(path)] for p in entry.blocked_paths):
+        if (self._capturing or on_miss) and path not in entry.blocked_paths:
             chain = self.policy.capture_path(entry, miss)
             if chain is not None:
                 return self._replay(entry, None, memo=miss.memo)

@@ -129,20 +129,47 @@ def _shadow(obj: Any, name: str, value: Any) -> Callable[[], None]:
 _MISSING = object()
 
 
+def _undo_all(undo: list[Callable[[], None]]) -> Callable[[], None]:
+    """One undo for several, run last to first."""
+
+    def run() -> None:
+        while undo:
+            undo.pop()()
+
+    return run
+
+
+class _SlottedRule(CacheRule):
+    """A cache whose hooks share one StateManager and keep tensors in a :class:`SlottedState`
+    (set ``self.manager`` and ``self.state`` in :meth:`install`)."""
+
+    manager: Any
+    state: SlottedState
+
+    @classmethod
+    def group(cls, hooks: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
+        return _by_manager(hooks)
+
+    def snapshot(self) -> Any:
+        return self.state.snapshot()
+
+    def restore(self, snapshot: Any) -> None:
+        self.state.restore(snapshot)
+
+    def context(self) -> Hashable:
+        return context_name(self.manager)
+
+
 # --------------------------------------------------------------------------------------------
 # FirstBlockCache
 # --------------------------------------------------------------------------------------------
 @register_rule
-class FirstBlockCacheRule(CacheRule):
+class FirstBlockCacheRule(_SlottedRule):
     """The head block's residual check is the decision; the head's output and residual and the
     tail's residuals live in fixed buffers."""
 
     label = "FirstBlockCache"
     hook_classes = ("FBCHeadBlockHook", "FBCBlockHook")
-
-    @classmethod
-    def group(cls, hooks: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
-        return _by_manager(hooks)
 
     def install(self) -> Callable[[], None]:
         head = next(h for _, h in self.hooks if type(h).__name__ == "FBCHeadBlockHook")
@@ -166,16 +193,7 @@ class FirstBlockCacheRule(CacheRule):
                 decision(compute_remaining, f"{self.label}: compute the remaining blocks"),
             ),
         ]
-        return lambda: [u() for u in reversed(undo)] and None
-
-    def snapshot(self) -> Any:
-        return self.state.snapshot()
-
-    def restore(self, snapshot: Any) -> None:
-        self.state.restore(snapshot)
-
-    def context(self) -> Hashable:
-        return context_name(self.manager)
+        return _undo_all(undo)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,17 +225,13 @@ class TaylorSeerRule(CacheRule):
 
             def compute(measure: Callable[[], Any] = measure, first: bool = i == 0, site: str = path) -> bool:
                 should = self.forced(site, bool(measure()[0]), False)
-                if first:
-                    self.counts.steps[0 if should else 1] += 1
-                    self.counts.total_steps[0 if should else 1] += 1
-                self.counts.blocks[0 if should else 1] += 1
-                self.counts.total_blocks[0 if should else 1] += 1
+                self.counts.add(should, int(should), int(not should), step=first)
                 return should
 
             decide = decision(compute, f"{self.label} {path}: compute")
             proxy = _TaylorState(hook, path)
             undo.append(_shadow(hook, "_measure_should_compute", lambda decide=decide, proxy=proxy: (decide(), proxy)))
-        return lambda: [u() for u in reversed(undo)] and None
+        return _undo_all(undo)
 
     def snapshot(self) -> Any:
         return [snapshot_manager(h.state_manager) for _, h in self.hooks]
@@ -290,16 +304,12 @@ def _fn_ref_of(module: torch.nn.Module, hook: Any) -> Any:
 
 
 @register_rule
-class MagCacheRule(CacheRule):
+class MagCacheRule(_SlottedRule):
     """The head hook's magnitude-ratio bookkeeping is the decision; the head's input and the tail's
     residual live in fixed buffers; the tail's step advance and calibration run as eager breaks."""
 
     label = "MagCache"
     hook_classes = ("MagCacheHeadHook", "MagCacheBlockHook")
-
-    @classmethod
-    def group(cls, hooks: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
-        return _by_manager(hooks)
 
     def install(self) -> Callable[[], None]:
         head_path, head = next((p, h) for p, h in self.hooks if type(h).__name__ == "MagCacheHeadHook")
@@ -349,13 +359,4 @@ class MagCacheRule(CacheRule):
             )
             undo.append(_shadow(hook, "_advance_step", lambda state, step=step: step()))
             undo.append(_shadow(hook, "_perform_calibration_step", lambda state, residual, m=measure: m(residual)))
-        return lambda: [u() for u in reversed(undo)] and None
-
-    def snapshot(self) -> Any:
-        return self.state.snapshot()
-
-    def restore(self, snapshot: Any) -> None:
-        self.state.restore(snapshot)
-
-    def context(self) -> Hashable:
-        return context_name(self.manager)
+        return _undo_all(undo)

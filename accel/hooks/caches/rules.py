@@ -46,10 +46,12 @@ class CallCounts:
         self.total_steps = [0, 0]
         self.total_blocks = [0, 0]
 
-    def add(self, computed: bool, blocks_computed: int, blocks_cached: int) -> None:
+    def add(self, computed: bool, blocks_computed: int, blocks_cached: int, *, step: bool = True) -> None:
+        """Count a decision: a step (unless ``step=False``: a cache that decides per block
+        counts its step once) and the blocks it computed and cached."""
         i = 0 if computed else 1
-        self.steps[i] += 1
-        self.total_steps[i] += 1
+        self.steps[i] += step
+        self.total_steps[i] += step
         self.blocks[0] += blocks_computed
         self.blocks[1] += blocks_cached
         self.total_blocks[0] += blocks_computed
