@@ -18,6 +18,7 @@ import torch
 from ..graphs.errors import BCGError
 from ..graphs.pool import GraphPool
 from ..graphs.runner import GraphRunner, RunnerStats
+from .compile import compile_options
 from .graph_hook import HOOK_NAME, GraphHook, module_device
 from .guard import CallGuard, RequestLock
 from .install import DENOISER_NAMES, Installation, ParallelSession, register_parallel_session
@@ -301,6 +302,8 @@ def accelerate_pipeline(pipe: Any, options: AcceleratorOptions | None = None, **
     if not isinstance(pipe, DiffusionPipeline):
         raise TypeError(f"accelerate_pipeline expects a diffusers DiffusionPipeline, got {type(pipe).__name__}")
     options = with_overrides(options, overrides)
+    if options.compile:
+        compile_options(options.inductor)  # an unknown inductor setting fails before anything is installed
     existing = pipe.__dict__.get("accel")
     if isinstance(existing, PipelineAccelerator):
         if existing.options == options:

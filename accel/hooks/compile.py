@@ -43,6 +43,7 @@ from .options import default_compile_cache_dir
 __all__ = [
     "arrange_for_hooks",
     "cache_autocast_regions",
+    "compile_options",
     "compile_repeated_blocks",
     "compiled_graph_count",
     "tracing_settings",
@@ -52,6 +53,24 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 COMPILE_OPTIONS: dict[str, Any] = dict(fullgraph=True, dynamic=True)
+# Inductor settings of the compiled blocks, over inductor's defaults; the user's
+# (``AcceleratorOptions.inductor``) go over these.
+INDUCTOR_OPTIONS: dict[str, Any] = {}
+
+
+def compile_options(inductor: Any = None) -> dict[str, Any]:
+    """``torch.compile``'s keyword arguments for the blocks, with the library's inductor settings
+    and ``inductor`` (``(name, value)`` pairs or a mapping) over them; ValueError naming a
+    setting inductor does not know."""
+    settings = {**INDUCTOR_OPTIONS, **dict(inductor or ())}
+    if not settings:
+        return dict(COMPILE_OPTIONS)
+    from torch._inductor import list_options
+
+    unknown = sorted(set(settings) - set(list_options()))
+    if unknown:
+        raise ValueError(f"inductor: unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+    return {**COMPILE_OPTIONS, "options": settings}
 
 
 def use_compile_cache(folder: Path | None) -> tuple[Path, Callable[[], None]]:
@@ -164,8 +183,11 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def compile_repeated_blocks(module: torch.nn.Module, name: str, cache_dir: Path | None) -> Callable[[], None] | None:
-    """Compile ``module``'s repeated blocks in place; returns the undo, or None if skipped.
+def compile_repeated_blocks(
+    module: torch.nn.Module, name: str, cache_dir: Path | None, options: dict[str, Any] | None = None
+) -> Callable[[], None] | None:
+    """Compile ``module``'s repeated blocks in place with ``torch.compile(**options)`` (default
+    :func:`compile_options`); returns the undo, or None if skipped.
 
     Skipped, with one message saying why, where compile cannot help or run: no CUDA, a module
     off the GPU, or a model that declares no repeated blocks.
@@ -182,7 +204,7 @@ def compile_repeated_blocks(module: torch.nn.Module, name: str, cache_dir: Path 
     folder, forget_folder = use_compile_cache(cache_dir)
     _, unmark = cache_autocast_regions()
     previous = [m.__dict__.get("_compiled_call_impl") for m in blocks]
-    module.compile_repeated_blocks(**COMPILE_OPTIONS)
+    module.compile_repeated_blocks(**(compile_options() if options is None else options))
     for m in blocks:
         m._compiled_call_impl = calls_without_views(m._compiled_call_impl)
     logger.info(
@@ -223,7 +245,7 @@ def arrange_for_hooks(module: torch.nn.Module, options: dict[str, Any] | None = 
 
     Returns the undo (the blocks compiled as before). Blocks not compiled are left alone.
     """
-    options = dict(COMPILE_OPTIONS if options is None else options)
+    options = compile_options() if options is None else dict(options)
     undo: list[Callable[[], None]] = []
     classes = tuple(getattr(module, "_repeated_blocks", None) or ())
     for block in (m for m in module.modules() if type(m).__name__ in classes):

@@ -109,7 +109,7 @@ class Follower:
         if changed and hook.compiled:
             self.undo_arrangement()
             if caches.present:
-                self.arranged = compile_mod.arrange_for_hooks(hook._module_ref())
+                self.arranged = compile_mod.arrange_for_hooks(hook._module_ref(), hook.compile_options)
         if not hook._recipe_installed:
             return True
         if caches.refused is not None:

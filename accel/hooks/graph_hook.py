@@ -142,7 +142,9 @@ class GraphHook(ModelHook):
                 except ValueError as e:  # another transformers version: the capture will say what breaks
                     logger.info("%s: known break %s not marked: %s", self.name, qualname, e)
             if self.options.compile and not self.component:
-                undo = compile_mod.compile_repeated_blocks(module, self.name, self.options.compile_cache_dir)
+                undo = compile_mod.compile_repeated_blocks(
+                    module, self.name, self.options.compile_cache_dir, self.compile_options
+                )
                 if undo is not None:
                     self.compiled = True
                     self._undo.append(undo)
@@ -151,6 +153,11 @@ class GraphHook(ModelHook):
             self.caches.context_name = lambda: self.context.name
         self.follow_weights()
         return module
+
+    @property
+    def compile_options(self) -> dict[str, Any]:
+        """``torch.compile``'s arguments for this module's blocks (with the user's inductor settings)."""
+        return compile_mod.compile_options(self.options.inductor)
 
     def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
         self._removed = True

@@ -14,7 +14,7 @@ import enum
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -108,6 +108,20 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
+def _settings(name: str, value: object) -> tuple[tuple[str, object], ...]:
+    """A mapping (or ``(key, value)`` pairs) of string keys to hashable values, as sorted pairs."""
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(k, v) for k, v in items]  # type: ignore[union-attr]
+        for _, v in pairs:
+            hash(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a mapping of setting names to plain values, got {value!r}") from None
+    if any(not isinstance(k, str) or not k for k, _ in pairs) or len({k for k, _ in pairs}) != len(pairs):
+        raise ValueError(f"{name} must be a mapping of distinct setting names to values, got {value!r}")
+    return tuple(sorted(pairs))
+
+
 @dataclasses.dataclass(frozen=True)
 class AcceleratorOptions:
     """What :func:`accel.accelerate_pipeline` applies: ``accelerate_pipeline(pipe, options)``, or
@@ -133,11 +147,12 @@ class AcceleratorOptions:
             further captures are refused (they run eagerly, with a message); default None, no
             limit.
         auto_breaks: when a capture fails on an operation a graph cannot hold (a host sync, a
-            data-dependent shape), run the function that did it as an eager break and capture
-            again; the graph is kept only if it equals an eager run bit for bit. Default off: the
-            failure is named (function, file and line) in ``pipe.accel.report()``. Marks only
-            functions that are pure functions of their inputs safely; the equality check is the
-            guard.
+            pageable copy, a data-dependent shape), run the function that did it as an eager
+            break and capture again; the graph is kept only if it equals an eager run bit for
+            bit, else the signature runs eagerly and ``pipe.accel.report()`` names the function,
+            file and line in one line. Default on: the equality check is the guard, so a found
+            break can cost speed (one more segment) but never a different image. Off: a failed
+            capture is only named, never retried.
 
     Components (more graphs, same pool):
 
@@ -169,6 +184,11 @@ class AcceleratorOptions:
             taken as one); default None: ``$BCG_COMPILE_CACHE`` or
             ``~/.cache/bcg-diffusers/compile`` (:func:`default_compile_cache_dir`). Delete it to
             clear.
+        inductor: inductor settings for the compiled blocks (``torch.compile``'s ``options``,
+            e.g. ``{"coordinate_descent_tuning": True}``), over the library's own
+            (:data:`accel.hooks.compile.INDUCTOR_OPTIONS`); a mapping of setting names to values,
+            stored as sorted ``(name, value)`` pairs. Names inductor does not know raise
+            ValueError when the blocks are compiled. Default None: the library's settings.
 
     Several GPUs:
 
@@ -195,7 +215,7 @@ class AcceleratorOptions:
     max_entries: int = 32
     max_segments: int = 512
     memory_budget_mb: float | None = None
-    auto_breaks: bool = False
+    auto_breaks: bool = True
     # components
     text_encoder: bool = True
     vae: bool = True
@@ -203,6 +223,7 @@ class AcceleratorOptions:
     # compile
     compile: bool = False
     compile_cache_dir: Path | None = None
+    inductor: tuple[tuple[str, object], ...] | None = None
     # several GPUs
     parallel: Parallel | None = None
     parallel_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S
@@ -229,6 +250,8 @@ class AcceleratorOptions:
             object.__setattr__(self, "text_buckets", tuple(sorted(set(buckets))))
         if self.compile_cache_dir is not None:
             object.__setattr__(self, "compile_cache_dir", Path(self.compile_cache_dir).expanduser())
+        if self.inductor is not None:
+            object.__setattr__(self, "inductor", _settings("inductor", self.inductor))
         if self.parallel is not None and self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be None or one of {', '.join(PARALLEL_MODES)}; got {self.parallel!r}")
         timeout = self.parallel_timeout_s

@@ -55,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="memory series: warm up this many of the largest resolutions cumulatively (0: off)",
     )
+    p.add_argument(
+        "--inductor",
+        nargs="+",
+        type=_setting,
+        default=[],
+        metavar="NAME=VALUE",
+        help="inductor settings of the bcg+compile-tuned variant (beside bcg+compile, in the same run), "
+        "e.g. coordinate_descent_tuning=true",
+    )
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument(
         "--merge",
@@ -102,6 +111,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log the library's info messages")
     return p
+
+
+def _setting(text: str) -> tuple[str, object]:
+    """``NAME=VALUE`` -> (name, value): true/false as bools, numbers as numbers, else the string."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    lowered = raw.strip().lower()
+    if lowered in ("true", "false"):
+        return name, lowered == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(raw)
+        except ValueError:
+            pass
+    return name, raw
 
 
 def resolve_config(args: argparse.Namespace) -> argparse.Namespace:

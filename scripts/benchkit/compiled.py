@@ -117,7 +117,7 @@ def compile_regional(bench: ModelBench, row: CaseRow, case: Case) -> None:
         _reset_dynamo()
 
 
-def bcg_compile(bench: ModelBench, row: CaseRow, case: Case) -> None:
+def bcg_compile(bench: ModelBench, row: CaseRow, case: Case, **options: Any) -> None:
     """``accelerate_pipeline(pipe, compile=True)``: the repeated blocks compiled by inductor (dynamic
     shapes), the breakable graphs captured over the compiled kernels."""
     if not bench.clock.cuda:
@@ -127,7 +127,7 @@ def bcg_compile(bench: ModelBench, row: CaseRow, case: Case) -> None:
     _reset_dynamo()
     graphs0 = _graph_count()
     try:
-        out = accelerated(bench, row, case, e2e=case.e2e, compile=True)
+        out = accelerated(bench, row, case, e2e=case.e2e, compile=True, **options)
         row.compiled_graphs = _graph_count() - graphs0
         if case.regional_out is not None:
             row.out_max_abs_diff_vs_regional = rnd(max_abs_diff(out, case.regional_out), 6)
@@ -141,3 +141,13 @@ def bcg_compile(bench: ModelBench, row: CaseRow, case: Case) -> None:
                 f"restore() left {len(left)} compiled module(s) ({', '.join(left[:3])}...); the bench reset {reset}"
             )
         _reset_dynamo()
+
+
+def bcg_compile_tuned(bench: ModelBench, row: CaseRow, case: Case) -> None:
+    """``bcg+compile`` with ``--inductor``'s settings: ``accelerate_pipeline(pipe, compile=True,
+    inductor=...)``, measured beside the library's default settings in the same process."""
+    if not bench.args.inductor:
+        row.fail("skipped", "no --inductor settings given")
+        return
+    row.notes.append("inductor " + ", ".join(f"{k}={v}" for k, v in bench.args.inductor))
+    bcg_compile(bench, row, case, inductor=dict(bench.args.inductor))

@@ -3,7 +3,7 @@ compile-regional before bcg+compile: its second reference)."""
 
 from __future__ import annotations
 
-from .compiled import bcg_compile, compile_regional, compile_ro, compile_whole
+from .compiled import bcg_compile, bcg_compile_tuned, compile_regional, compile_ro, compile_whole
 from .model_bench import Variant
 from .variants import bcg, bcg_exact, eager, graph
 
@@ -16,8 +16,15 @@ REGISTRY: dict[str, Variant] = {
     "compile-ro": compile_ro,
     "compile-regional": compile_regional,
     "bcg+compile": bcg_compile,
+    "bcg+compile-tuned": bcg_compile_tuned,
 }
 VARIANTS: tuple[str, ...] = tuple(REGISTRY)
-COMPILED = ("compile", "compile-ro", "compile-regional", "bcg+compile")  # read the compile-cache folder
+COMPILED = (
+    "compile",
+    "compile-ro",
+    "compile-regional",
+    "bcg+compile",
+    "bcg+compile-tuned",
+)  # read the compile-cache folder
 DEFAULT_CUDA = ("eager", "bcg", "graph")  # compile variants take minutes per resolution: opt-in
 DEFAULT_CPU = ("eager", "bcg")

@@ -147,3 +147,37 @@ def test_blocks_given_views_and_plain_tensors_share_one_compiled_graph() -> None
     out.sum().backward()
     assert x.grad is not None
     torch._dynamo.reset()
+
+
+def test_inductor_settings_reach_torch_compile_and_unknown_ones_fail_before_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from accel import accelerate_pipeline
+    from accel.hooks import compile as compile_mod
+    from accel.hooks.options import AcceleratorOptions
+    from pipelines.builders import build_pipeline
+
+    options = AcceleratorOptions(compile=True, inductor={"coordinate_descent_tuning": True, "epilogue_fusion": False})
+    assert options.inductor == (("coordinate_descent_tuning", True), ("epilogue_fusion", False))
+    assert options == AcceleratorOptions(
+        compile=True, inductor=[("epilogue_fusion", False), ("coordinate_descent_tuning", True)]
+    )
+    kwargs = compile_mod.compile_options(options.inductor)
+    assert kwargs["options"] == {"coordinate_descent_tuning": True, "epilogue_fusion": False}
+    assert kwargs["fullgraph"] is True and kwargs["dynamic"] is True
+    monkeypatch.setattr(compile_mod, "INDUCTOR_OPTIONS", {"epilogue_fusion": True, "shape_padding": True})
+    assert compile_mod.compile_options(options.inductor)["options"] == {
+        "coordinate_descent_tuning": True,
+        "epilogue_fusion": False,  # the user's setting wins over the library's
+        "shape_padding": True,
+    }
+    for bad in ({"": 1}, {"x": [1]}, 3):
+        with pytest.raises(ValueError, match="inductor"):
+            AcceleratorOptions(inductor=bad)  # type: ignore[arg-type]
+
+    pipe = build_pipeline("z-image", "tiny")
+    forward = type(pipe.transformer).forward
+    with pytest.raises(ValueError, match="unknown setting no_such_setting"):
+        accelerate_pipeline(pipe, compile=True, inductor={"no_such_setting": 1})
+    assert "accel" not in vars(pipe) and "_diffusers_hook" not in vars(pipe.transformer)
+    assert type(pipe.transformer).forward is forward

@@ -20,7 +20,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench.py"
 MODELS = ("z-image", "qwen-image")
 RESOLUTIONS = ("64x64", "96x64")
-VARIANTS = ("eager", "bcg", "bcg-exact", "graph", "compile", "compile-ro", "compile-regional", "bcg+compile")
+VARIANTS = (
+    "eager",
+    "bcg",
+    "bcg-exact",
+    "graph",
+    "compile",
+    "compile-ro",
+    "compile-regional",
+    "bcg+compile",
+    "bcg+compile-tuned",
+)
 ENV_KEYS = ("device", "device_name", "driver", "cuda", "torch", "diffusers", "transformers", "python")
 NUMBERS = (
     "step_ms",
@@ -107,6 +117,8 @@ def test_eager_and_bcg_ran_and_cuda_variants_say_why_not(smoke) -> None:
             for v in ("compile", "compile-regional"):
                 assert by[(m, r, v)]["status"] == "skipped" and "smoke" in by[(m, r, v)]["reason"]
             assert by[(m, r, "bcg+compile")]["status"] == "skipped" and "CUDA" in by[(m, r, "bcg+compile")]["reason"]
+            tuned = by[(m, r, "bcg+compile-tuned")]
+            assert tuned["status"] == "skipped" and "--inductor" in tuned["reason"]
 
 
 def test_end_to_end_and_memory_series(smoke) -> None:
