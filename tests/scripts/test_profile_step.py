@@ -1,0 +1,233 @@
+"""scripts/profile_step.py on a CPU: tiny models, not compiled. The profiler records CPU ops only
+there, so the files must still be written and say that no CUDA kernel was recorded; the GPU side
+(reading kernels and step windows out of a profile, the tables of profile.md) is checked on a
+synthetic profile. The kernel numbers themselves come from running the script on the device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "profile_step.py"
+TINY = ["--size", "tiny", "--no-compile", "--resolution", "64x64", "--warmup-calls", "0"]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("profile_step_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def zimage(tmp_path_factory):
+    """The script as a user runs it, from the checkout."""
+    out = tmp_path_factory.mktemp("profile")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", "z-image", *TINY, "--steps", "2", "--trace", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"profile_step.py failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return out, json.loads((out / "profile.json").read_text()), (out / "profile.md").read_text(), proc.stdout
+
+
+def test_cpu_run_writes_its_files_and_says_no_kernel_was_recorded(zimage) -> None:
+    out, result, md, stdout = zimage
+    env, cfg, prof = result["env"], result["config"], result["profile"]
+    assert env["device"] == "cpu" and env["torch"] == torch.__version__ and env["diffusers"] and env["date"]
+    assert cfg["model"] == "z-image" and cfg["resolution"] == "64x64" and cfg["steps"] == 2
+    assert cfg["calls_per_step"] == 1 and cfg["compile"] is False and cfg["graphs"] is True
+    assert prof["steps"] == 2 and len(prof["per_step"]) == 2 and all(p["wall_ms"] > 0 for p in prof["per_step"])
+    assert result["timing"]["step_ms"] > 0 and prof["step_ms"] > 0
+    assert prof["events"] == 0 and prof["kernels"] == {} and prof["busy_ms"] == 0
+    assert result["counts"]["cpu_ops"] > 0 and result["counts"]["device_events"] == 0  # CPU ops, no kernels
+    assert any("no CUDA kernels were recorded" in n for n in result["notes"])
+    assert "no CUDA kernels were recorded" in stdout
+    # The header: device, versions, date and commit; the table by kind; no kernel list.
+    assert "**Device:**" in md and f"torch {env['torch']}" in md and env["date"] in md
+    assert f"bcg-diffusers {env['git_commit']}" in md
+    assert "no CUDA kernels were recorded" in md and "No CUDA kernel recorded." in md
+    for k in ("gemm", "attention", "norm", "copy", "other", "idle"):
+        assert f"| {k} |" in md
+    trace = json.loads((out / "trace.json").read_text())
+    assert any(str(e.get("name", "")).startswith("profile_step/") for e in trace["traceEvents"])
+
+
+def test_qwen_image_step_is_both_guidance_calls(tmp_path) -> None:
+    script = _load()
+    p = script.build_parser()
+    args = script.resolve(p, p.parse_args(["--model", "qwen-image", *TINY, "--steps", "1", "--out", str(tmp_path)]))
+    result = script.run(args)
+    assert result["config"]["calls_per_step"] == 2  # true CFG: the conditional and the unconditional call
+    assert result["profile"]["steps"] == 1 and result["profile"]["step_ms"] > 0
+    script.write(result, tmp_path, args.top)
+    assert json.loads((tmp_path / "profile.json").read_text())["config"]["model"] == "qwen-image"
+    assert "qwen-image 64x64" in (tmp_path / "profile.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--warmup-calls", "-1"], "--warmup-calls must be at least 0"),
+        (["--resolution", "100x64"], "multiples of 16"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_status_2(argv, message, tmp_path, capsys) -> None:
+    script = _load()
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--model", "z-image", "--out", str(tmp_path / "x"), *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # refused before anything was built or written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only refusal")
+def test_full_size_needs_cuda(tmp_path, capsys) -> None:
+    script = _load()
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--model", "z-image", "--size", "full", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--size full needs a CUDA device" in capsys.readouterr().err
+
+
+# -- the GPU side, on a synthetic profile ------------------------------------------------------
+class _Event:
+    """The few methods of torch's KinetoEvent that the script reads."""
+
+    def __init__(self, name: str, device: str, activity: str, start: int, end: int) -> None:
+        self._name, self._activity, self._start, self._end = name, activity, start, end
+        self._device = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+
+    def name(self) -> str:
+        return self._name
+
+    def device_type(self) -> torch.autograd.DeviceType:
+        return self._device
+
+    def activity_type(self) -> str:
+        return self._activity
+
+    def start_ns(self) -> int:
+        return self._start
+
+    def end_ns(self) -> int:
+        return self._end
+
+
+GEMM = "nvjet_tst_192x192_64x3_2x1_v_bz_coopB_NNT"
+ATTN = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0"
+COPY = "Memcpy DtoD (Device -> Device)"
+
+
+def _synthetic_profile(steps: int) -> tuple[SimpleNamespace, list[tuple[str, int, int]]]:
+    """A settling step and ``steps`` steps (windows listed out of order, 10 and more of them
+    numbered past 9), each with a few kernels, a memcpy, a GPU-side annotation, a synchronisation
+    and a runtime call."""
+    rng = random.Random(3)
+    events = [_Event("profile_step/settle", "cpu", "user_annotation", 0, 900)]
+    events += [_Event(GEMM, "cuda", "kernel", 100, 800), _Event("cudaGraphLaunch", "cpu", "cuda_runtime", 50, 60)]
+    kernels: list[tuple[str, int, int]] = []
+    t = 1_000
+    for i in range(steps):
+        start = t
+        events.append(_Event("cudaGraphLaunch", "cpu", "cuda_runtime", t + 1, t + 5))
+        cursor = t + 10
+        for name, activity in ((COPY, "gpu_memcpy"), (GEMM, "kernel"), (ATTN, "kernel"), (GEMM, "kernel")):
+            dur = rng.randint(50, 500)
+            events.append(_Event(name, "cuda", activity, cursor, cursor + dur))
+            kernels.append((name, cursor, cursor + dur))
+            cursor += dur + rng.randint(0, 20)
+        events.append(_Event(f"profile_step/{i}", "cuda", "gpu_user_annotation", start + 10, cursor))
+        events.append(_Event("Event Sync", "cuda", "cuda_sync", cursor, cursor + 5))
+        t = cursor + 30
+        events.insert(0, _Event(f"profile_step/{i}", "cpu", "user_annotation", start, t))
+        t += 100
+    kineto = SimpleNamespace(events=lambda: events)
+    return SimpleNamespace(profiler=SimpleNamespace(kineto_results=kineto)), kernels
+
+
+def test_timeline_reads_kernels_and_windows_and_leaves_the_settling_step_out() -> None:
+    script = _load()
+    prof, kernels = _synthetic_profile(12)
+    events, windows, counts = script.timeline(prof)
+    # annotations, synchronisations and runtime calls left out
+    assert [(e.name, e.start_ns, e.end_ns) for e in events] == kernels
+    assert len(windows) == 12 and windows == sorted(windows)  # in step order, 10 and 11 after 9
+    assert all(b <= s and e <= w_end for (_, s, e), (b, w_end) in zip(kernels[::4], windows))
+    assert counts["settle_events"] == 1 and counts["device_events"] == len(kernels) + 1
+    assert counts["activity:gpu_user_annotation"] == 12 and counts["activity:gpu_memcpy"] == 12
+    assert counts["activity:cuda_sync"] == 12 and counts["activity:kernel"] == 3 * 12 + 1
+
+
+def test_markdown_of_a_gpu_profile() -> None:
+    script = _load()
+    from benchkit.kernels import summarize
+
+    prof, kernels = _synthetic_profile(3)
+    events, windows, counts = script.timeline(prof)
+    summary = summarize(events, windows)
+    result = {
+        "env": {
+            "device": "cuda",
+            "device_name": "NVIDIA H200",
+            "driver": "570.0",
+            "cuda": "12.8",
+            "torch": "2.13.0",
+            "diffusers": "0.42.1",
+            "transformers": "5.0",
+            "python": "3.11",
+            "git_commit": "abc1234",
+            "git_dirty": False,
+            "date": "2026-01-01 00:00:00 UTC",
+        },
+        "config": {
+            "model": "z-image",
+            "resolution": "1024x1024",
+            "size": "full",
+            "dtype": "bf16",
+            "compile": True,
+            "graphs": True,
+            "steps": 3,
+            "warmup_calls": 2,
+            "calls_per_step": 1,
+            "calls": ["[16x1x128x128], 1, [32x2560]"],
+        },
+        "setup": {
+            "describe": "ZImagePipeline",
+            "warmup_s": 40.0,
+            "compile_s": 35.0,
+            "compiled_blocks": 34,
+            "captures": 1,
+            "graph_mb": 900.0,
+            "warmup_skipped": None,
+        },
+        "timing": {"step_ms": 0.002},
+        "counts": counts,
+        "profile": summary,
+        "notes": [],
+    }
+    md = script.markdown(result, top=2)
+    assert md.startswith("# Per-kernel profile: z-image 1024x1024, compiled, CUDA graphs")
+    assert "NVIDIA H200 (cuda, driver 570.0, CUDA 12.8)" in md and "bcg-diffusers abc1234" in md
+    gemm_ms = sum(e - s for n, s, e in kernels if n == GEMM) / 3 / 1e6
+    assert f"| gemm | GEMM | 2 | {gemm_ms:.3f} |" in md
+    assert f"| idle | | | {summary['idle_ms']:.3f} |" in md
+    totals: dict[str, int] = {}
+    for name, s, e in kernels:
+        totals[name] = totals.get(name, 0) + e - s
+    first, second, third = sorted(totals, key=lambda name: -totals[name])
+    top = md.split("## Top 2 kernels", 1)[1]
+    assert top.index(f"`{first}`") < top.index(f"`{second}`") and f"`{third}`" not in top
+    assert "| 1 |" in top and "| 2 |" in top and "| 3 |" not in top
