@@ -195,6 +195,26 @@ def graphs_off(accel: Any) -> Iterator[None]:
 
 
 # -- the profiler's records -------------------------------------------------------------------
+# CUPTI's synchronisation records on the device timeline (not work), by name, for a torch whose
+# events do not say their activity type (torch 2.11's _KinetoEvent has no activity_type()).
+_SYNC_NAMES = ("Event Sync", "Stream Sync", "Context Sync", "Stream Wait Event")
+
+
+def _activity(e: Any) -> str:
+    """The kineto activity type of a profiler event ("kernel", "gpu_memcpy", "gpu_user_annotation", ...)."""
+    method = getattr(e, "activity_type", None)
+    if method is not None:
+        return method()
+    if getattr(e, "is_user_annotation", lambda: False)() or e.name().startswith(STEP_LABEL):
+        return "gpu_user_annotation"
+    if e.device_type() == torch.autograd.DeviceType.CPU:
+        return "cpu_op"
+    name = e.name()
+    if name in _SYNC_NAMES:
+        return "cuda_sync"
+    return "gpu_memcpy" if name.startswith("Memcpy") else "gpu_memset" if name.startswith("Memset") else "kernel"
+
+
 def timeline(prof: Any) -> tuple[list[DeviceEvent], list[tuple[int, int]], dict[str, int]]:
     """(device events outside the settling step, the profiled steps' windows in order, counts)."""
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
@@ -208,15 +228,15 @@ def timeline(prof: Any) -> tuple[list[DeviceEvent], list[tuple[int, int]], dict[
                 settle = (e.start_ns(), e.end_ns())
             else:
                 steps[int(name[len(STEP_LABEL) :])] = (e.start_ns(), e.end_ns())
-    activities = Counter(e.activity_type() for e in events if e.device_type() == cuda)
+    activities = Counter(_activity(e) for e in events if e.device_type() == cuda)
     device = [
         DeviceEvent(e.name(), e.start_ns(), e.end_ns())
         for e in events
-        if e.device_type() == cuda and not any(w in e.activity_type() for w in NOT_WORK)
+        if e.device_type() == cuda and not any(w in _activity(e) for w in NOT_WORK)
     ]
     settled = [ev for ev in device if settle is None or not settle[0] <= ev.start_ns < settle[1]]
     counts = {
-        "cpu_ops": sum(1 for e in events if e.device_type() == cpu and e.activity_type() == "cpu_op"),
+        "cpu_ops": sum(1 for e in events if e.device_type() == cpu and _activity(e) == "cpu_op"),
         "device_events": len(device),
         "settle_events": len(device) - len(settled),
         **{f"activity:{k}": v for k, v in sorted(activities.items())},
