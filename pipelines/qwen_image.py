@@ -38,6 +38,8 @@ import torch
 
 from accel import GenerationDefaults, Recipe, eager_on_graph, patch, tree, unpatched
 
+from .compiled_forms import QWEN_MODULE, qwen_rope_in_real_arithmetic
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TEXT_BUCKETS = (64, 128, 256, 512, 1024)
@@ -105,6 +107,12 @@ class QwenImageRecipe(Recipe):
         if not hasattr(sys.modules.get(modname), "compute_text_seq_len_from_mask"):
             return lambda: None
         return _mark_mask_helper(modname)
+
+    def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
+        # The complex rotary product is an ATen kernel inductor cannot fuse (pipelines/compiled_forms.py).
+        if type(module).__module__ != QWEN_MODULE:
+            return lambda: None
+        return qwen_rope_in_real_arithmetic()
 
     def bucket(self, length: int) -> int | None:
         """The bucket a text of ``length`` tokens is padded to (None: longer than all)."""

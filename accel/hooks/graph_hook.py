@@ -32,6 +32,7 @@ from .caches import CacheBinding
 from .caches.binding import is_registry_forward
 from .cfg_batch import ContextProbe
 from .follow import Follower
+from .fused import fuse_gelu_epilogues
 from .options import RECIPE_DEFAULT, AcceleratorOptions
 from .recipe import GenericRecipe, Recipe, recipe_for, version_supported
 
@@ -142,12 +143,22 @@ class GraphHook(ModelHook):
                 except ValueError as e:  # another transformers version: the capture will say what breaks
                     logger.info("%s: known break %s not marked: %s", self.name, qualname, e)
             if self.options.compile and not self.component:
+                # Before the blocks compile: dynamo traces the forms in place then.
+                forms = (
+                    [fuse_gelu_epilogues(module), self.recipe.compiled_forms(module)]
+                    if self.options.compiled_forms
+                    else []
+                )
                 undo = compile_mod.compile_repeated_blocks(
                     module, self.name, self.options.compile_cache_dir, self.compile_options
                 )
                 if undo is not None:
                     self.compiled = True
+                    self._undo.extend(forms)
                     self._undo.append(undo)
+                else:  # not compiled (no CUDA, no repeated blocks): the stock forms stay
+                    for form in reversed(forms):
+                        form()
         if not self.component:
             self.caches = CacheBinding(module, self.name, HOOK_NAME)
             self.caches.context_name = lambda: self.context.name

@@ -184,6 +184,13 @@ class AcceleratorOptions:
             taken as one); default None: ``$BCG_COMPILE_CACHE`` or
             ``~/.cache/bcg-diffusers/compile`` (:func:`default_compile_cache_dir`). Delete it to
             clear.
+        compiled_forms: with ``compile``, swap in forms of the model's code that compile to
+            fewer kernels before the blocks compile: diffusers' GELU(tanh) projections with the
+            GELU in the matrix product's epilogue (:mod:`accel.hooks.fused`), and the recipe's
+            own (Qwen-Image's and Z-Image's rotary embeddings in real arithmetic). Equal in real
+            arithmetic, not bit for bit to stock eager (neither is compile); graphs still equal
+            the same compiled model without graphs. Default on; off: diffusers' code compiled
+            as it is.
         inductor: inductor settings for the compiled blocks (``torch.compile``'s ``options``,
             e.g. ``{"coordinate_descent_tuning": True}``), over the library's own
             (:data:`accel.hooks.compile.INDUCTOR_OPTIONS`); a mapping of setting names to values,
@@ -223,6 +230,7 @@ class AcceleratorOptions:
     # compile
     compile: bool = False
     compile_cache_dir: Path | None = None
+    compiled_forms: bool = True
     inductor: tuple[tuple[str, object], ...] | None = None
     # several GPUs
     parallel: Parallel | None = None
@@ -231,7 +239,7 @@ class AcceleratorOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
-        for name in ("capture_on_miss", "compile", "text_encoder", "vae", "auto_breaks", "cfg_batch"):
+        for name in ("capture_on_miss", "compile", "compiled_forms", "text_encoder", "vae", "auto_breaks", "cfg_batch"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         _positive_int("max_entries", self.max_entries)

@@ -97,6 +97,13 @@ class Recipe:
         known to break their captures (found with ``auto_breaks``, pinned here once verified)."""
         return {}
 
+    def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
+        """With ``compile=True`` only, before the blocks compile: swap in forms of the model's
+        functions that compile to fewer kernels (equal in real arithmetic, not promised bit for
+        bit to eager: compiled graphs are held to the same compiled model without graphs);
+        return the undo."""
+        return lambda: None
+
     def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap the module's original forward (e.g. to accept what :meth:`prepare` adds)."""
         return fn

@@ -151,3 +151,9 @@ def bcg_compile_tuned(bench: ModelBench, row: CaseRow, case: Case) -> None:
         return
     row.notes.append("inductor " + ", ".join(f"{k}={v}" for k, v in bench.args.inductor))
     bcg_compile(bench, row, case, inductor=dict(bench.args.inductor))
+
+
+def bcg_compile_stock(bench: ModelBench, row: CaseRow, case: Case) -> None:
+    """``bcg+compile`` without the library's compiled forms (``compiled_forms=False``): diffusers'
+    code compiled as it is, beside the default in the same process."""
+    bcg_compile(bench, row, case, compiled_forms=False)

@@ -3,7 +3,7 @@ compile-regional before bcg+compile: its second reference)."""
 
 from __future__ import annotations
 
-from .compiled import bcg_compile, bcg_compile_tuned, compile_regional, compile_ro, compile_whole
+from .compiled import bcg_compile, bcg_compile_stock, bcg_compile_tuned, compile_regional, compile_ro, compile_whole
 from .model_bench import Variant
 from .variants import bcg, bcg_exact, eager, graph
 
@@ -17,6 +17,7 @@ REGISTRY: dict[str, Variant] = {
     "compile-regional": compile_regional,
     "bcg+compile": bcg_compile,
     "bcg+compile-tuned": bcg_compile_tuned,
+    "bcg+compile-stock": bcg_compile_stock,
 }
 VARIANTS: tuple[str, ...] = tuple(REGISTRY)
 COMPILED = (

@@ -30,6 +30,7 @@ VARIANTS = (
     "compile-regional",
     "bcg+compile",
     "bcg+compile-tuned",
+    "bcg+compile-stock",
 )
 ENV_KEYS = ("device", "device_name", "driver", "cuda", "torch", "diffusers", "transformers", "python")
 NUMBERS = (
@@ -117,6 +118,8 @@ def test_eager_and_bcg_ran_and_cuda_variants_say_why_not(smoke) -> None:
             for v in ("compile", "compile-regional"):
                 assert by[(m, r, v)]["status"] == "skipped" and "smoke" in by[(m, r, v)]["reason"]
             assert by[(m, r, "bcg+compile")]["status"] == "skipped" and "CUDA" in by[(m, r, "bcg+compile")]["reason"]
+            stock = by[(m, r, "bcg+compile-stock")]
+            assert stock["status"] == "skipped" and "CUDA" in stock["reason"]
             tuned = by[(m, r, "bcg+compile-tuned")]
             assert tuned["status"] == "skipped" and "--inductor" in tuned["reason"]
 
