@@ -89,6 +89,8 @@ def find_caches(
                     found.setdefault(rule, []).append((path, hook))
         forward = d.get("forward")
         wrapped = forward is not None and not is_registry_forward(forward) and "_hf_hook" not in d
+        # Ours: compile=True's forms (accel.hooks.fused), which the graphs capture like any code.
+        wrapped = wrapped and (getattr(forward, "__module__", None) or "").split(".")[0] != "accel"
         # diffusers leaves the module's own forward as an attribute once its last hook is removed.
         wrapped = wrapped and not (
             getattr(forward, "__self__", None) is m and getattr(forward, "__func__", None) is type(m).forward
