@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -289,7 +289,14 @@ class QwenImageRecipe(Recipe):
         prompt_length: int,
         negative_prompt_length: int,
         num_inference_steps: int,
+        num_frames: int | None = None,
+        prompt: str | None = None,
+        negative_prompt: str | None = None,
+        call_kwargs: Mapping[str, Any] | None = None,
     ) -> Iterator[dict[str, Any]]:
+        # Random embeddings of the measured lengths stand for the text; embeddings the user
+        # passes in call_kwargs replace them (the warm-up merges those in).
+        given = call_kwargs or {}
         device, dtype, g = self.embedding_setup(pipe)
         dim = pipe.transformer.config.joint_attention_dim
 
@@ -300,9 +307,14 @@ class QwenImageRecipe(Recipe):
         kwargs: dict[str, Any] = dict(
             height=height, width=width, num_inference_steps=num_inference_steps, output_type="latent"
         )
-        kwargs["prompt_embeds"], kwargs["prompt_embeds_mask"] = embeds(prompt_length)
+        # An edit pipeline's image (QwenImageEditPipeline cannot run without one).
+        kwargs.update(self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given))
+        if "prompt_embeds" not in given:
+            kwargs["prompt_embeds"], kwargs["prompt_embeds_mask"] = embeds(prompt_length)
         if cfg:
-            kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"] = embeds(negative_prompt_length)
+            if "negative_prompt_embeds" not in given:
+                negative = embeds(negative_prompt_length)
+                kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"] = negative
             kwargs["true_cfg_scale"] = 4.0
         else:
             kwargs["true_cfg_scale"] = 1.0

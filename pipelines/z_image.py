@@ -27,7 +27,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -285,7 +285,14 @@ class ZImageRecipe(Recipe):
         prompt_length: int,
         negative_prompt_length: int,
         num_inference_steps: int,
+        num_frames: int | None = None,
+        prompt: str | None = None,
+        negative_prompt: str | None = None,
+        call_kwargs: Mapping[str, Any] | None = None,
     ) -> Iterator[dict[str, Any]]:
+        # Random captions of the measured lengths stand for the text; embeddings the user passes
+        # in call_kwargs replace them (the warm-up merges those in).
+        given = call_kwargs or {}
         device, dtype, g = self.embedding_setup(pipe)
         dim = pipe.transformer.config.cap_feat_dim
 
@@ -297,9 +304,11 @@ class ZImageRecipe(Recipe):
             width=width,
             num_inference_steps=num_inference_steps,
             output_type="latent",
-            prompt_embeds=embeds(prompt_length),
             guidance_scale=4.0 if cfg else 0.0,
         )
-        if cfg:
+        kwargs.update(self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given))
+        if "prompt_embeds" not in given:
+            kwargs["prompt_embeds"] = embeds(prompt_length)
+        if cfg and "negative_prompt_embeds" not in given:
             kwargs["negative_prompt_embeds"] = embeds(negative_prompt_length)
         yield kwargs

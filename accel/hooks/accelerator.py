@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -160,6 +160,8 @@ class PipelineAccelerator:
         prompts: Sequence[str] | None = None,
         negative_prompt: str | None = None,
         num_inference_steps: int = 2,
+        num_frames: int | Sequence[int] | None = None,
+        call_kwargs: Mapping[str, Any] | None = None,
         progress: bool = True,
     ) -> WarmupReport:
         """Capture every signature that calls at these settings will hit, largest first.
@@ -172,6 +174,13 @@ class PipelineAccelerator:
             prompts: real prompts whose lengths to capture for (instead of ``prompt_lengths``).
             negative_prompt: the negative prompt real calls will use (its length matters).
             num_inference_steps: steps of each warm-up call (>= 2; graphs do not depend on it).
+            num_frames: frame counts to capture for a video pipeline (one whose call takes
+                ``num_frames``); None: its call's default. A ValueError for an image pipeline.
+            call_kwargs: extra pipeline arguments every warm-up call passes, as real calls do
+                (``prompt_embeds``/``negative_prompt_embeds`` for a pipeline built without text
+                encoders, an ``image`` for an edit pipeline, ``max_sequence_length``); a key the
+                call does not take, or one the warm-up sets itself (``width``, ``prompt``,
+                ``guidance_scale``, ...), is a ValueError.
             progress: show a progress bar.
 
         Returns:
@@ -192,6 +201,8 @@ class PipelineAccelerator:
             prompts=prompts,
             negative_prompt=negative_prompt,
             num_inference_steps=num_inference_steps,
+            num_frames=num_frames,
+            call_kwargs=call_kwargs,
         )
         if installed.parallel is not None:
             # Every rank must capture the same cases in the same order.
@@ -201,7 +212,7 @@ class PipelineAccelerator:
         skipped = installed.why_no_graphs(device) if not runners or device.type != "cuda" else None
         if skipped is not None:
             logger.warning("warmup: nothing to capture: %s", skipped)
-            return WarmupReport([WarmupRow(w, h, 0.0, 0, 0) for w, h in plan.resolutions], skipped=skipped)
+            return WarmupReport([WarmupRow(w, h, 0.0, 0, 0, frames=f) for w, h, f in plan.sizes], skipped=skipped)
         for r in runners:
             if r.pool is None:  # the module reached the GPU after accelerate_pipeline
                 r.pool = installed.pool_for(device)
@@ -220,7 +231,7 @@ class PipelineAccelerator:
                 device,
                 compiled=compiled,
                 progress=progress,
-                prompts=list(prompts) if prompts else None,
+                prompts=([prompts] if isinstance(prompts, str) else list(prompts)) if prompts else None,
                 negative_prompt=negative_prompt,
                 components=components,
             )

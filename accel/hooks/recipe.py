@@ -16,13 +16,14 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
 
 from ..graphs.errors import BCGError
+from .call_shape import CFG, TRUE_CFG, read_call_shape, warmup_image
 
 __all__ = [
     "GenerationDefaults",
@@ -38,6 +39,27 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "bcg_diffusers.recipes"
+
+# What a warm-up call says where no prompt was named (its text, not its length, reaches the pipeline).
+DEFAULT_WARMUP_PROMPT = "a photograph"
+# Pipeline arguments the warm-up sets itself, from its own parameters (resolutions, num_frames,
+# num_inference_steps, prompts, negative_prompt, batch_sizes, cfg): not taken from call_kwargs.
+WARMUP_ARGUMENTS = frozenset(
+    {
+        "width",
+        "height",
+        "num_frames",
+        "num_inference_steps",
+        "generator",
+        "output_type",
+        "prompt",
+        "negative_prompt",
+        "num_images_per_prompt",
+        "num_videos_per_prompt",
+        "guidance_scale",
+        "true_cfg_scale",
+    }
+)
 
 _registry: list[type[Recipe]] = []
 _entry_points_loaded = False
@@ -194,6 +216,29 @@ class Recipe:
         dtype = encoder.dtype if encoder is not None else pipe.transformer.dtype
         return device, dtype, torch.Generator(device).manual_seed(0)
 
+    def warmup_cfg(self, pipe: Any, cfg: tuple[bool, ...]) -> tuple[bool, ...]:
+        """The guidance settings that need warm-up cases of their own, of those asked for
+        (``cfg``, True first): fewer where guidance on and off make the same calls."""
+        return cfg
+
+    def check_warmup(self, pipe: Any, *, cfg: tuple[bool, ...], call_kwargs: Mapping[str, Any]) -> None:
+        """ValueError, in one line, where this recipe cannot warm ``pipe`` up with these guidance
+        settings and extra arguments; checked before anything runs."""
+
+    def warmup_inputs(
+        self, pipe: Any, *, width: int, height: int, num_frames: int | None, call_kwargs: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """What every warm-up call of one case passes besides text and guidance: the case's
+        ``num_frames`` for a video pipeline, and a random image of the case's size as ``image``
+        where the pipeline needs one and ``call_kwargs`` gives none (see
+        :mod:`accel.hooks.call_shape`)."""
+        out: dict[str, Any] = {}
+        if num_frames is not None:
+            out["num_frames"] = num_frames
+        if "image" not in call_kwargs and read_call_shape(pipe).needs_image:
+            out["image"] = warmup_image(width, height)
+        return out
+
     def warmup_calls(
         self,
         pipe: Any,
@@ -202,17 +247,38 @@ class Recipe:
         height: int,
         batch_size: int,
         cfg: bool,
-        prompt_length: int,
-        negative_prompt_length: int,
+        prompt_length: int | None,
+        negative_prompt_length: int | None,
         num_inference_steps: int,
+        num_frames: int | None = None,
+        prompt: str | None = None,
+        negative_prompt: str | None = None,
+        call_kwargs: Mapping[str, Any] | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """Pipeline keyword arguments whose calls hit the signatures of one warm-up case."""
+        """Pipeline keyword arguments whose calls hit the signatures of one warm-up case.
+
+        Args:
+            pipe: the pipeline.
+            width, height, batch_size, cfg: the case.
+            prompt_length: its text length in tokens (None where ``prompt`` is given instead).
+            negative_prompt_length: the negative prompt's length (None where the recipe cannot
+                measure it).
+            num_inference_steps: steps of each call.
+            num_frames: frames of a video pipeline's calls (None for images).
+            prompt: a prompt to warm up as given, for a recipe that cannot measure prompts
+                (:meth:`prompt_lengths` raises NotImplementedError).
+            negative_prompt: the negative prompt real calls use, if the user named one.
+            call_kwargs: the user's extra arguments; the warm-up passes them with every call
+                (merged over what this yields), so yield nothing they replace.
+        """
+        given = call_kwargs or {}
         yield dict(
-            prompt=["a photograph"] * batch_size,
+            prompt=[prompt or DEFAULT_WARMUP_PROMPT] * batch_size,
             height=height,
             width=width,
             num_inference_steps=num_inference_steps,
             output_type="latent",
+            **self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given),
         )
 
 
@@ -231,10 +297,84 @@ class GenericRecipe(Recipe):
     """For any denoiser without a recipe: capture the whole forward, no breaks, no padding.
 
     A forward that cannot be captured whole fails its capture and runs eagerly, with the reason
-    in the report.
+    in the report. The warm-up makes the calls the pipeline's own signature and components say
+    real calls make (:mod:`accel.hooks.call_shape`): its guidance style on and off, its frame
+    count, an image where it needs one, and prompts as given (or the embeddings in
+    ``call_kwargs``, for a pipeline without text encoders).
     """
 
     name = "generic"
+
+    def warmup_cfg(self, pipe: Any, cfg: tuple[bool, ...]) -> tuple[bool, ...]:
+        return cfg if read_call_shape(pipe).cfg_changes_calls else cfg[:1]
+
+    def check_warmup(self, pipe: Any, *, cfg: tuple[bool, ...], call_kwargs: Mapping[str, Any]) -> None:
+        shape = read_call_shape(pipe)
+        made = WARMUP_ARGUMENTS | ({"image"} if shape.needs_image else set())
+        missing = [p for p in shape.required_params if p not in call_kwargs and p not in made]
+        if missing:
+            raise ValueError(
+                f"{shape.pipeline}'s call needs {', '.join(missing)}, which the warm-up cannot make: "
+                f"pass them in call_kwargs"
+            )
+        if not shape.takes_prompt or shape.has_text_encoders:
+            return
+        if not shape.gives_text(call_kwargs):
+            guided = True in cfg and shape.cfg_changes_calls
+            wanted = [p for p in shape.embedding_params if guided or not p.startswith("negative_")]
+            raise ValueError(
+                f"{shape.pipeline} has no text encoder, so the warm-up cannot encode prompts: pass "
+                f"call_kwargs=dict({', '.join(f'{p}=...' for p in wanted)})"
+            )
+        if True in cfg and shape.cfg_changes_calls and not shape.gives_negative(call_kwargs):
+            raise ValueError(
+                f"{shape.pipeline} has no text encoder and cfg=True runs a negative prompt: add "
+                f"{', '.join(f'{p}=...' for p in shape.negative_embedding_params)} to call_kwargs (or pass cfg=False)"
+            )
+
+    def warmup_calls(
+        self,
+        pipe: Any,
+        *,
+        width: int,
+        height: int,
+        batch_size: int,
+        cfg: bool,
+        prompt_length: int | None,
+        negative_prompt_length: int | None,
+        num_inference_steps: int,
+        num_frames: int | None = None,
+        prompt: str | None = None,
+        negative_prompt: str | None = None,
+        call_kwargs: Mapping[str, Any] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        given = call_kwargs or {}
+        shape = read_call_shape(pipe)
+        kwargs: dict[str, Any] = dict(height=height, width=width, num_inference_steps=num_inference_steps)
+        kwargs["output_type"] = "latent"
+        kwargs.update(self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given))
+        embedded = shape.gives_text(given)
+        if embedded and shape.batch_param is not None:
+            kwargs[shape.batch_param] = batch_size  # one prompt's embeddings, repeated per image
+        elif not embedded and shape.takes_prompt:
+            kwargs["prompt"] = [prompt or DEFAULT_WARMUP_PROMPT] * batch_size
+
+        def per_image(text: str) -> str | list[str]:
+            # A negative prompt goes as the prompt does: one per image beside a list of prompts.
+            return [text] * batch_size if "prompt" in kwargs else text
+
+        if shape.guidance in (TRUE_CFG, CFG):
+            kwargs["true_cfg_scale" if shape.guidance == TRUE_CFG else "guidance_scale"] = (
+                shape.cfg_on if cfg else shape.cfg_off
+            )
+        if cfg and shape.takes_negative_prompt and not shape.gives_negative(given):
+            if shape.guidance == TRUE_CFG:
+                # True CFG runs only with a negative prompt: " ", as real calls that name none pass.
+                kwargs["negative_prompt"] = per_image(negative_prompt if negative_prompt is not None else " ")
+            elif shape.guidance == CFG and negative_prompt is not None:
+                # Without one the pipeline encodes its own default (""), as real calls naming none do.
+                kwargs["negative_prompt"] = per_image(negative_prompt)
+        yield kwargs
 
 
 def register_recipe(cls: type[Recipe]) -> type[Recipe]:

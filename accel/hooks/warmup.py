@@ -8,6 +8,10 @@ With compiled blocks, one uncaptured call per resolution compiles first, so comp
 reported apart from capture seconds. Components (text encoders, the VAE decoder) are captured
 last, by real pipeline calls with text prompts that decode an image: one per resolution (the
 VAE's latent shapes) and one per further prompt (the text encoder's token lengths).
+
+A case is a resolution, a frame count (video pipelines), a batch size, a guidance setting and a
+text: a length in tokens, or, for a recipe that cannot measure prompts (the generic one), a
+prompt warmed up as given. ``call_kwargs`` are passed with every call.
 """
 
 from __future__ import annotations
@@ -16,28 +20,38 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..graphs.capture import capture_session
 from ..graphs.pool import GraphPool
 from ..graphs.runner import GraphRunner
+from .call_shape import call_parameters, read_call_shape
 from .compile import compiled_graph_count
 from .options import check_resolution
-from .recipe import Recipe
+from .recipe import WARMUP_ARGUMENTS, Recipe
 
-__all__ = ["WarmupPlan", "WarmupReport", "WarmupRow", "normalise_resolutions", "plan_warmup", "run_warmup"]
+__all__ = [
+    "WarmupCase",
+    "WarmupPlan",
+    "WarmupReport",
+    "WarmupRow",
+    "normalise_resolutions",
+    "plan_warmup",
+    "run_warmup",
+]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class WarmupRow:
-    """What warming up one resolution cost. ``seconds`` is capture time; ``compile_seconds``
-    the first compiled call's (0 without compile)."""
+    """What warming up one resolution (and frame count, for video) cost. ``seconds`` is capture
+    time; ``compile_seconds`` the first compiled call's (0 without compile); ``frames`` None
+    for images."""
 
     width: int
     height: int
@@ -45,6 +59,12 @@ class WarmupRow:
     captures: int
     resident_bytes: int
     compile_seconds: float = 0.0
+    frames: int | None = None
+
+    @property
+    def size(self) -> str:
+        """``WxH``, with ``xF frames`` for video."""
+        return f"{self.width}x{self.height}" + (f", {self.frames} frames" if self.frames is not None else "")
 
 
 @dataclasses.dataclass
@@ -82,12 +102,18 @@ class WarmupReport:
         if self.skipped:
             return f"nothing captured: {self.skipped}"
         compiled = any(r.compile_seconds for r in self.rows)
-        head = f"{'resolution':>12} {'capture s':>9} {'graphs':>6} {'graph MiB':>10}"
+        video = any(r.frames is not None for r in self.rows)
+        head = f"{'resolution':>12}" + (f" {'frames':>6}" if video else "")
+        head += f" {'capture s':>9} {'graphs':>6} {'graph MiB':>10}"
         lines = [head + (f" {'compile s':>9}" if compiled else "")]
         for r in self.rows:
-            line = f"{r.width:>5}x{r.height:<6} {r.seconds:9.2f} {r.captures:6d} {r.resident_bytes / 2**20:10.1f}"
+            line = f"{r.width:>5}x{r.height:<6}"
+            if video:
+                line += f" {r.frames if r.frames is not None else '-':>6}"
+            line += f" {r.seconds:9.2f} {r.captures:6d} {r.resident_bytes / 2**20:10.1f}"
             lines.append(line + (f" {r.compile_seconds:9.2f}" if compiled else ""))
-        total = f"{'total':>12} {self.total_seconds:9.2f} {self.total_captures:6d} {self.total_resident_bytes / 2**20:10.1f}"
+        total = f"{'total':>12}" + (" " * 7 if video else "")
+        total += f" {self.total_seconds:9.2f} {self.total_captures:6d} {self.total_resident_bytes / 2**20:10.1f}"
         lines.append(total + (f" {self.total_compile_seconds:9.2f}" if compiled else ""))
         if compiled:
             lines.append(f"inductor compiled {self.compiled_graphs} graph(s)")
@@ -99,14 +125,43 @@ class WarmupReport:
         return "\n".join(lines)
 
 
+class WarmupCase(NamedTuple):
+    """One warm-up case. ``text`` is a text length in tokens or, for a recipe that cannot measure
+    prompts, a prompt warmed up as given; ``frames`` the frame count of a video pipeline's calls
+    (None for images)."""
+
+    width: int
+    height: int
+    batch_size: int
+    cfg: bool
+    text: int | str
+    frames: int | None = None
+
+    @property
+    def size(self) -> tuple[int, int, int | None]:
+        """What a report row is per: (width, height, frames)."""
+        return self.width, self.height, self.frames
+
+
 @dataclasses.dataclass(frozen=True)
 class WarmupPlan:
-    """Every case to capture as (width, height, batch, cfg, text length), largest first."""
+    """Every case to capture, largest first, and what every call of them shares.
+
+    ``negative_length`` is None where the recipe cannot measure prompts; ``call_kwargs`` (left
+    out of the repr, which ranks compare) are passed with every call.
+    """
 
     resolutions: tuple[tuple[int, int], ...]
-    cases: tuple[tuple[int, int, int, bool, int], ...]
-    negative_length: int
+    cases: tuple[WarmupCase, ...]
+    negative_length: int | None
     num_inference_steps: int
+    negative_prompt: str | None = None
+    call_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def sizes(self) -> list[tuple[int, int, int | None]]:
+        """(width, height, frames) of the cases, largest first, each once."""
+        return list(dict.fromkeys(c.size for c in self.cases))
 
 
 def normalise_resolutions(resolutions: Any) -> list[tuple[int, int]]:
@@ -144,6 +199,43 @@ def _positive_ints(name: str, values: Any) -> list[int]:
     return values
 
 
+def _frames(pipe: Any, num_frames: Any) -> tuple[int | None, ...]:
+    """The frame counts to capture: those asked for, else the pipeline's default (None: images)."""
+    params = call_parameters(pipe)
+    if num_frames is None:
+        default = params["num_frames"].default if "num_frames" in params else None
+        return (default if isinstance(default, int) and not isinstance(default, bool) and default > 0 else None,)
+    values = [num_frames] if isinstance(num_frames, int) and not isinstance(num_frames, bool) else num_frames
+    try:
+        frames = sorted(set(_positive_ints("num_frames", values)), reverse=True)
+    except ValueError:
+        raise ValueError(f"num_frames must be a positive integer or a list of them, got {num_frames!r}") from None
+    if "num_frames" not in params:
+        raise ValueError(f"num_frames={num_frames!r}: {type(pipe).__name__} makes images, its call takes no num_frames")
+    return tuple(frames)
+
+
+def _call_kwargs(pipe: Any, call_kwargs: Any) -> dict[str, Any]:
+    """``call_kwargs`` as a dict, or ValueError naming the keys the pipeline's call does not take
+    (or the warm-up sets itself)."""
+    if call_kwargs is None:
+        return {}
+    if not isinstance(call_kwargs, Mapping) or any(not isinstance(k, str) for k in call_kwargs):
+        raise ValueError(f"call_kwargs must be a mapping of pipeline argument names, got {type(call_kwargs).__name__}")
+    params = call_parameters(pipe)
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = [k for k in call_kwargs if k not in params]
+        if unknown:
+            raise ValueError(f"call_kwargs: {type(pipe).__name__}'s call takes no {', '.join(unknown)}")
+    owned = [k for k in call_kwargs if k in WARMUP_ARGUMENTS]
+    if owned:
+        raise ValueError(
+            f"call_kwargs: the warm-up sets {', '.join(owned)} itself (from resolutions, num_frames, "
+            "num_inference_steps, prompts, negative_prompt, batch_sizes and cfg)"
+        )
+    return dict(call_kwargs)
+
+
 def plan_warmup(
     recipe: Recipe,
     pipe: Any,
@@ -155,8 +247,11 @@ def plan_warmup(
     prompts: Sequence[str] | None,
     negative_prompt: str | None,
     num_inference_steps: int,
+    num_frames: int | Sequence[int] | None = None,
+    call_kwargs: Mapping[str, Any] | None = None,
 ) -> WarmupPlan:
-    """Validate the user's warm-up request and resolve text lengths through the recipe."""
+    """Validate the user's warm-up request and resolve text lengths through the recipe (for a
+    recipe that cannot measure prompts, each prompt is a case of its own, as given)."""
     res = normalise_resolutions(resolutions)
     cfgs = _bools("cfg", cfg)
     sizes = sorted(set(_positive_ints("batch_sizes", batch_sizes)), reverse=True)
@@ -169,42 +264,66 @@ def plan_warmup(
         raise ValueError("pass prompts or prompt_lengths, not both")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
         raise ValueError(f"negative_prompt must be a string, got {type(negative_prompt).__name__}")
+    frames = _frames(pipe, num_frames)
+    extra = _call_kwargs(pipe, call_kwargs)
+    try:
+        negative_length: int | None = recipe.prompt_lengths(pipe, [negative_prompt or ""])[0]
+        measures = True
+    except NotImplementedError:
+        negative_length, measures = None, False
+    lengths: list[int] = []
+    as_given: list[str] | None = None
     if prompts is not None:
         if isinstance(prompts, str):
             prompts = [prompts]
         if not prompts or any(not isinstance(p, str) for p in prompts):
             raise ValueError(f"prompts must be a list of strings, got {prompts!r}")
-        lengths = recipe.prompt_lengths(pipe, list(prompts))
+        if measures:
+            lengths = recipe.prompt_lengths(pipe, list(prompts))
+        else:
+            as_given = list(dict.fromkeys(prompts))
     elif prompt_lengths is not None:
         lengths = _positive_ints("prompt_lengths", prompt_lengths)
     else:
         lengths = list(recipe.default_prompt_lengths())
-    try:
-        negative_length = recipe.prompt_lengths(pipe, [negative_prompt or ""])[0]
-    except NotImplementedError:
+    if negative_length is None and lengths:
         negative_length = min(lengths)
-    cases = tuple(
-        (w, h, b, c, n)
-        for (w, h) in res
-        for b in sizes
-        for c in cfgs
-        for n in sorted({recipe.warmup_length(n, w, h) for n in lengths}, reverse=True)
+    cfgs = recipe.warmup_cfg(pipe, cfgs)
+    recipe.check_warmup(pipe, cfg=cfgs, call_kwargs=extra)
+
+    def texts(w: int, h: int) -> list[int | str]:
+        if as_given is not None:
+            return list(as_given)
+        return sorted({recipe.warmup_length(n, w, h) for n in lengths}, reverse=True)
+
+    # Largest first, frames counted: smaller captures reuse the blocks the largest reserved.
+    shapes = sorted(
+        ((w, h, f) for (w, h) in res for f in frames), key=lambda s: s[0] * s[1] * (s[2] or 1), reverse=True
     )
-    return WarmupPlan(tuple(res), cases, negative_length, num_inference_steps)
+    cases = tuple(
+        WarmupCase(w, h, b, c, n, f) for (w, h, f) in shapes for b in sizes for c in cfgs for n in texts(w, h)
+    )
+    return WarmupPlan(tuple(res), cases, negative_length, num_inference_steps, negative_prompt, extra)
 
 
-def _calls(recipe: Recipe, pipe: Any, plan: WarmupPlan, case: tuple[int, int, int, bool, int]) -> Iterable[dict]:
-    w, h, b, c, n = case
-    return recipe.warmup_calls(
+def _calls(recipe: Recipe, pipe: Any, plan: WarmupPlan, case: WarmupCase) -> Iterator[dict[str, Any]]:
+    """The recipe's calls of ``case``, each with the user's ``call_kwargs`` merged over it."""
+    text = case.text
+    for kwargs in recipe.warmup_calls(
         pipe,
-        width=w,
-        height=h,
-        batch_size=b,
-        cfg=c,
-        prompt_length=n,
+        width=case.width,
+        height=case.height,
+        batch_size=case.batch_size,
+        cfg=case.cfg,
+        prompt_length=text if isinstance(text, int) else None,
         negative_prompt_length=plan.negative_length,
         num_inference_steps=plan.num_inference_steps,
-    )
+        num_frames=case.frames,
+        prompt=text if isinstance(text, str) else None,
+        negative_prompt=plan.negative_prompt,
+        call_kwargs=plan.call_kwargs,
+    ):
+        yield {**kwargs, **plan.call_kwargs}
 
 
 @contextlib.contextmanager
@@ -236,27 +355,37 @@ def _with_prompt(kwargs: dict[str, Any], prompt: str, negative_prompt: str | Non
     """A recipe's warm-up call (made of random embeddings) with text prompts instead."""
     out = {k: v for k, v in kwargs.items() if "prompt_embeds" not in k}
     out["prompt"] = [prompt] * batch
-    if "negative_prompt_embeds" in kwargs:
+    if "negative_prompt_embeds" in kwargs or "negative_prompt" in kwargs:
         out["negative_prompt"] = [negative_prompt if negative_prompt is not None else " "] * batch
     return out
 
 
 def _component_calls(
     recipe: Recipe, pipe: Any, plan: WarmupPlan, prompts: list[str], negative_prompt: str | None
-) -> Iterator[tuple[tuple[int, int], dict[str, Any]]]:
-    """((width, height), kwargs) of the calls that capture the components: each resolution's
-    first case decoding an image, then every further prompt at the smallest resolution."""
-    seen: set[tuple[int, int]] = set()
+) -> Iterator[tuple[tuple[int, int, int | None], dict[str, Any]]]:
+    """(size, kwargs) of the calls that capture the components: each size's first case
+    decoding an image, then every further prompt at the smallest size. Calls keep their
+    embeddings where the pipeline has no text encoder or ``call_kwargs`` carry the text (real
+    calls then never run a text encoder)."""
+    shape = read_call_shape(pipe)
+    text = shape.has_text_encoders and not shape.gives_text(plan.call_kwargs)
+
+    def prompted(kwargs: dict[str, Any], prompt: str, batch: int) -> dict[str, Any]:
+        return _with_prompt(kwargs, prompt, negative_prompt, batch) if text else dict(kwargs)
+
+    seen: set[tuple[int, int, int | None]] = set()
     for case in plan.cases:
-        if case[:2] in seen:
+        if case.size in seen:
             continue
-        seen.add(case[:2])
+        seen.add(case.size)
         for kwargs in _calls(recipe, pipe, plan, case):
-            yield case[:2], {**_with_prompt(kwargs, prompts[0], negative_prompt, case[2]), "output_type": "pil"}
+            yield case.size, {**prompted(kwargs, prompts[0], case.batch_size), "output_type": "pil"}
     smallest = plan.cases[-1]
+    if not text or isinstance(smallest.text, str):  # embeddings only, or every prompt was a case already
+        return
     for prompt in prompts[1:]:
         for kwargs in _calls(recipe, pipe, plan, smallest):
-            yield smallest[:2], {**_with_prompt(kwargs, prompt, negative_prompt, smallest[2]), "output_type": "latent"}
+            yield smallest.size, {**prompted(kwargs, prompt, smallest.batch_size), "output_type": "latent"}
 
 
 def _run_capturing(
@@ -279,6 +408,10 @@ def _run_capturing(
     row.resident_bytes += pool.resident_bytes() - resident0
 
 
+def _row(case: WarmupCase) -> WarmupRow:
+    return WarmupRow(case.width, case.height, 0.0, 0, 0, frames=case.frames)
+
+
 def run_warmup(
     pipe: Any,
     recipe: Recipe,
@@ -296,7 +429,7 @@ def run_warmup(
     ``components`` (runners among ``runners``) are given, the calls that capture them."""
     pool = runners[0].pool
     assert pool is not None
-    rows: dict[tuple[int, int], WarmupRow] = {}
+    rows: dict[tuple[int, int, int | None], WarmupRow] = {}
     graphs0 = compiled_graph_count() if compiled else 0
     passes = 1
     progress_config = dict(getattr(pipe, "_progress_bar_config", {}))
@@ -309,7 +442,7 @@ def run_warmup(
             bar = _progress(len(plan.cases), progress, "compiling")
             with _uncaptured(runners):
                 for case in plan.cases:
-                    row = rows.setdefault(case[:2], WarmupRow(*case[:2], 0.0, 0, 0))
+                    row = rows.setdefault(case.size, _row(case))
                     t0 = time.perf_counter()
                     for kwargs in _calls(recipe, pipe, plan, case):
                         pipe(**kwargs, generator=torch.Generator(device).manual_seed(0))
@@ -330,10 +463,10 @@ def run_warmup(
                 graphs = compiled_graph_count() if compiled else 0
                 bar = _progress(len(plan.cases), progress, "capturing graphs")
                 for case in plan.cases:
-                    w, h, b, c, n = case
-                    row = rows.setdefault((w, h), WarmupRow(w, h, 0.0, 0, 0))
+                    row = rows.setdefault(case.size, _row(case))
                     _run_capturing(pipe, device, row, runners, pool, _calls(recipe, pipe, plan, case))
-                    bar.set_postfix_str(f"{w}x{h} batch {b} cfg {c} text {n}")
+                    text = f"text {case.text}" if isinstance(case.text, int) else f"prompt {case.text[:20]!r}"
+                    bar.set_postfix_str(f"{row.size} batch {case.batch_size} cfg {case.cfg} {text}")
                     bar.update()
                 bar.close()
                 if not compiled or compiled_graph_count() == graphs:
@@ -342,8 +475,8 @@ def run_warmup(
             if components:
                 calls = list(_component_calls(recipe, pipe, plan, prompts or [WARMUP_PROMPT], negative_prompt))
                 bar = _progress(len(calls), progress, "capturing text encoder and VAE")
-                for wh, kwargs in calls:
-                    _run_capturing(pipe, device, rows[wh], runners, pool, [kwargs])
+                for size, kwargs in calls:
+                    _run_capturing(pipe, device, rows[size], runners, pool, [kwargs])
                     bar.update()
                 bar.close()
     finally:

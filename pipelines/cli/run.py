@@ -225,15 +225,9 @@ def _run(args: argparse.Namespace) -> int:
     # Limits that need the built model, still before anything runs or is written.
     warm: list[tuple[int, int]] = []
     graphs = device.type == "cuda" and mode == "bcg"
-    capture_on_use = False
     if device.type == "cuda" and mode != "eager" and mine and warmup_sizes != []:
         warm = warmup_sizes or list(dict.fromkeys((j.width, j.height) for j in mine))
-    if warm and frames is not None:
-        # The warm-up drives the pipeline with the recipe's calls, which name no frame count: a
-        # video pipeline would be captured at its default frames, shapes no call of this run has.
-        say = logger.warning if warmup_sizes else logger.info  # asked for by --warmup: worth a warning
-        say("warmup skipped for %s: graphs are captured by the first call of each size instead", type(pipe).__name__)
-        warm, capture_on_use = [], True
+    warm_cfg = _runs_cfg(guidance, defaults.guidance_kwarg, defaults.cfg_above, params, negative)
     try:
         limits.check_steps(steps, getattr(getattr(pipe, "scheduler", None), "config", None))
         limit = limits.pipeline_position_limit(pipe)
@@ -272,8 +266,6 @@ def _run(args: argparse.Namespace) -> int:
             options["auto_breaks"] = True
         if not args.cfg_batch:
             options["cfg_batch"] = False
-        if capture_on_use:
-            options["capture_on_miss"] = True
         try:
             accelerate_pipeline(pipe, mode=mode, **options)
         except (TypeError, ValueError) as e:  # e.g. a hub pipeline with no denoiser to accelerate
@@ -281,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
             raise RunError(f"cannot accelerate {type(pipe).__name__}: {_one_line(e)} ({hint})") from None
         if warm:
             try:
-                warmup_seconds = _warmup(pipe, warm, mine, negative, cfg, args.batch_size, not args.quiet)
+                warmup_seconds = _warmup(pipe, warm, mine, negative, warm_cfg, args.batch_size, frames, not args.quiet)
             except torch.OutOfMemoryError:
                 sizes = " ".join(f"{w}x{h}" for w, h in warm)
                 raise RunError(
@@ -451,14 +443,27 @@ def _nan_hint(args: argparse.Namespace) -> str:
     return ""
 
 
+def _runs_cfg(guidance: float | None, kwarg: str | None, above: float, params: Any, negative: str | None) -> bool:
+    """Whether this run's calls run classifier-free guidance, so that the warm-up captures them so.
+
+    ``guidance`` is the run's scale, passed as ``kwarg`` (None: the pipeline's own default, read
+    from ``params``, its call's parameters); guidance runs above ``above``, and true CFG only
+    with a ``negative`` prompt.
+    """
+    if guidance is None and kwarg in params:
+        default = params[kwarg].default
+        guidance = default if isinstance(default, (int, float)) and not isinstance(default, bool) else None
+    if guidance is None or not guidance > above:
+        return False
+    return kwarg != "true_cfg_scale" or negative is not None
+
+
 def _warmup(pipe: Any, resolutions: list[tuple[int, int]], jobs: list[Job], negative: str | None, cfg: bool,
-            batch_size: int, progress: bool) -> float:  # fmt: skip
-    prompts = list(dict.fromkeys(j.prompt for j in jobs))
-    kwargs = dict(negative_prompt=negative, cfg=cfg, batch_sizes=(batch_size,), progress=progress)
+            batch_size: int, frames: int | None, progress: bool) -> float:  # fmt: skip
+    """Capture what this run's calls hit: its sizes, prompts, guidance, batch size and frames."""
+    kwargs: dict[str, Any] = dict(negative_prompt=negative, cfg=cfg, batch_sizes=(batch_size,), progress=progress)
+    if frames is not None:
+        kwargs["num_frames"] = frames
     t0 = time.perf_counter()
-    try:
-        pipe.accel.warmup(resolutions, prompts=prompts, **kwargs)
-    except NotImplementedError as e:  # a recipe that cannot measure prompts: its default lengths
-        logger.info("warmup: %s; capturing the recipe's default text lengths", e)
-        pipe.accel.warmup(resolutions, **kwargs)
+    pipe.accel.warmup(resolutions, prompts=list(dict.fromkeys(j.prompt for j in jobs)), **kwargs)
     return time.perf_counter() - t0

@@ -1,5 +1,7 @@
-"""run_warmup with compiled blocks, its CUDA parts faked: every case compiles before any capture,
-and a recompile during capture makes it capture every case once more."""
+"""plan_warmup and run_warmup, their CUDA parts faked: every case compiles before any capture, and a
+recompile during capture makes it capture every case once more; video cases run largest first
+with their frame counts and every call carries the user's call_kwargs; a recipe that cannot
+measure prompts warms each one up as given."""
 
 from __future__ import annotations
 
@@ -57,25 +59,34 @@ class FakePipe:
         self.calls.append((phase, width, height, prompt_length))
 
 
+class VideoPipe(FakePipe):
+    """A FakePipe whose call takes ``num_frames`` (default 81); records frames and extra arguments."""
+
+    def __init__(self, runner: FakeRunner) -> None:
+        super().__init__(runner, [0], set())
+        self.frames: list[tuple[int, dict[str, Any]]] = []
+
+    def __call__(self, *, width: int, height: int, prompt_length: int, generator: Any, num_frames: int = 81,
+                 **kwargs: Any) -> None:  # fmt: skip
+        self.frames.append((num_frames, kwargs))
+        super().__call__(width=width, height=height, prompt_length=prompt_length, generator=generator)
+
+
 class LengthRecipe(Recipe):
     name = "lengths"
 
-    def warmup_calls(self, pipe: Any, *, width: int, height: int, prompt_length: int, **_: Any) -> Iterator[dict]:
-        yield dict(width=width, height=height, prompt_length=prompt_length)
+    def warmup_calls(
+        self, pipe: Any, *, width: int, height: int, prompt_length: int, num_frames: int | None = None, **_: Any
+    ) -> Iterator[dict]:
+        frames = {"num_frames": num_frames} if num_frames is not None else {}
+        yield dict(width=width, height=height, prompt_length=prompt_length, **frames)
 
 
-def _plan(recipe: Recipe, resolutions: list[tuple[int, int]]) -> Any:
-    return plan_warmup(
-        recipe,
-        None,
-        resolutions,
-        batch_sizes=[1],
-        cfg=False,
-        prompt_lengths=[32, 64],
-        prompts=None,
-        negative_prompt=None,
-        num_inference_steps=2,
+def _plan(recipe: Recipe, pipe: Any, resolutions: list[tuple[int, int]], **kwargs: Any) -> Any:
+    request: dict[str, Any] = dict(
+        batch_sizes=[1], cfg=False, prompt_lengths=[32, 64], prompts=None, negative_prompt=None, num_inference_steps=2
     )
+    return plan_warmup(recipe, pipe, resolutions, **{**request, **kwargs})
 
 
 @pytest.mark.parametrize("recompile_during_capture", [False, True])
@@ -87,11 +98,11 @@ def test_compiled_warmup_compiles_every_case_first_and_captures_again_after_a_re
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     recipe = LengthRecipe()
     runner = FakeRunner()
-    plan = _plan(recipe, [(512, 512), (1024, 1024)])
-    cases = [(w, h, n) for (w, h, _, _, n) in plan.cases]
-    assert cases == [(1024, 1024, 64), (1024, 1024, 32), (512, 512, 64), (512, 512, 32)]  # largest first
     # the compile pass recompiles on its first two calls; the first capture pass once, on its second call
     pipe = FakePipe(runner, compiles, {0, 1} | ({5} if recompile_during_capture else set()))
+    plan = _plan(recipe, pipe, [(512, 512), (1024, 1024)])
+    cases = [(c.width, c.height, c.text) for c in plan.cases]
+    assert cases == [(1024, 1024, 64), (1024, 1024, 32), (512, 512, 64), (512, 512, 32)]  # largest first
     report = run_warmup(pipe, recipe, plan, [runner], torch.device("cpu"), compiled=True, progress=False)
 
     phases = [(p, w, h, n) for p, w, h, n in pipe.calls]
@@ -110,8 +121,53 @@ def test_compiled_warmup_compiles_every_case_first_and_captures_again_after_a_re
 def test_uncompiled_warmup_captures_each_case_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     recipe, runner = LengthRecipe(), FakeRunner()
-    plan = _plan(recipe, [(512, 512)])
     pipe = FakePipe(runner, [0], set())
+    plan = _plan(recipe, pipe, [(512, 512)])
     report = run_warmup(pipe, recipe, plan, [runner], torch.device("cpu"), compiled=False, progress=False)
     assert [p for p, *_ in pipe.calls] == ["capture", "capture"]
     assert report.compiled_graphs == 0 and report.total_captures == 2
+
+
+def test_video_cases_run_largest_first_with_their_frames_and_the_call_kwargs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    recipe, runner = LengthRecipe(), FakeRunner()
+    pipe = VideoPipe(runner)
+    extra = {"max_sequence_length": 16, "attention_kwargs": {"scale": 0.5}}
+    plan = _plan(recipe, pipe, [(512, 512), (1024, 1024)], prompt_lengths=[32], num_frames=[9, 33], call_kwargs=extra)
+    # pixels x frames: 1024*1024*33 > 1024*1024*9 > 512*512*33 > 512*512*9
+    assert plan.sizes == [(1024, 1024, 33), (1024, 1024, 9), (512, 512, 33), (512, 512, 9)]
+    report = run_warmup(pipe, recipe, plan, [runner], torch.device("cpu"), compiled=False, progress=False)
+    assert [f for f, _ in pipe.frames] == [33, 9, 33, 9]
+    assert all(kwargs == extra for _, kwargs in pipe.frames)  # merged into every call
+    assert [(r.width, r.height, r.frames) for r in report.rows] == plan.sizes
+    lines = str(report).splitlines()
+    assert lines[0].split()[:2] == ["resolution", "frames"] and lines[1].split()[:2] == ["1024x1024", "33"]
+
+    default = _plan(recipe, pipe, [(512, 512)])
+    assert [c.frames for c in default.cases] == [81, 81]  # the call's own default
+    images = FakePipe(runner, [0], set())
+    assert [c.frames for c in _plan(recipe, images, [(512, 512)]).cases] == [None, None]
+    with pytest.raises(ValueError, match="FakePipe makes images, its call takes no num_frames"):
+        _plan(recipe, images, [(512, 512)], num_frames=9)
+
+
+class PromptRecipe(LengthRecipe):
+    def warmup_calls(self, pipe: Any, *, prompt: str | None = None, **kwargs: Any) -> Iterator[dict]:
+        for call in super().warmup_calls(pipe, **kwargs):
+            yield {**call, "prompt": prompt}
+
+
+def test_a_recipe_that_cannot_measure_prompts_warms_each_up_as_given() -> None:
+    recipe = PromptRecipe()  # its prompt_lengths is the base one: NotImplementedError
+    pipe = FakePipe(FakeRunner(), [0], set())
+    prompts = ["a red fox", "a lighthouse at night", "a red fox"]
+    plan = _plan(recipe, pipe, [(512, 512)], prompt_lengths=None, prompts=prompts, cfg=[True, False])
+    assert [(c.cfg, c.text) for c in plan.cases] == [
+        (True, "a red fox"),
+        (True, "a lighthouse at night"),
+        (False, "a red fox"),
+        (False, "a lighthouse at night"),
+    ]
+    assert plan.negative_length is None
+    calls = list(warmup_mod._calls(recipe, pipe, plan, plan.cases[1]))
+    assert calls == [dict(width=512, height=512, prompt_length=None, prompt="a lighthouse at night")]

@@ -6,7 +6,9 @@ real two-process accelerate launch)."""
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -498,6 +500,44 @@ def test_warmup_without_cuda_says_it_is_ignored(tmp_path: Path, caplog: pytest.L
     with caplog.at_level(logging.WARNING, logger="bcg-generate"):
         assert main(["--warmup", "64x64", "--out", str(tmp_path / "w.png"), *FAST]) == 0
     assert "--warmup is ignored: graphs are captured only on a CUDA device" in caplog.text
+
+
+def test_warmup_passes_the_runs_prompts_frames_and_guidance() -> None:
+    calls: list[tuple[Any, dict[str, Any]]] = []
+    pipe = types.SimpleNamespace(accel=types.SimpleNamespace(warmup=lambda res, **kw: calls.append((res, kw))))
+    jobs = plan_jobs(["a red fox", "a blue bird", "a red fox"], [(64, 64)], 2, 0)
+    cli_run._warmup(pipe, [(64, 64)], jobs, "blurry", True, 2, 9, False)
+    cli_run._warmup(pipe, [(64, 64)], jobs, None, False, 1, None, False)
+    (res, video), (_, image) = calls
+    assert res == [(64, 64)] and video["prompts"] == ["a red fox", "a blue bird"]
+    assert (video["num_frames"], video["cfg"], video["negative_prompt"], video["batch_sizes"]) == (
+        9,
+        True,
+        "blurry",
+        (2,),
+    )
+    assert "num_frames" not in image and image["cfg"] is False
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "kwarg", "above", "guidance", "negative", "runs"),
+    [
+        ("StableDiffusion3Pipeline", "guidance_scale", 1.0, None, None, True),  # its call's default: 7.0
+        ("PixArtSigmaPipeline", "guidance_scale", 1.0, None, None, True),  # 4.5
+        ("WanPipeline", "guidance_scale", 1.0, 1.0, None, False),
+        ("WanPipeline", "guidance_scale", 1.0, 5.0, None, True),
+        ("HunyuanVideoPipeline", "true_cfg_scale", 1.0, None, " ", False),  # true_cfg_scale defaults to 1.0
+        ("QwenImagePipeline", "true_cfg_scale", 1.0, None, None, False),  # 4.0, but no negative prompt
+        ("QwenImagePipeline", "true_cfg_scale", 1.0, None, " ", True),
+        ("FluxPipeline", "guidance_scale", math.inf, 3.5, None, False),  # the distilled embedding
+        ("HunyuanVideo15Pipeline", None, 1.0, None, None, False),  # its guider decides, no argument
+    ],
+)
+def test_the_warmups_guidance_is_what_the_runs_calls_do(pipeline, kwarg, above, guidance, negative, runs) -> None:
+    import diffusers
+
+    params = inspect.signature(getattr(diffusers, pipeline).__call__).parameters
+    assert cli_run._runs_cfg(guidance, kwarg, above, params, negative) is runs
 
 
 def test_prompts_starting_with_a_dash_and_unicode(tmp_path: Path) -> None:
