@@ -1,7 +1,7 @@
 """Construct a zoo family's pipeline with random weights and no text encoders.
 
 Weights are created in place on the target device and dtype (``builders._constructing_on``), so
-a 32B denoiser on a GPU builds in about a second; on the ``meta`` device nothing is allocated,
+a 32B denoiser on a GPU builds in seconds; on the ``meta`` device nothing is allocated,
 which is how parameter counts are taken. As ``from_pretrained`` does, modules a denoiser class
 names in ``_keep_in_fp32_modules`` stay in float32 under a half-precision dtype.
 """

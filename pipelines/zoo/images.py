@@ -660,13 +660,14 @@ def _lumina2() -> Family:
 
 def _qwen_image_edit() -> Family:
     # Qwen-Image-Edit: Qwen-Image's 20B transformer and VAE; the text is Qwen2.5-VL-7B reading the
-    # prompt and the input image together (the image's vision tokens make the text long).
+    # prompt and the input image together (the image's vision tokens make the text long). The
+    # pipeline cuts the embeddings to the prompt's own length: one prompt's mask is all ones.
     def streams(length: int, width: int) -> dict[str, Embedding]:
         return {
             "prompt_embeds": _e(1, length, width),
-            "prompt_embeds_mask": _mask(length),
+            "prompt_embeds_mask": _mask(length, "mask_ones"),
             "negative_prompt_embeds": _e(1, length, width),
-            "negative_prompt_embeds_mask": _mask(length),
+            "negative_prompt_embeds_mask": _mask(length, "mask_ones"),
         }
 
     return Family(

@@ -1,8 +1,8 @@
 """Random, seeded call inputs of a zoo family: what its own text encoders would have produced.
 
 Values are drawn on the CPU from one seeded generator, in the order the family declares them,
-then moved, so a seed gives the same inputs on every device. A mask marks a random number of
-leading tokens of each row as real (at least a quarter of them), as a tokenizer pads a prompt.
+then moved, so a seed gives the same inputs on every device. A padded mask marks a random number
+of leading tokens of each row as real (at least a quarter of them), as a tokenizer pads a prompt.
 """
 
 from __future__ import annotations
@@ -25,8 +25,12 @@ _MASK_DTYPES = {"mask_int": torch.int64, "mask_bool": torch.bool}
 def _tensor(spec: Embedding, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if spec.kind == "embed":
         return torch.randn(spec.shape, generator=gen).to(device, dtype)
+    if spec.kind == "mask_ones":
+        return torch.ones(spec.shape, dtype=torch.int64, device=device)
     if spec.kind not in (*_MASK_DTYPES, "mask_float"):
-        raise ValueError(f"Embedding.kind must be 'embed', 'mask_int', 'mask_bool' or 'mask_float', got {spec.kind!r}")
+        raise ValueError(
+            f"Embedding.kind must be 'embed', 'mask_int', 'mask_bool', 'mask_float' or 'mask_ones', got {spec.kind!r}"
+        )
     *rows, length = spec.shape
     real = torch.randint(max(1, length // 4), length + 1, tuple(rows), generator=gen)
     mask = torch.arange(length) < real.unsqueeze(-1)

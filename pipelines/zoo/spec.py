@@ -21,7 +21,7 @@ def check_size(size: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Where a family is usually run: pixels, frames (video only), steps and guidance."""
+    """Where a family is usually run: its pixels and, for video, frames."""
 
     height: int
     width: int
@@ -40,8 +40,10 @@ class Embedding:
     """One tensor the pipeline's own text encoders would hand the denoising loop.
 
     ``kind`` is ``"embed"`` (random normal, in the pipeline's dtype) or a mask: ``"mask_int"``
-    (int64), ``"mask_bool"``, ``"mask_float"`` (in the pipeline's dtype); a mask marks a random
-    number of leading tokens per row as real, the rest as padding, as a tokenizer would.
+    (int64), ``"mask_bool"``, ``"mask_float"`` (in the pipeline's dtype) mark a random number of
+    leading tokens per row as real, the rest as padding, as a tokenizer padding to a fixed length
+    would; ``"mask_ones"`` (int64) marks every token real, as encoders that cut the embeddings to
+    the prompt's own length produce for one prompt.
     """
 
     shape: tuple[int, ...]
@@ -84,11 +86,6 @@ class Family:
     components: Mapping[str, tuple[str, Mapping[str, Any]]] = dataclasses.field(default_factory=dict)
     pipeline_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     attributes: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
-
-    @property
-    def video(self) -> bool:
-        """Whether the pipeline makes videos (its geometry has frames)."""
-        return self.geometry["full"].frames is not None
 
     def denoiser_config(self, size: str) -> dict[str, Any]:
         """The denoiser's constructor kwargs at ``size`` (a copy: callers may edit it)."""

@@ -112,6 +112,8 @@ def test_embeddings_are_seeded_random_and_masks_pad_at_the_end():
     half = zoo.embeddings("ltx", "tiny", dtype=torch.bfloat16)
     assert half["prompt_embeds"].dtype == torch.bfloat16 and half["prompt_attention_mask"].dtype == torch.bool
     assert zoo.embeddings("chroma", "tiny", dtype=torch.bfloat16)["prompt_attention_mask"].dtype == torch.bfloat16
+    # Qwen's encoders cut the text to the prompt's own length: nothing is padding.
+    assert zoo.embeddings("qwen-image-edit", "tiny", seed=3)["prompt_embeds_mask"].all()
 
 
 def test_call_kwargs_carry_geometry_steps_guidance_and_the_edit_image():
