@@ -651,10 +651,14 @@ def table(results: dict[str, Any]) -> str:
             _misses(g),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    compiled = [(r["name"], (r.get("variants") or {}).get("compiled") or {}) for r in rows]
-    skipped = [(name, c["reason"]) for name, c in compiled if c.get("status") == "skipped"]
+    skipped: dict[str, list[str]] = {}  # reason -> families
+    for r in rows:
+        c = (r.get("variants") or {}).get("compiled") or {}
+        if c.get("status") == "skipped":
+            skipped.setdefault(c["reason"], []).append(r["name"])
     if skipped:
-        lines += ["", "Compiled variant skipped: " + "; ".join(f"{n}: {why}" for n, why in skipped) + "."]
+        why = "; ".join(f"{', '.join(names)}: {reason}" for reason, names in skipped.items())
+        lines += ["", f"Compiled variant skipped: {why}."]
     return "\n".join(lines) + "\n"
 
 
