@@ -1,0 +1,132 @@
+"""Construct a zoo family's pipeline with random weights and no text encoders.
+
+Weights are created in place on the target device and dtype (``builders._constructing_on``), so
+a 32B denoiser on a GPU builds in seconds; on the ``meta`` device nothing is allocated,
+which is how parameter counts are taken. As ``from_pretrained`` does, modules a denoiser class
+names in ``_keep_in_fp32_modules`` stay in float32 under a half-precision dtype.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from typing import Any
+
+import diffusers
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.schedulers.scheduling_utils import SchedulerMixin
+
+from ..builders import _as_dtype, _constructing_on
+from .registry import family
+from .spec import Family, check_size
+
+__all__ = ["absent_components", "build", "build_denoiser", "build_scheduler", "build_vae", "parameter_counts"]
+
+logger = logging.getLogger(__name__)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _keep_fp32(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    keep = getattr(module, "_keep_in_fp32_modules", None) or []
+    if dtype not in _HALF or not keep:
+        return
+    # Matched per parameter name, as from_pretrained matches them (a name part equal to an entry).
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if any(k in name.split(".") for k in keep):
+                param.data = param.data.to(torch.float32)
+
+
+def _construct(
+    class_name: str, config: dict[str, Any], device: str | torch.device, dtype: torch.dtype, seed: int
+) -> torch.nn.Module:
+    cls = getattr(diffusers, class_name)
+    torch.manual_seed(seed)
+    with _constructing_on(device, dtype):
+        module = cls(**config)
+    _keep_fp32(module, dtype)
+    return module.eval()
+
+
+def build_denoiser(
+    name: str,
+    size: str = "tiny",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """The denoiser of family ``name`` at ``size`` with random weights (``device="meta"``: no storage)."""
+    fam = family(name)
+    return _construct(fam.denoiser_class, fam.denoiser_config(check_size(size)), device, _as_dtype(dtype), seed)
+
+
+def build_vae(
+    name: str,
+    size: str = "tiny",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """The VAE of family ``name`` at ``size`` with random weights."""
+    fam = family(name)
+    return _construct(fam.vae_class, fam.vae_config(check_size(size)), device, _as_dtype(dtype), seed)
+
+
+def build_scheduler(name: str) -> SchedulerMixin:
+    """The released scheduler of family ``name`` (no weights, so no size)."""
+    fam = family(name)
+    return getattr(diffusers, fam.scheduler_class)(**fam.scheduler_config())
+
+
+def absent_components(fam: Family) -> list[str]:
+    """The pipeline's constructor arguments the zoo passes as None (text encoders, tokenizers,
+    processors, image encoders): every one without a default that the family does not build."""
+    built = {fam.denoiser, "vae", "scheduler", *fam.components, *fam.pipeline_kwargs}
+    params = inspect.signature(getattr(diffusers, fam.pipeline).__init__).parameters
+    return [
+        k
+        for k, p in params.items()
+        if k != "self" and k not in built and p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty
+    ]
+
+
+def build(
+    name: str,
+    size: str = "tiny",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    seed: int = 0,
+) -> DiffusionPipeline:
+    """The pipeline of family ``name`` at ``size`` on ``device`` in ``dtype``, random weights
+    seeded with ``seed``, its text encoders and tokenizers None (calls pass embeddings: see
+    :func:`pipelines.zoo.call_kwargs`). In eval mode, progress bars off."""
+    fam, dtype = family(name), _as_dtype(dtype)
+    check_size(size)
+    start = time.perf_counter()
+    parts: dict[str, Any] = {
+        fam.denoiser: build_denoiser(name, size, device, dtype, seed),
+        "vae": build_vae(name, size, device, dtype, seed),
+        "scheduler": build_scheduler(name),
+        **{k: getattr(diffusers, cls)(**kwargs) for k, (cls, kwargs) in fam.components.items()},
+        **fam.pipeline_kwargs,
+    }
+    parts.update(dict.fromkeys(absent_components(fam)))
+    pipe = getattr(diffusers, fam.pipeline)(**parts)
+    for attr, value in fam.attributes.get(size, {}).items():
+        setattr(pipe, attr, value)
+    # Parts are already in `dtype`; only tensors made outside the construction context move.
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    logger.info("built %s (%s, %s) in %.1f s", fam.pipeline, name, size, time.perf_counter() - start)
+    return pipe
+
+
+def parameter_counts(name: str, size: str = "full") -> dict[str, int]:
+    """Parameters of the denoiser and the VAE of family ``name`` at ``size``, by component name,
+    counted on the ``meta`` device (nothing allocated)."""
+    fam = family(name)
+    modules = {fam.denoiser: build_denoiser(name, size, "meta"), "vae": build_vae(name, size, "meta")}
+    return {k: sum(p.numel() for p in m.parameters()) for k, m in modules.items()}
