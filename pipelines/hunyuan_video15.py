@@ -35,7 +35,7 @@ diffusers 0.42 gives the model no context-parallel plan.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -319,13 +319,19 @@ class HunyuanVideo15Recipe(Recipe):
         height: int,
         batch_size: int,
         cfg: bool,
-        prompt_length: int,
-        negative_prompt_length: int,
+        prompt_length: int | None,
+        negative_prompt_length: int | None,
         num_inference_steps: int,
+        num_frames: int | None = None,
+        prompt: str | None = None,
+        negative_prompt: str | None = None,
+        call_kwargs: Mapping[str, Any] | None = None,
     ) -> Iterator[dict[str, Any]]:
         # Random embeddings in the shapes the pipeline's encoders give, masks half valid. Whether
         # guidance runs is the pipeline's guider's to say, not the call's: the negative embeddings
         # are always passed (unused when it does not guide), and both branches share a graph.
+        # Embeddings the user passes in call_kwargs replace these (the warm-up merges them in).
+        given = call_kwargs or {}
         device, dtype, g = self.embedding_setup(pipe)
         config = pipe.transformer.config
         mllm = getattr(pipe, "tokenizer_max_length", MLLM_LENGTH)
@@ -339,7 +345,10 @@ class HunyuanVideo15Recipe(Recipe):
         kwargs: dict[str, Any] = dict(
             height=height, width=width, num_inference_steps=num_inference_steps, output_type="latent"
         )
+        kwargs.update(self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given))
         for prefix in ("", "negative_"):
+            if f"{prefix}prompt_embeds" in given:
+                continue
             kwargs[f"{prefix}prompt_embeds"], kwargs[f"{prefix}prompt_embeds_mask"] = embeds(
                 mllm, config.text_embed_dim
             )

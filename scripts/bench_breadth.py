@@ -281,7 +281,11 @@ def _delta(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) 
 def _warm_up(pipe: Any, fam: Any, size: str, inputs: dict[str, Any]) -> dict[str, Any]:
     """``pipe.accel.warmup`` at the family's geometry with the call's own embeddings."""
     geo = fam.geometry[size]
-    options: dict[str, Any] = {"cfg": fam.cfg, "call_kwargs": inputs, "progress": False}
+    # The warm-up sets guidance (and geometry) itself, the family's way: only the rest goes in.
+    from accel.hooks.recipe import WARMUP_ARGUMENTS
+
+    given = {k: v for k, v in inputs.items() if k not in WARMUP_ARGUMENTS}
+    options: dict[str, Any] = {"cfg": fam.cfg, "call_kwargs": given, "progress": False}
     if geo.frames is not None:
         options["num_frames"] = geo.frames
     t0 = time.perf_counter()
