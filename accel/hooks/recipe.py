@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..graphs.errors import BCGError
-from .call_shape import CFG, TRUE_CFG, read_call_shape, warmup_image
+from .call_shape import CFG, TRUE_CFG, call_parameters, read_call_shape, warmup_image
 
 __all__ = [
     "GenerationDefaults",
@@ -367,7 +367,12 @@ class GenericRecipe(Recipe):
             kwargs["true_cfg_scale" if shape.guidance == TRUE_CFG else "guidance_scale"] = (
                 shape.cfg_on if cfg else shape.cfg_off
             )
-        if cfg and shape.takes_negative_prompt and not shape.gives_negative(given):
+        if shape.takes_negative_prompt and shape.gives_negative(given):
+            # Negative embeddings given: some pipelines (Sana, PixArt) default negative_prompt to
+            # "" and refuse both, so it is passed as None, as their callers must.
+            if call_parameters(pipe)["negative_prompt"].default is not None:
+                kwargs["negative_prompt"] = None
+        elif cfg and shape.takes_negative_prompt:
             if shape.guidance == TRUE_CFG:
                 # True CFG runs only with a negative prompt: " ", as real calls that name none pass.
                 kwargs["negative_prompt"] = per_image(negative_prompt if negative_prompt is not None else " ")

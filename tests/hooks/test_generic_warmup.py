@@ -232,3 +232,29 @@ def test_warmup_image_is_random_at_the_case_size() -> None:
     a, b = call_shape.warmup_image(48, 32, seed=1), call_shape.warmup_image(48, 32, seed=2)
     assert a.size == (48, 32) and a.mode == "RGB"
     assert not np.array_equal(np.asarray(a), np.asarray(b)) and np.asarray(a).std() > 0
+
+
+def test_given_negative_embeddings_go_without_the_pipelines_default_negative_prompt() -> None:
+    # Sana and PixArt default negative_prompt to "" and refuse it beside negative_prompt_embeds.
+    from accel.hooks.recipe import WARMUP_ARGUMENTS, GenericRecipe
+    from pipelines import zoo
+
+    for name in ("sana", "pixart-sigma"):
+        pipe = zoo.build(name, "tiny")
+        given = {k: v for k, v in zoo.call_inputs(name, "tiny").items() if k not in WARMUP_ARGUMENTS}
+        assert "negative_prompt_embeds" in given
+        geo = zoo.family(name).geometry["tiny"]
+        (kwargs,) = GenericRecipe().warmup_calls(
+            pipe,
+            width=geo.width,
+            height=geo.height,
+            batch_size=1,
+            cfg=True,
+            prompt_length=None,
+            negative_prompt_length=None,
+            num_inference_steps=2,
+            call_kwargs=given,
+        )
+        assert kwargs["negative_prompt"] is None
+        out = pipe(**{**kwargs, **given}).images  # the pipeline's own check_inputs accepts the call
+        assert torch.isfinite(out).all()
