@@ -258,3 +258,21 @@ def test_given_negative_embeddings_go_without_the_pipelines_default_negative_pro
         assert kwargs["negative_prompt"] is None
         out = pipe(**{**kwargs, **given}).images  # the pipeline's own check_inputs accepts the call
         assert torch.isfinite(out).all()
+
+
+def test_wan_vae_decoder_with_its_feature_cache_is_never_replayed_wrong(emulated) -> None:
+    # The causal VAE decodes frame by frame, storing each frame's features into a list it is given
+    # for the next; a replay would not store them, and every frame would decode as the first.
+    pipe = _pipe("wan")
+    seed = int(np.random.default_rng().integers(1, 2**31))
+    kwargs = dict(prompt=PROMPT, height=32, width=32, num_frames=9, guidance_scale=1.0, num_inference_steps=STEPS,
+                  output_type="np", **FAST_TEXT)  # fmt: skip
+    want = pipe(**kwargs, generator=torch.Generator().manual_seed(seed)).frames
+    accelerate_pipeline(pipe, text_encoder=False)
+    pipe.accel.warmup([(32, 32)], num_frames=9, cfg=False, prompts=[PROMPT], call_kwargs=FAST_TEXT, progress=False)
+    got = pipe(**kwargs, generator=torch.Generator().manual_seed(seed)).frames
+    assert np.array_equal(got, want)
+    decoder = pipe.accel.runners["vae.decoder"]
+    assert decoder.stats().replays == 0
+    assert any("stores into a container it is given" in r for r in decoder.blocked.values()), decoder.blocked
+    assert pipe.accel.stats()["transformer"].replays > 0
