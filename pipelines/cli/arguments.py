@@ -415,10 +415,11 @@ multi-GPU: accelerate launch --num_processes N scripts/generate.py ... splits th
         "where the text is padded anyway, e.g. Qwen-Image up to 768x768)",
     )
     p.add_argument(
-        "--auto-breaks",
-        action="store_true",
-        help="when a capture fails on an operation a graph cannot hold, run the function that did it eagerly "
-        "and capture again (the graph is kept only if it equals eager)",
+        "--no-auto-breaks",
+        dest="auto_breaks",
+        action="store_false",
+        help="when a capture fails on an operation a graph cannot hold, only name it (default: run the function "
+        "that did it as an eager break and capture again, kept only if equal to eager)",
     )
     p.add_argument(
         "--cache",

@@ -134,8 +134,6 @@ def _run(args: argparse.Namespace) -> int:
     mode = args.mode or "bcg"
     if args.compile and mode == "eager":
         raise CLIError("--compile prepares graph capture, which --mode eager never does: drop one of them")
-    if args.auto_breaks and mode == "eager":
-        raise CLIError("--auto-breaks changes how graphs are captured, which --mode eager never does: drop one of them")
     cache = cache_request(args.cache, args.cache_threshold, args.cache_interval, args.cache_ratios)
     if args.compile_cache is not None:
         check_compile_cache(args.compile_cache)
@@ -262,8 +260,8 @@ def _run(args: argparse.Namespace) -> int:
             options["text_encoder"] = False
         if not args.vae_graphs:
             options["vae"] = False
-        if args.auto_breaks:
-            options["auto_breaks"] = True
+        if not args.auto_breaks:
+            options["auto_breaks"] = False
         if not args.cfg_batch:
             options["cfg_batch"] = False
         try:

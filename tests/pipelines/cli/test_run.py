@@ -197,7 +197,6 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
     ("compile in eager mode", ["--compile", "--mode", "eager"], "--mode eager never does", 2),
     ("compile cache without compile", ["--compile-cache", "{tmp}/cache"], "add --compile", 2),
     ("compile cache is a file", ["--compile", "--compile-cache", "{tmp}/a-file"], "is an existing file", 2),
-    ("auto breaks in eager mode", ["--auto-breaks", "--mode", "eager"], "--mode eager never does", 2),
     ("model folder missing", ["--model", "{tmp}/no-such-folder"], "no such folder", 2),
     ("model is a file", ["--model", "{tmp}/a-file"], "is a file; a local model is a diffusers pipeline folder", 2),
     ("model folder not a pipeline", ["--model", "{tmp}/not-a-pipeline"], "holds no model_index.json", 2),
@@ -584,23 +583,23 @@ def test_graph_options_reach_accelerate_pipeline_and_the_report(
     (kwargs, pipe), report = seen[-1], capsys.readouterr().out
     assert kwargs == {"mode": "bcg"}  # the defaults are not passed
     assert (pipe.accel.options.text_encoder, pipe.accel.options.vae, pipe.accel.options.auto_breaks) == (
-        True, True, False)  # fmt: skip
+        True, True, True)  # fmt: skip
     # Runners are listed denoiser first, then each graphed component.
     assert report.index("  transformer (") < report.index("  text_encoder (") < report.index("  vae.decoder (")
 
-    argv = ["--no-text-encoder-graphs", "--no-vae-graphs", "--auto-breaks", "--no-cfg-batch", "--report"]
+    argv = ["--no-text-encoder-graphs", "--no-vae-graphs", "--no-auto-breaks", "--no-cfg-batch", "--report"]
     assert main([*argv, "--out", str(tmp_path / "b"), *FAST]) == 0
     (kwargs, pipe), report = seen[-1], capsys.readouterr().out
-    assert kwargs == {"mode": "bcg", "text_encoder": False, "vae": False, "auto_breaks": True, "cfg_batch": False}
+    assert kwargs == {"mode": "bcg", "text_encoder": False, "vae": False, "auto_breaks": False, "cfg_batch": False}
     assert (pipe.accel.options.text_encoder, pipe.accel.options.vae, pipe.accel.options.auto_breaks) == (
-        False, False, True)  # fmt: skip
+        False, False, False)  # fmt: skip
     assert pipe.accel.options.cfg_batch is False
     assert list(pipe.accel.runners) == ["transformer"]
     assert "  transformer (" in report and "text_encoder" not in report and "vae.decoder" not in report
 
     # --mode eager still leaves the pipeline alone; asking for fewer graphs there is harmless.
     n = len(seen)
-    eager = ["--no-text-encoder-graphs", "--no-vae-graphs", "--mode", "eager", "--report"]
+    eager = ["--no-text-encoder-graphs", "--no-vae-graphs", "--no-auto-breaks", "--mode", "eager", "--report"]
     assert main([*eager, "--out", str(tmp_path / "c"), *FAST]) == 0
     assert len(seen) == n
     assert "mode eager: the pipeline was not accelerated" in capsys.readouterr().out
@@ -608,13 +607,13 @@ def test_graph_options_reach_accelerate_pipeline_and_the_report(
 
 def test_help_lists_the_graph_options() -> None:
     args = build_parser().parse_args([])
-    assert (args.text_encoder_graphs, args.vae_graphs, args.auto_breaks, args.cfg_batch) == (True, True, False, True)
+    assert (args.text_encoder_graphs, args.vae_graphs, args.auto_breaks, args.cfg_batch) == (True, True, True, True)
     text = build_parser().format_help()
-    for flag in ("--no-text-encoder-graphs", "--no-vae-graphs", "--no-cfg-batch", "--auto-breaks"):
+    for flag in ("--no-text-encoder-graphs", "--no-vae-graphs", "--no-cfg-batch", "--no-auto-breaks"):
         assert flag in text, flag
     # In the acceleration options, after --compile-cache and before --device.
     order = ["\n  --compile-cache DIR", "\n  --no-text-encoder-graphs", "\n  --no-vae-graphs", "\n  --no-cfg-batch",
-             "\n  --auto-breaks", "\n  --device DEVICE"]  # fmt: skip
+             "\n  --no-auto-breaks", "\n  --device DEVICE"]  # fmt: skip
     assert [text.index(o) for o in order] == sorted(text.index(o) for o in order)
 
 
