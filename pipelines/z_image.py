@@ -34,8 +34,6 @@ import torch
 
 from accel import GenerationDefaults, Recipe
 
-from .compiled_forms import z_image_rope_in_real_arithmetic
-
 logger = logging.getLogger(__name__)
 
 SEQ_MULTIPLE = 32  # diffusers' SEQ_MULTI_OF for Z-Image
@@ -171,10 +169,6 @@ class ZImageRecipe(Recipe):
 
         module._pad_with_ids = pad_with_ids
         return lambda: module.__dict__.pop("_pad_with_ids", None)
-
-    def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
-        # The complex rotary product is an ATen kernel inductor cannot fuse (pipelines/compiled_forms.py).
-        return z_image_rope_in_real_arithmetic(module)
 
     def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:

@@ -187,7 +187,7 @@ class AcceleratorOptions:
         compiled_forms: with ``compile``, swap in forms of the model's code that compile to
             fewer kernels before the blocks compile: diffusers' GELU(tanh) projections with the
             GELU in the matrix product's epilogue (:mod:`accel.hooks.fused`), and the recipe's
-            own (Qwen-Image's and Z-Image's rotary embeddings in real arithmetic). Equal in real
+            own (Qwen-Image's rotary embeddings in real arithmetic). Equal in real
             arithmetic, not bit for bit to stock eager (neither is compile); graphs still equal
             the same compiled model without graphs. Default on; off: diffusers' code compiled
             as it is.

@@ -1,4 +1,4 @@
-"""The real-arithmetic rotary forms of compile=True: equal to diffusers' complex product (bit for
+"""The real-arithmetic rotary form of compile=True: equal to diffusers' complex product (bit for
 bit on the CPU, where both round the same way), installed only while compiled blocks need them."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pipelines.compiled_forms import (
     QWEN_MODULE,
     qwen_rope_in_real_arithmetic,
     rotate_pairs,
-    z_image_rope_in_real_arithmetic,
 )
 
 
@@ -62,29 +61,6 @@ def test_qwen_form_equals_diffusers_and_is_undone() -> None:
     finally:
         undo()
     assert mod.apply_rotary_emb_qwen is stock
-
-
-def test_z_image_form_equals_diffusers_keeps_processor_settings_and_is_undone() -> None:
-    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
-
-    pipe = build_pipeline("z-image", "tiny")
-    pipe.set_progress_bar_config(disable=True)
-    want = _latents(pipe)
-    attns = [m for m in pipe.transformer.modules() if type(vars(m).get("processor")) is ZSingleStreamAttnProcessor]
-    assert attns
-    stock = [m.processor for m in attns]
-    stock[0].marker = "a setting of the user's"
-    undo = z_image_rope_in_real_arithmetic(pipe.transformer)
-    try:
-        swapped = [m.processor for m in attns]
-        assert all(
-            type(p) is not ZSingleStreamAttnProcessor and isinstance(p, ZSingleStreamAttnProcessor) for p in swapped
-        )
-        assert swapped[0].marker == "a setting of the user's"
-        assert torch.equal(_latents(pipe), want)
-    finally:
-        undo()
-    assert [m.processor for m in attns] == stock
 
 
 def test_without_cuda_compile_leaves_the_stock_forms(caplog) -> None:
