@@ -106,3 +106,16 @@ def segment_replays(runner: GraphRunner) -> int:
         for chain in entry.tree.chains.values()
         for seg in chain.graph.segments
     )
+
+
+def emulate_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`emulate_cuda`, and accelerated pipelines on the CPU warm up and capture too (one
+    real pool of the emulated kind for every runner)."""
+    from accel.hooks.install import Installation
+
+    emulate_cuda(monkeypatch)
+    monkeypatch.setattr(Installation, "why_no_graphs", lambda self, device: None)
+    pools: dict[str, object] = {}
+    monkeypatch.setattr(
+        Installation, "pool_for", lambda self, device: pools.setdefault("cpu", runner_mod.GraphPool(device))
+    )

@@ -29,10 +29,8 @@ from diffusers.hooks import (
 )
 
 from accel import accelerate_pipeline
-from accel.graphs import runner as runner_mod
-from accel.hooks.install import Installation
 from pipelines.builders import build_pipeline
-from tests.helpers.emulator import emulate_cuda
+from tests.helpers.emulator import emulate_pipelines
 
 STEPS = 6
 SIZES = [(96, 64), (64, 96)]
@@ -74,13 +72,7 @@ CACHES = {
 
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    emulate_cuda(monkeypatch)
-    # The tiny pipelines live on the CPU: let warm-ups run there too.
-    monkeypatch.setattr(Installation, "why_no_graphs", lambda self, device: None)
-    pools: dict[str, object] = {}
-    monkeypatch.setattr(
-        Installation, "pool_for", lambda self, device: pools.setdefault("cpu", runner_mod.GraphPool(device))
-    )
+    emulate_pipelines(monkeypatch)
     return monkeypatch
 
 

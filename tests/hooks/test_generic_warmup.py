@@ -16,11 +16,9 @@ from diffusers.configuration_utils import FrozenDict
 from diffusers.hooks import FirstBlockCacheConfig
 
 from accel import accelerate_pipeline
-from accel.graphs import runner as runner_mod
 from accel.hooks import call_shape
-from accel.hooks.install import Installation
 from pipelines.builders import build_pipeline
-from tests.helpers.emulator import emulate_cuda
+from tests.helpers.emulator import emulate_pipelines
 
 PROMPT = "a red fox in the snow"
 # T5 pads every prompt to this: short keeps the tiny runs fast, and real calls must pass the same.
@@ -38,13 +36,7 @@ def _few_threads():
 
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    emulate_cuda(monkeypatch)
-    # The tiny pipelines live on the CPU: let warm-ups run there too.
-    monkeypatch.setattr(Installation, "why_no_graphs", lambda self, device: None)
-    pools: dict[str, object] = {}
-    monkeypatch.setattr(
-        Installation, "pool_for", lambda self, device: pools.setdefault("cpu", runner_mod.GraphPool(device))
-    )
+    emulate_pipelines(monkeypatch)
     return monkeypatch
 
 

@@ -24,13 +24,11 @@ from diffusers import (
 )
 
 from accel import GenericRecipe, accelerate_pipeline, register_recipe
-from accel.graphs import runner as runner_mod
 from accel.hooks import recipe as recipe_mod
 from accel.hooks.graph_hook import GraphHook, apply_graph_runner, remove_graph_runner
-from accel.hooks.install import Installation
 from accel.hooks.options import AcceleratorOptions
 from pipelines.hunyuan_video15 import BREAK_NAME, HunyuanVideo15Recipe, combine_condition_tokens, split_forward
-from tests.helpers.emulator import emulate_cuda, segment_replays
+from tests.helpers.emulator import emulate_cuda, emulate_pipelines, segment_replays
 
 TINY = dict(
     in_channels=9,  # 4 latent channels, 4 condition latents, 1 condition mask, as the pipeline stacks them
@@ -290,13 +288,7 @@ def _embeddings(seed: int) -> dict:
 
 
 def test_pipeline_warmed_up_replays_equal_eager(monkeypatch, registered) -> None:
-    emulate_cuda(monkeypatch)
-    # The tiny pipeline lives on the CPU: let warm-ups run there too.
-    monkeypatch.setattr(Installation, "why_no_graphs", lambda self, device: None)
-    pools: dict[str, object] = {}
-    monkeypatch.setattr(
-        Installation, "pool_for", lambda self, device: pools.setdefault("cpu", runner_mod.GraphPool(device))
-    )
+    emulate_pipelines(monkeypatch)
     pipe = _pipeline()
 
     def call(seed: int) -> torch.Tensor:
