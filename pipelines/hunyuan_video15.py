@@ -347,12 +347,9 @@ class HunyuanVideo15Recipe(Recipe):
         )
         kwargs.update(self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given))
         for prefix in ("", "negative_"):
-            if f"{prefix}prompt_embeds" in given:
-                continue
-            kwargs[f"{prefix}prompt_embeds"], kwargs[f"{prefix}prompt_embeds_mask"] = embeds(
-                mllm, config.text_embed_dim
-            )
-            kwargs[f"{prefix}prompt_embeds_2"], kwargs[f"{prefix}prompt_embeds_mask_2"] = embeds(
-                byt5, config.text_embed_2_dim
-            )
+            for suffix, length, dim in (("", mllm, config.text_embed_dim), ("_2", byt5, config.text_embed_2_dim)):
+                if f"{prefix}prompt_embeds{suffix}" not in given:
+                    kwargs[f"{prefix}prompt_embeds{suffix}"], kwargs[f"{prefix}prompt_embeds_mask{suffix}"] = embeds(
+                        length, dim
+                    )
         yield kwargs
