@@ -6,7 +6,7 @@ produced at capture. So, as on a GPU, a replay reads the recorded inputs (static
 buffers, weights, state slots) as they are *now* and rewrites the recorded outputs, and Python
 code inside a segment does not run again. Unlike a GPU capture, ops also run while recorded (the
 tests need their values), and recorded tensors never share memory; a host sync inside a segment
-(``.item()``, ``.tolist()``) fails the capture as CUDA would.
+(``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``) fails the capture as CUDA would.
 
 ``emulate_cuda(monkeypatch)`` makes ``GraphRunner`` and ``bcg.capture`` take CPU tensors.
 """
@@ -30,18 +30,49 @@ _HOST_SYNCS = {
 }
 
 
+# The recorder's dispatch runs with globals named as a torch module: the library's search for the
+# function a capture failed in (accel.graphs.discover) skips torch's frames, as it skips the C++
+# frame a real capture raises from, and so finds the model's code, not this file's.
+_DISPATCH = """
+def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    if func in HOST_SYNCS:
+        raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({func})")
+    out = func(*args, **kwargs)
+    self.ops.append((func, args, kwargs, out))
+    return out
+
+
+def host_read(name):
+    # On the CPU these read a tensor's memory without an op (or are no-ops); on CUDA each is a
+    # copy to the host, which a capture refuses.
+    original = getattr(ORIGINAL_TENSOR, name)
+
+    def read(self, *args, **kwargs):
+        if RECORDING:
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing (Tensor.{name})")
+        return original(self, *args, **kwargs)
+
+    return read
+"""
+# Tensor methods that copy a device tensor to the host.
+HOST_READS = ("tolist", "numpy", "cpu")
+_namespace: dict[str, Any] = {
+    "__name__": "torch._emulated_capture",
+    "HOST_SYNCS": _HOST_SYNCS,
+    "RECORDING": [],
+    "ORIGINAL_TENSOR": torch.Tensor,
+}
+exec(compile(_DISPATCH, "<emulated CUDA capture>", "exec"), _namespace)
+_HOST_READ_METHODS = {name: _namespace["host_read"](name) for name in HOST_READS}
+
+
 class _Recorder(TorchDispatchMode):
+    __torch_dispatch__ = _namespace["__torch_dispatch__"]
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _HOST_SYNCS:
-            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({func})")
-        out = func(*args, **kwargs)
-        self.ops.append((func, args, kwargs, out))
-        return out
 
 
 def _write(recorded: Any, fresh: Any) -> None:
@@ -72,25 +103,32 @@ class EmulatedSegment:
 def emulate_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Graph runners capture and replay CPU tensors through emulated segments."""
 
+    recording = _namespace["RECORDING"]
+
     def open_(self: Any) -> None:
         rec = _Recorder()
         rec.__enter__()
+        recording.append(rec)
         self.open_segment = rec
 
     def close_(self: Any) -> None:
         rec, self.open_segment = self.open_segment, None
         if rec is not None:
+            recording.remove(rec)
             rec.__exit__(None, None, None)
             self.graph.segments.append(EmulatedSegment(rec.ops))
 
     def abort_(self: Any) -> None:
         rec, self.open_segment = self.open_segment, None
         if rec is not None:
+            recording.remove(rec)
             rec.__exit__(None, None, None)
 
     monkeypatch.setattr(bcg._Capture, "open", open_)
     monkeypatch.setattr(bcg._Capture, "close", close_)
     monkeypatch.setattr(bcg._Capture, "abort", abort_)
+    for name, method in _HOST_READ_METHODS.items():
+        monkeypatch.setattr(torch.Tensor, name, method)
     fake_cuda_calls(monkeypatch)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(runner_mod, "GraphPool", FakePool)
