@@ -48,6 +48,7 @@ __all__ = [
     "compiled_graph_count",
     "tracing_settings",
     "use_compile_cache",
+    "why_not_compiled",
 ]
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,18 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def why_not_compiled(module: torch.nn.Module) -> str | None:
+    """Why ``module``'s blocks would not be compiled (no CUDA, a module off the GPU, no repeated
+    blocks declared), or None."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if not torch.cuda.is_available() or device.type != "cuda":
+        return f"compile=True needs a CUDA device (the module is on {device})"
+    classes = tuple(getattr(module, "_repeated_blocks", None) or ())
+    if not hasattr(module, "compile_repeated_blocks") or not any(type(m).__name__ in classes for m in module.modules()):
+        return f"{type(module).__name__} declares no repeated blocks to compile"
+    return None
+
+
 def compile_repeated_blocks(
     module: torch.nn.Module, name: str, cache_dir: Path | None, options: dict[str, Any] | None = None
 ) -> Callable[[], None] | None:
@@ -192,15 +205,12 @@ def compile_repeated_blocks(
     Skipped, with one message saying why, where compile cannot help or run: no CUDA, a module
     off the GPU, or a model that declares no repeated blocks.
     """
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    if not torch.cuda.is_available() or device.type != "cuda":
-        logger.warning("%s: compile=True needs a CUDA device (the module is on %s); not compiling", name, device)
+    why_not = why_not_compiled(module)
+    if why_not is not None:
+        logger.warning("%s: %s; not compiling", name, why_not)
         return None
     classes = tuple(getattr(module, "_repeated_blocks", None) or ())
     blocks = [m for m in module.modules() if type(m).__name__ in classes]
-    if not blocks or not hasattr(module, "compile_repeated_blocks"):
-        logger.warning("%s: %s declares no repeated blocks to compile; not compiling", name, type(module).__name__)
-        return None
     folder, forget_folder = use_compile_cache(cache_dir)
     _, unmark = cache_autocast_regions()
     previous = [m.__dict__.get("_compiled_call_impl") for m in blocks]
