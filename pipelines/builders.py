@@ -69,6 +69,7 @@ from .tokenizers_t5_clip import CLIP_MAX_LENGTH, build_clip_tokenizer, build_t5_
 __all__ = [
     "MODEL_NAMES",
     "SIZES",
+    "as_dtype",
     "build_modules",
     "build_pipeline",
     "build_scheduler",
@@ -79,8 +80,10 @@ __all__ = [
     "build_transformer",
     "build_vae",
     "canonical_name",
+    "constructing_on",
     "describe",
     "full_transformer_config",
+    "init_defaults",
     "pipeline_class",
     "scheduler_config",
     "text_encoder_2_config",
@@ -201,7 +204,7 @@ def _require_model(name: str) -> str:
     return model
 
 
-def _init_defaults(cls: type) -> dict[str, Any]:
+def init_defaults(cls: type) -> dict[str, Any]:
     """The keyword defaults of ``cls.__init__``: diffusers' defaults are the released configs.
 
     Deep-copied because diffusers declares some defaults as shared mutable lists.
@@ -374,7 +377,7 @@ def transformer_config(name: str, size: str) -> dict[str, Any]:
         return copy.deepcopy({**full, **(_TINY_WAN_TRANSFORMER if tiny else {})})
     if model == "qwen-image":
         # Full: 60 layers, 24 heads x 128, joint_attention_dim 3584 (= Qwen2.5-VL-7B width).
-        config = _init_defaults(QwenImageTransformer2DModel)
+        config = init_defaults(QwenImageTransformer2DModel)
         if size == "tiny":
             config.update(
                 num_layers=2,
@@ -385,7 +388,7 @@ def transformer_config(name: str, size: str) -> dict[str, Any]:
             )
         return config
     # Full: dim 3840, 30 layers + 2 refiner layers, 30 heads x 128, cap_feat_dim 2560 (= Qwen3-4B).
-    config = _init_defaults(ZImageTransformer2DModel)
+    config = init_defaults(ZImageTransformer2DModel)
     if size == "tiny":
         config.update(
             dim=64,
@@ -409,7 +412,7 @@ def vae_config(name: str, size: str) -> dict[str, Any]:
     model, size = _require_model(name), _check_size(size)
     tiny = size == "tiny"
     if _family(model) == "wan":
-        config = _init_defaults(AutoencoderKLWan)
+        config = init_defaults(AutoencoderKLWan)
         config.update(copy.deepcopy(_WAN_VAE))
         if tiny:
             config.update(base_dim=16, num_res_blocks=1)
@@ -417,7 +420,7 @@ def vae_config(name: str, size: str) -> dict[str, Any]:
     if model == "qwen-image":
         # Defaults are the release: base_dim 96, z_dim 16, 2 res blocks, temporal downsampling on
         # the last two stages (three spatial downsamples -> vae_scale_factor 8).
-        config = _init_defaults(AutoencoderKLQwenImage)
+        config = init_defaults(AutoencoderKLQwenImage)
         if size == "tiny":
             config.update(base_dim=16, num_res_blocks=1)
         return config
@@ -610,7 +613,8 @@ def text_encoder_2_config(name: str, size: str, tokenizer: PreTrainedTokenizerBa
 # --------------------------------------------------------------------------------------------
 # Components
 # --------------------------------------------------------------------------------------------
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` as a ``torch.dtype`` ("bfloat16", "torch.float32" or a dtype); ValueError otherwise."""
     if isinstance(dtype, torch.dtype):
         return dtype
     resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
@@ -620,7 +624,7 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def _constructing_on(device: str | torch.device, dtype: torch.dtype) -> Iterator[None]:
+def constructing_on(device: str | torch.device, dtype: torch.dtype) -> Iterator[None]:
     """Create parameters directly on ``device`` in ``dtype``.
 
     Initialising a 20B model on the CPU in fp32 and then moving it would take minutes and twice
@@ -647,7 +651,7 @@ def build_transformer(
     model, config = _require_model(name), transformer_config(name, size)
     cls = transformer_class(model)
     torch.manual_seed(seed)
-    with _constructing_on(device, _as_dtype(dtype)):
+    with constructing_on(device, as_dtype(dtype)):
         transformer = cls(**config)
     if model == "z-image":
         # The pad tokens are learned and attended to; left at their zero init they would make
@@ -669,7 +673,7 @@ def build_vae(
     model, config = _require_model(name), vae_config(name, size)
     cls = _VAES[_family(model)]
     torch.manual_seed(seed)
-    with _constructing_on(device, _as_dtype(dtype)):
+    with constructing_on(device, as_dtype(dtype)):
         vae = cls(**config)
     return vae.eval()
 
@@ -686,7 +690,7 @@ def build_text_encoder(
     model, config = _require_model(name), text_encoder_config(name, size, tokenizer)
     cls = _TEXT_ENCODERS[_family(model)]
     torch.manual_seed(seed)
-    with _constructing_on(device, _as_dtype(dtype)):
+    with constructing_on(device, as_dtype(dtype)):
         text_encoder = cls(config)
     return text_encoder.eval()
 
@@ -702,7 +706,7 @@ def build_text_encoder_2(
     """FLUX.1's second text encoder (T5-XXL's encoder) with random weights; ValueError for others."""
     config = text_encoder_2_config(name, size, tokenizer)
     torch.manual_seed(seed)
-    with _constructing_on(device, _as_dtype(dtype)):
+    with constructing_on(device, as_dtype(dtype)):
         text_encoder = T5EncoderModel(config)
     return text_encoder.eval()
 
@@ -804,7 +808,7 @@ def build_pipeline(
     :class:`pipelines.limits.LimitError` (a ValueError) before anything is allocated.
     """
     _check_size(size)
-    dtype = _as_dtype(dtype)
+    dtype = as_dtype(dtype)
     name = os.fspath(name)
     model = canonical_name(name)
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """Construct a zoo family's pipeline with random weights and no text encoders.
 
-Weights are created in place on the target device and dtype (``builders._constructing_on``), so
+Weights are created in place on the target device and dtype (``builders.constructing_on``), so
 a 32B denoiser on a GPU builds in seconds; on the ``meta`` device nothing is allocated,
 which is how parameter counts are taken. As ``from_pretrained`` does, modules a denoiser class
 names in ``_keep_in_fp32_modules`` stay in float32 under a half-precision dtype.
@@ -18,7 +18,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from ..builders import _as_dtype, _constructing_on
+from ..builders import as_dtype, constructing_on
 from .registry import family
 from .spec import Family, check_size
 
@@ -45,7 +45,7 @@ def _construct(
 ) -> torch.nn.Module:
     cls = getattr(diffusers, class_name)
     torch.manual_seed(seed)
-    with _constructing_on(device, dtype):
+    with constructing_on(device, dtype):
         module = cls(**config)
     _keep_fp32(module, dtype)
     return module.eval()
@@ -60,7 +60,7 @@ def build_denoiser(
 ) -> torch.nn.Module:
     """The denoiser of family ``name`` at ``size`` with random weights (``device="meta"``: no storage)."""
     fam = family(name)
-    return _construct(fam.denoiser_class, fam.denoiser_config(check_size(size)), device, _as_dtype(dtype), seed)
+    return _construct(fam.denoiser_class, fam.denoiser_config(check_size(size)), device, as_dtype(dtype), seed)
 
 
 def build_vae(
@@ -72,7 +72,7 @@ def build_vae(
 ) -> torch.nn.Module:
     """The VAE of family ``name`` at ``size`` with random weights."""
     fam = family(name)
-    return _construct(fam.vae_class, fam.vae_config(check_size(size)), device, _as_dtype(dtype), seed)
+    return _construct(fam.vae_class, fam.vae_config(check_size(size)), device, as_dtype(dtype), seed)
 
 
 def build_scheduler(name: str) -> SchedulerMixin:
@@ -103,7 +103,7 @@ def build(
     """The pipeline of family ``name`` at ``size`` on ``device`` in ``dtype``, random weights
     seeded with ``seed``, its text encoders and tokenizers None (calls pass embeddings: see
     :func:`pipelines.zoo.call_kwargs`). In eval mode, progress bars off."""
-    fam, dtype = family(name), _as_dtype(dtype)
+    fam, dtype = family(name), as_dtype(dtype)
     check_size(size)
     start = time.perf_counter()
     parts: dict[str, Any] = {

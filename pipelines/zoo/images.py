@@ -2,7 +2,7 @@
 
 Each full config is the ``transformer/config.json`` (or ``unet/``) of the named hub repository,
 written as constructor kwargs; where diffusers' constructor defaults already are that release
-they are read from the class (``builders._init_defaults``) rather than repeated. FLUX.1-dev and
+they are read from the class (``builders.init_defaults``) rather than repeated. FLUX.1-dev and
 Qwen-Image come from :mod:`pipelines.builders`. Their parameter counts are checked against the
 released models' in the tests. The tiny configs keep every structural choice (block types, patch
 sizes, latent channels and VAE scale factors, text streams) at a few layers and narrow widths.
@@ -108,7 +108,7 @@ def _flux() -> Family:
 def _flux2() -> Family:
     # FLUX.2-dev: 8 double-stream and 48 single-stream blocks, 48 heads x 128 = 6144 wide, the
     # text three Mistral-Small-3.1 hidden layers stacked (3 x 5120 = 15360). diffusers' defaults.
-    full = builders._init_defaults(Flux2Transformer2DModel)
+    full = builders.init_defaults(Flux2Transformer2DModel)
     tiny = {
         **full,
         "num_layers": 1,
@@ -119,7 +119,7 @@ def _flux2() -> Family:
         "timestep_guidance_channels": 32,
         "axes_dims_rope": (4, 4, 4, 4),
     }
-    vae_full = builders._init_defaults(AutoencoderKLFlux2)  # 32 latent channels, 2x2 patchified
+    vae_full = builders.init_defaults(AutoencoderKLFlux2)  # 32 latent channels, 2x2 patchified
     vae_tiny = {**vae_full, "block_out_channels": (16, 16, 32, 32), "layers_per_block": 1, "norm_num_groups": 8}
     return Family(
         name="flux2",
@@ -276,7 +276,7 @@ def _sdxl() -> Family:
 def _sana() -> Family:
     # Sana 1600M at 1024px: 20 linear-attention blocks, 70 heads x 32 = 2240 wide, Gemma-2-2B
     # text (2304 wide, 300 tokens), the 32x deep-compression autoencoder (32 latent channels).
-    full = builders._init_defaults(SanaTransformer2DModel)
+    full = builders.init_defaults(SanaTransformer2DModel)
     tiny = {
         **full,
         "in_channels": 8,
@@ -433,7 +433,7 @@ def _pixart_sigma() -> Family:
 def _chroma() -> Family:
     # Chroma1-HD: FLUX.1-schnell's 19 + 38 blocks with the modulation computed by one small
     # network (the "approximator") instead of per block, T5-XXL text only (512 tokens).
-    full = builders._init_defaults(ChromaTransformer2DModel)
+    full = builders.init_defaults(ChromaTransformer2DModel)
     tiny = {
         **full,
         "num_layers": 1,
@@ -621,7 +621,7 @@ def _hidream() -> Family:
 def _lumina2() -> Family:
     # Lumina-Image-2.0: 26 blocks + 2 + 2 refiners, 24 heads (8 KV) x 96 = 2304 wide, Gemma-2-2B
     # text (2304 wide, 256 tokens). diffusers' defaults but for the text width.
-    full = {**builders._init_defaults(Lumina2Transformer2DModel), "cap_feat_dim": 2304}
+    full = {**builders.init_defaults(Lumina2Transformer2DModel), "cap_feat_dim": 2304}
     tiny = {
         **full,
         "sample_size": 8,

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..builders import _as_dtype
+from ..builders import as_dtype
 from .registry import family
 from .spec import Embedding, check_size
 
@@ -47,7 +47,7 @@ def embeddings(
     """The prompt embeddings (and masks, pooled embeddings) of family ``name`` at ``size``."""
     specs = family(name).embeddings[check_size(size)]
     gen = torch.Generator().manual_seed(seed)
-    target, dtype = torch.device(device), _as_dtype(dtype)
+    target, dtype = torch.device(device), as_dtype(dtype)
     return {k: _tensor(spec, gen, target, dtype) for k, spec in specs.items()}
 
 

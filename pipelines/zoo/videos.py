@@ -60,7 +60,7 @@ def _wan(name: str, released: str) -> Family:
 def _ltx() -> Family:
     # LTX-Video 0.9 (2B): 28 blocks, 32 heads x 64 = 2048 wide, T5-XXL text (128 tokens); the
     # VAE compresses 32x in space and 8x in time into 128 channels, one token per latent pixel.
-    full = builders._init_defaults(LTXVideoTransformer3DModel)
+    full = builders.init_defaults(LTXVideoTransformer3DModel)
     tiny = {
         **full,
         "in_channels": 8,
@@ -71,7 +71,7 @@ def _ltx() -> Family:
         "num_layers": 2,
         "caption_channels": TINY_TEXT,
     }
-    vae_full = builders._init_defaults(AutoencoderKLLTXVideo)
+    vae_full = builders.init_defaults(AutoencoderKLLTXVideo)
     vae_tiny = {
         **vae_full,
         "latent_channels": 8,
@@ -122,7 +122,7 @@ def _ltx() -> Family:
 def _hunyuan_video() -> Family:
     # HunyuanVideo (13B): 20 double-stream and 40 single-stream blocks, 24 heads x 128 = 3072
     # wide, Llava-Llama-3-8B text (256 tokens) and pooled CLIP-L; guidance is distilled.
-    full = builders._init_defaults(HunyuanVideoTransformer3DModel)
+    full = builders.init_defaults(HunyuanVideoTransformer3DModel)
     tiny = {
         **full,
         "num_attention_heads": 2,
@@ -134,7 +134,7 @@ def _hunyuan_video() -> Family:
         "pooled_projection_dim": TINY_TEXT,
         "rope_axes_dim": (4, 6, 6),
     }
-    vae_full = builders._init_defaults(AutoencoderKLHunyuanVideo)
+    vae_full = builders.init_defaults(AutoencoderKLHunyuanVideo)
     vae_tiny = {**vae_full, "block_out_channels": (16, 16, 32, 32), "layers_per_block": 1, "norm_num_groups": 8}
 
     def streams(length: int, width: int, pooled: int) -> dict[str, Embedding]:
@@ -169,7 +169,7 @@ def _hunyuan_video_15() -> Family:
     # Qwen2.5-VL-7B (1000 tokens, 3584 wide) and ByT5 glyph text (256 tokens, 1472 wide); the
     # VAE compresses 16x in space into 32 channels; the latents are concatenated with a
     # conditioning latent and a mask (32 + 32 + 1 = 65 input channels). Guidance is a guider.
-    full = {**builders._init_defaults(HunyuanVideo15Transformer3DModel), "task_type": "t2v"}
+    full = {**builders.init_defaults(HunyuanVideo15Transformer3DModel), "task_type": "t2v"}
     tiny = {
         **full,
         "in_channels": 2 * 8 + 1,
@@ -183,7 +183,7 @@ def _hunyuan_video_15() -> Family:
         "image_embed_dim": TINY_TEXT,
         "rope_axes_dim": (4, 6, 6),
     }
-    vae_full = builders._init_defaults(AutoencoderKLHunyuanVideo15)
+    vae_full = builders.init_defaults(AutoencoderKLHunyuanVideo15)
     vae_tiny = {**vae_full, "latent_channels": 8, "block_out_channels": (16, 16, 32, 32, 32), "layers_per_block": 1}
 
     def streams(length: int, width: int, length_2: int, width_2: int) -> dict[str, Embedding]:

@@ -159,7 +159,7 @@ def test_local_folder_round_trip(tmp_path):
 
 def test_default_dtype_restored_after_failed_build():
     before = torch.get_default_dtype()
-    with pytest.raises(RuntimeError, match="boom"), builders._constructing_on("cpu", torch.float16):
+    with pytest.raises(RuntimeError, match="boom"), builders.constructing_on("cpu", torch.float16):
         assert torch.get_default_dtype() == torch.float16
         raise RuntimeError("boom")
     assert torch.get_default_dtype() == before
