@@ -56,7 +56,17 @@ import torch
 from . import tree
 from .copyback import PoolMap, copy_into, owned, views_of_pool_tensors
 from .errors import BreakError, CopyBackError, NestedBreakError
-from .marks import ACTIVE, BreakKind, Memo, break_graph, check_decision, eager_on_graph, is_capturing, rerun
+from .marks import (
+    ACTIVE,
+    BreakKind,
+    Memo,
+    break_graph,
+    check_decision,
+    eager_on_graph,
+    is_capturing,
+    rerun,
+    structure_key,
+)
 
 __all__ = [
     "BreakError",
@@ -82,7 +92,8 @@ class _Break:
     """One eager break: the call to repeat at replay and the boundary buffer its output goes to.
 
     A decision has no buffer: ``value`` is what it returned at capture, the value the segments
-    after it were recorded for.
+    after it were recorded for. A keyed break has both: its buffer, and as ``value`` the
+    structure key of its output at capture (:func:`~accel.graphs.marks.structure_key`).
     """
 
     fn: Callable[..., Any]
@@ -155,7 +166,7 @@ class BreakableCUDAGraph:
     @property
     def path(self) -> tuple[Any, ...]:
         """The values this capture's decisions took, in order (empty without decisions)."""
-        return tuple(b.value for b in self.breaks if b.kind.decision)
+        return tuple(b.value for b in self.breaks if b.kind.decision or b.kind.keyed)
 
     def boundary_bytes(self) -> int:
         """Bytes held by boundary buffers (outside the pool)."""
@@ -264,7 +275,7 @@ class _Capture:
                 out = tree.clone(out)  # this chain's own boundary buffer, outside the pool
         else:
             out = self._run(fn, args, kwargs, kind)
-        value = check_decision(out, name) if kind.decision else None
+        value = check_decision(out, name) if kind.decision else structure_key(out) if kind.keyed else None
         self.graph.breaks.append(
             _Break(
                 fn=fn,

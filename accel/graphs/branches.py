@@ -79,7 +79,7 @@ def _memo(chain: Chain, upto: int, extra: Sequence[tuple[str, Any]] = ()) -> bcg
 
 
 def _decision_positions(chain: Chain) -> list[int]:
-    return [i for i, b in enumerate(chain.graph.breaks) if b.kind.decision]
+    return [i for i, b in enumerate(chain.graph.breaks) if b.kind.decision or b.kind.keyed]
 
 
 class GraphTree:
@@ -173,24 +173,32 @@ class GraphTree:
             chain.graph.segments[i].replay()
             brk = breaks[i]
             try:
-                if memo is not None and memo.pending:
-                    value = memo.take(brk.name)
+                if brk.kind.keyed:
+                    # Its output's structure picks the chain; its buffer is filled once it has.
+                    out = memo.take(brk.name) if memo is not None and memo.pending else brk.run()
+                    value = bcg.structure_key(out)
+                    if value == brk.value:
+                        brk.set_from(out)
+                elif memo is not None and memo.pending:
+                    value = out = memo.take(brk.name)
                     brk.set_from(value)
                     if not brk.kind.decision:
                         value = None
                 else:
-                    value = brk()
+                    value = out = brk()
             except bcg.CopyBackError as exc:
                 exc.memo = _memo(chain, i, [(brk.name, exc.output)])
                 raise
-            if brk.kind.decision:
+            if brk.kind.decision or brk.kind.keyed:
                 taken.append(value)
                 if value != brk.value:
                     other = self.find(tuple(taken))
                     if other is None:
-                        raise PathMiss(tuple(taken), _memo(chain, i, [(brk.name, value)]))
+                        raise PathMiss(tuple(taken), _memo(chain, i, [(brk.name, out)]))
                     self._catch_up(chain, other, i)
                     chain, breaks = other, other.graph.breaks
+                    if brk.kind.keyed:
+                        breaks[i].set_from(out)
                     self.switches += 1
             i += 1
         chain.graph.segments[-1].replay()

@@ -280,9 +280,11 @@ def resolve(target: BreakSite | FrameType) -> Resolved | None:
 
 
 def _marked(raw: Any, name: str) -> Any:
+    # Keyed: a found function often computes data-dependent shapes (valid lengths from a mask);
+    # each output structure then gets a chain of its own instead of the call running eagerly.
     if isinstance(raw, (staticmethod, classmethod)):
-        return type(raw)(bcg.eager_on_graph(raw.__func__, name=name))
-    return bcg.eager_on_graph(raw, name=name)
+        return type(raw)(bcg.eager_on_graph(raw.__func__, name=name, keyed=True))
+    return bcg.eager_on_graph(raw, name=name, keyed=True)
 
 
 def mark_as_break(site: BreakSite, *, refuse: Iterable[CodeType] = ()) -> Callable[[], None]:

@@ -15,9 +15,12 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
+import torch
+
+from . import tree
 from .errors import BreakError
 
-__all__ = ["Memo", "break_graph", "check_decision", "eager_on_graph", "is_capturing", "rerun"]
+__all__ = ["Memo", "break_graph", "check_decision", "eager_on_graph", "is_capturing", "rerun", "structure_key"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,6 +42,7 @@ class BreakKind:
     inline_nested: bool = False
     decision: bool = False
     keeps_inputs: bool = False
+    keyed: bool = False
 
 
 # What this thread's marked functions answer to: an open capture, a re-run, or nothing (plain calls).
@@ -58,6 +62,7 @@ def eager_on_graph(
     inline_nested: bool = False,
     decision: bool = False,
     keeps_inputs: bool = False,
+    keyed: bool = False,
 ) -> Any:
     """Mark ``fn`` as an eager break.
 
@@ -67,9 +72,12 @@ def eager_on_graph(
     :class:`NestedBreakError`; the debug mode uses it to run a whole forward as one break.
     ``decision=True``: ``fn`` returns a small host value that picks the continuation (see the
     module's contract). ``keeps_inputs=True``: ``fn`` keeps its tensor arguments, so under a
-    capture it gets owned copies of them.
+    capture it gets owned copies of them. ``keyed=True``: the structure of ``fn``'s output (its
+    tree, tensor shapes and dtypes, constants: :func:`structure_key`) is a decision too, so an
+    output of another shape replays (or captures) a chain of its own instead of running the
+    call eagerly (a function that computes data-dependent shapes from a mask).
     """
-    kind = BreakKind(inline_nested, decision, keeps_inputs)
+    kind = BreakKind(inline_nested, decision, keeps_inputs, keyed)
 
     def decorate(f: F) -> F:
         label = name or getattr(f, "__qualname__", None) or repr(f)
@@ -100,6 +108,20 @@ def check_decision(value: Any, name: str) -> Any:
         f"decision {name!r} returned a {type(value).__name__}; a decision returns a bool, an int, a string, "
         "None, or a tuple of those"
     )
+
+
+def structure_key(value: Any) -> str:
+    """A keyed break's decision value: its output's tree, each tensor's shape and dtype, each
+    constant's value (two outputs with one key fit one boundary buffer)."""
+    leaves, spec = tree.flatten(value)
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append(f"{'x'.join(map(str, leaf.shape)) or 'scalar'} {str(leaf.dtype).removeprefix('torch.')}")
+        else:
+            parts.append(repr(leaf))
+    body = ", ".join(parts)
+    return f"{tree.describe(spec)}: {body}" if tree.named_children(spec) else body
 
 
 class Memo:

@@ -60,6 +60,8 @@ class RunnerConfig:
         verify: compare every new graph's output with an eager run of the same inputs, bit for
             bit, before keeping it.
         max_auto_breaks: functions marked for one capture at most.
+        max_paths: decision paths captured per signature (a cache's computed and cached steps,
+            a keyed break's output shapes); a path beyond runs eagerly.
     """
 
     capture_on_miss: bool = False
@@ -71,6 +73,7 @@ class RunnerConfig:
     auto_breaks: bool = False
     verify: bool = False
     max_auto_breaks: int = 8
+    max_paths: int = 16
 
     def __post_init__(self) -> None:
         if self.max_entries < 1:
@@ -168,14 +171,21 @@ class GraphRunner:
         self.counts.path_misses += 1
         path = miss.path
         on_miss = self.config.capture_on_miss
-        if (self._capturing or on_miss) and path not in entry.blocked_paths:
+        room = len(entry.tree.chains) < self.config.max_paths
+        if (self._capturing or on_miss) and path not in entry.blocked_paths and room:
             chain = self.policy.capture_path(entry, miss)
             if chain is not None:
                 return self._replay(entry, None, memo=miss.memo)
         self._say_once(
             ("path", entry.key, path),
             f"{self.name}: no graph for decision path {path_label(path)} of a captured call; running it eagerly"
-            + ("" if on_miss else " (warm up with calls that take it, or enable capture on first use)"),
+            + (
+                f" (max_paths={self.config.max_paths} paths captured already)"
+                if not room
+                else ""
+                if on_miss
+                else " (warm up with calls that take it, or enable capture on first use)"
+            ),
         )
         self.counts.eager_calls += 1
         with bcg.rerun(miss.memo):

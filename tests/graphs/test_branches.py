@@ -245,3 +245,38 @@ def test_a_call_that_stores_into_a_container_it_is_given_is_never_captured(emula
     st = runner.stats()
     assert st.replays == 0 and st.captures == 0 and st.capture_failures >= 1
     assert all("stores into a container it is given (args[1])" in r for r in runner.blocked.values()), runner.blocked
+
+
+def _valid_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return x[mask.tolist()]  # a data-dependent shape, from the host
+
+
+def test_a_keyed_break_gets_a_chain_per_output_shape(emulated: None) -> None:
+    keyed = eager_on_graph(_valid_rows, name="valid rows", keyed=True)
+
+    def forward(fn: Any, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        rows = fn(x * 2, mask)
+        return (rows @ rows.T).sum(0, keepdim=True) + x.sum()
+
+    masks = [torch.tensor([True, True, False, True]), torch.tensor([True, False, False, False])]
+    calls = [(torch.randn(4, 3), masks[i % 2]) for i in range(6)] + [(torch.randn(4, 3), masks[0])]
+    want = [forward(_valid_rows, x, m) for x, m in calls]
+    runner = GraphRunner(lambda x, m: forward(keyed, x, m), name="keyed", capture_on_miss=True)
+    got = [runner(x, m) for x, m in calls]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"call {i}"
+    st = runner.stats()
+    assert st.entries == 1 and st.captures == 2 and st.path_captures == 1
+    assert sorted(st.paths_per_entry[0]) == ["1x3 float32", "3x3 float32"]  # the break's output shapes
+    assert st.eager_calls == 0 and st.replays == len(calls) and st.path_switches > 0
+
+
+def test_paths_beyond_max_paths_run_eagerly(emulated: None) -> None:
+    keyed = eager_on_graph(_valid_rows, name="valid rows", keyed=True)
+    runner = GraphRunner(lambda x, m: keyed(x, m).sum(0), name="keyed", capture_on_miss=True, max_paths=2)
+    xs = [torch.randn(4, 2) for _ in range(4)]
+    masks = [torch.tensor([True] * (n + 1) + [False] * (3 - n)) for n in range(4)]  # 4 output shapes
+    got = [runner(x, m) for x, m in zip(xs, masks)]
+    assert all(torch.equal(g, x[m].sum(0)) for g, x, m in zip(got, xs, masks))
+    st = runner.stats()
+    assert len(st.paths_per_entry[0]) == 2 and st.eager_calls == 2
