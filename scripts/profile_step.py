@@ -182,16 +182,11 @@ def setup(args: argparse.Namespace, device: torch.device) -> tuple[Any, list[tup
 @contextlib.contextmanager
 def graphs_off(accel: Any) -> Iterator[None]:
     """The pipeline's calls run eagerly over the same (compiled) blocks: graphs released, runners off."""
+    from accel.hooks.warmup import uncaptured
+
     accel.release()
-    runners = list(accel.runners.values())
-    was = [r.enabled for r in runners]
-    for r in runners:
-        r.enabled = False
-    try:
+    with uncaptured(accel.runners.values()):
         yield
-    finally:
-        for r, enabled in zip(runners, was):
-            r.enabled = enabled
 
 
 # -- the profiler's records -------------------------------------------------------------------

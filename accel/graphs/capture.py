@@ -91,33 +91,34 @@ def _as_one_call(state: StepState | None) -> Iterator[Callable[[], None]]:
         state.restore(snapshot)
 
 
-def _container_contents(tree: Any, path: str = "") -> list[tuple[str, Any, tuple[int, ...]]]:
-    """(path, container, identities of its items) for every list and dict in ``tree``."""
-    out: list[tuple[str, Any, tuple[int, ...]]] = []
+def _items(container: list | dict) -> tuple[Any, ...]:
+    """What a list or dict holds, by identity (keys too, for a dict)."""
+    if isinstance(container, dict):
+        return tuple((k, id(v)) for k, v in container.items())
+    return tuple(id(v) for v in container)
+
+
+def _container_contents(tree: Any, path: str = "") -> list[tuple[str, Any, tuple[Any, ...]]]:
+    """(path, container, :func:`_items`) for every list and dict in ``tree``."""
+    out: list[tuple[str, Any, tuple[Any, ...]]] = []
+    if isinstance(tree, (list, dict)):
+        out.append((path, tree, _items(tree)))
     if isinstance(tree, dict):
-        out.append((path, tree, tuple(id(v) for v in tree.values()) + tuple(hash(k) for k in tree)))
         for k, v in tree.items():
             out += _container_contents(v, f"{path}[{k!r}]")
     elif isinstance(tree, (list, tuple)):
-        if isinstance(tree, list):
-            out.append((path, tree, tuple(id(v) for v in tree)))
         for i, v in enumerate(tree):
             out += _container_contents(v, f"{path}[{i}]")
     return out
 
 
-def _check_containers_unchanged(name: str, before: list[tuple[str, Any, tuple[int, ...]]]) -> None:
+def _check_containers_unchanged(name: str, before: list[tuple[str, Any, tuple[Any, ...]]]) -> None:
     """BreakError where the call stored into a list or dict it was given: a replay runs no Python,
     so the caller's container would keep what it held (a causal VAE's per-frame feature cache
     would stay empty, and every frame decode as the first)."""
     for path, container, items in before:
-        now = (
-            tuple(id(v) for v in container.values()) + tuple(hash(k) for k in container)
-            if isinstance(container, dict)
-            else tuple(id(v) for v in container)
-        )
-        if now != items:
-            where = path.replace("[0]", "args", 1) if path.startswith("[0]") else path.replace("[1]", "kwargs", 1)
+        if _items(container) != items:
+            where = "args" + path[3:] if path.startswith("[0]") else "kwargs" + path[3:]
             raise BreakError(
                 f"{name}: the call stores into a container it is given ({where}), which a replay would not: "
                 "it cannot be captured"

@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -20,7 +20,16 @@ import torch
 from . import tree
 from .errors import BreakError
 
-__all__ = ["Memo", "break_graph", "check_decision", "eager_on_graph", "is_capturing", "rerun", "structure_key"]
+__all__ = [
+    "Memo",
+    "OutputStructure",
+    "break_graph",
+    "check_decision",
+    "eager_on_graph",
+    "is_capturing",
+    "rerun",
+    "structure_key",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -110,18 +119,40 @@ def check_decision(value: Any, name: str) -> Any:
     )
 
 
-def structure_key(value: Any) -> str:
-    """A keyed break's decision value: its output's tree, each tensor's shape and dtype, each
-    constant's value (two outputs with one key fit one boundary buffer)."""
-    leaves, spec = tree.flatten(value)
-    parts = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            parts.append(f"{'x'.join(map(str, leaf.shape)) or 'scalar'} {str(leaf.dtype).removeprefix('torch.')}")
-        else:
-            parts.append(repr(leaf))
-    body = ", ".join(parts)
-    return f"{tree.describe(spec)}: {body}" if tree.named_children(spec) else body
+def _leaf_key(leaf: Any) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device)
+    try:
+        hash(leaf)
+    except TypeError:
+        return ("unhashable", type(leaf), repr(leaf))
+    return ("constant", type(leaf), leaf)
+
+
+def _leaf_label(key: Hashable) -> str:
+    kind, what, value = key  # type: ignore[misc]
+    if isinstance(kind, tuple):  # a tensor's (shape, dtype, device)
+        return f"{'x'.join(map(str, kind)) or 'scalar'} {str(what).removeprefix('torch.')}"
+    return value if kind == "unhashable" else repr(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputStructure:
+    """A keyed break's decision value: its output's tree, each tensor's shape, dtype and device,
+    each constant's value (two outputs with one structure fit one boundary buffer). Compared on
+    every replay, so it is built from the cheapest walk of the output; its text is for reports."""
+
+    spec: Hashable
+    leaves: tuple[Hashable, ...]
+
+    def __str__(self) -> str:
+        return ", ".join(_leaf_label(k) for k in self.leaves)
+
+
+def structure_key(value: Any) -> OutputStructure:
+    """The :class:`OutputStructure` of a keyed break's output."""
+    leaves, spec = tree.flatten_key(value)
+    return OutputStructure(spec, tuple(_leaf_key(leaf) for leaf in leaves))
 
 
 class Memo:

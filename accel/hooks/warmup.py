@@ -42,6 +42,7 @@ __all__ = [
     "normalise_resolutions",
     "plan_warmup",
     "run_warmup",
+    "uncaptured",
 ]
 
 logger = logging.getLogger(__name__)
@@ -327,8 +328,9 @@ def _calls(recipe: Recipe, pipe: Any, plan: WarmupPlan, case: WarmupCase) -> Ite
 
 
 @contextlib.contextmanager
-def _uncaptured(runners: list[GraphRunner]) -> Iterator[None]:
+def uncaptured(runners: Iterable[GraphRunner]) -> Iterator[None]:
     """Calls run the (recipe-prepared) forward eagerly: no capture, no miss counted."""
+    runners = list(runners)
     was = [r.enabled for r in runners]
     for r in runners:
         r.enabled = False
@@ -440,7 +442,7 @@ def run_warmup(
             # shapes) here, so that the capture below times capture alone and no graph is
             # captured over kernels a later recompile replaces (see GraphHook.follow_weights).
             bar = _progress(len(plan.cases), progress, "compiling")
-            with _uncaptured(runners):
+            with uncaptured(runners):
                 for case in plan.cases:
                     row = rows.setdefault(case.size, _row(case))
                     t0 = time.perf_counter()

@@ -79,6 +79,13 @@ _SDXL_VAE = {
 
 # FLUX.1-dev's scheduler: the shift grows with the image's token count. Chroma ships the same.
 _FLUX_SCHEDULER = builders.scheduler_config("flux")
+# Sana's and PixArt-Sigma's calls beside their embeddings: T5 text of 300 tokens, and no
+# resolution binning at the tiny size (binning snaps sizes to the release's aspect-ratio table,
+# which has 1024x1024 but not the tiny geometry).
+_BINNED_T5_EXTRAS = {
+    "full": {"negative_prompt": None, "max_sequence_length": 300},
+    "tiny": {"negative_prompt": None, "max_sequence_length": TINY_TEXT_LEN, "use_resolution_binning": False},
+}
 
 
 def _flux() -> Family:
@@ -347,12 +354,7 @@ def _sana() -> Family:
             "full": _text_pair(300, 2304, "mask_int"),
             "tiny": _text_pair(TINY_TEXT_LEN, TINY_TEXT, "mask_int"),
         },
-        extras={
-            "full": {"negative_prompt": None, "max_sequence_length": 300},
-            # Resolution binning snaps sizes to the release's aspect-ratio table (1024x1024 is in
-            # it); the tiny geometry is in no table.
-            "tiny": {"negative_prompt": None, "max_sequence_length": TINY_TEXT_LEN, "use_resolution_binning": False},
-        },
+        extras=_BINNED_T5_EXTRAS,
         steps=20,
         guidance={"guidance_scale": 4.5},
         cfg=True,
@@ -418,12 +420,7 @@ def _pixart_sigma() -> Family:
             "full": _text_pair(300, 4096, "mask_int"),
             "tiny": _text_pair(TINY_TEXT_LEN, TINY_TEXT, "mask_int"),
         },
-        extras={
-            "full": {"negative_prompt": None, "max_sequence_length": 300},
-            # Resolution binning snaps sizes to the release's aspect-ratio table (1024x1024 is in
-            # it); the tiny geometry is in no table.
-            "tiny": {"negative_prompt": None, "max_sequence_length": TINY_TEXT_LEN, "use_resolution_binning": False},
-        },
+        extras=_BINNED_T5_EXTRAS,
         steps=20,
         guidance={"guidance_scale": 4.5},
         cfg=True,
