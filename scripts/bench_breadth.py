@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--seed", type=int, default=SEED, help="seed of the weights, the embeddings and the noise")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads in each child (default: torch's)")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help='decode every call with the VAE (output_type="pt"): end to end includes the decode, and the decoded images are compared',
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one family
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # internal: the child's result file
     return p
@@ -183,7 +188,7 @@ class Runner:
             **self.inputs,
             **self.geometry,
             num_inference_steps=steps,
-            output_type="latent",
+            output_type="pt" if self.args.decode else "latent",
             return_dict=False,
             generator=gen,
         )
@@ -503,6 +508,8 @@ def _child_command(name: str, args: argparse.Namespace, result: Path) -> list[st
     cmd += ["--size", args.size, "--device", args.device, "--dtype", args.dtype, "--seed", str(args.seed)]
     cmd += ["--variants", ",".join(args.variants), "--steps", ",".join(map(str, args.steps))]
     cmd += ["--repeats", str(args.repeats)]
+    if args.decode:
+        cmd.append("--decode")
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     return cmd
@@ -612,7 +619,13 @@ def table(results: dict[str, Any]) -> str:
         f"{results['date']}  ",
         f"**Command:** `python scripts/bench_breadth.py {' '.join(cfg['argv'])}`",
         "",
-        'Random weights, random prompt embeddings of the released shapes, `output_type="latent"`. Per step: the '
+        "Random weights, random prompt embeddings of the released shapes, "
+        + (
+            '`output_type="pt"` (the VAE decode included, the images compared)'
+            if cfg.get("decode")
+            else '`output_type="latent"`'
+        )
+        + ". Per step: the "
         f"slope of wall time over calls at {' and '.join(map(str, cfg['steps']))} steps; end to end: its intercept "
         "plus the usual step count times per step (derived, not a call at that count). Graphs: "
         "`accelerate_pipeline(pipe)` with default options and a warm-up at the geometry; equal: the latents "
@@ -700,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
             "size": args.size,
             "device": args.device,
             "dtype": args.dtype,
+            "decode": args.decode,
             "variants": args.variants,
             "steps": args.steps,
             "repeats": args.repeats,

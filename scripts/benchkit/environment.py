@@ -39,6 +39,9 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+SOURCE_COMMIT_ENV = "BCG_SOURCE_COMMIT"
+
+
 def collect_env(device: torch.device) -> dict[str, Any]:
     env: dict[str, Any] = {
         "device": "cpu",
@@ -52,8 +55,10 @@ def collect_env(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "git_commit": _run(["git", "rev-parse", "--short", "HEAD"]),
-        "git_dirty": bool(_run(["git", "status", "--porcelain"])),
+        # A copied tree (a remote machine's copy of a checkout) may carry stale git metadata: the
+        # runner that copied it names the commit instead.
+        "git_commit": os.environ.get(SOURCE_COMMIT_ENV) or _run(["git", "rev-parse", "--short", "HEAD"]),
+        "git_dirty": False if os.environ.get(SOURCE_COMMIT_ENV) else bool(_run(["git", "status", "--porcelain"])),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     if device.type == "cuda":
