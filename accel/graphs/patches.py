@@ -35,7 +35,9 @@ class _Missing:
 MISSING: Any = _Missing()  # what a place held before it was patched, when it held nothing
 
 _lock = threading.RLock()
-_places: dict[tuple[int, str, Any], _Place] = {}
+# Weak values: a place lives while a patch of it does (each patch holds its place), so the registry
+# never keeps a patched value alive, nor what that value refers to (a dropped pipeline's models).
+_places: weakref.WeakValueDictionary[tuple[int, str, Any], _Place] = weakref.WeakValueDictionary()
 
 
 class Patch:
@@ -143,7 +145,9 @@ class _Place:
 
 def _forget(key: tuple[int, str, Any]) -> None:
     with _lock:
-        _places.pop(key, None)
+        place = _places.get(key)
+        if place is not None and place._ref() is None:  # not a newer place at a reused id
+            _places.pop(key, None)
 
 
 def _label(target: Any, name: Any, where: Where) -> str:
@@ -189,7 +193,7 @@ def unpatched(target: Any, name: Any, where: Where = "attr") -> Any:
 def active() -> list[str]:
     """One line per place patched now: why, and where (the count of holders if several)."""
     with _lock:
-        places = sorted(_places.values(), key=lambda p: p.label)
+        places = sorted(list(_places.values()), key=lambda p: p.label)
         lines = []
         for place in places:
             whys = list(dict.fromkeys(layer.why for layer in place.layers))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +28,10 @@ from ..graphs.patches import Patch, patch
 
 __all__ = ["BusyError", "CallGuard", "RequestLock"]
 
-_guards: weakref.WeakKeyDictionary[Any, CallGuard] = weakref.WeakKeyDictionary()
+# The guard lives in its scheduler's own dictionary, not in a table of the library's: a global
+# table's guard would keep its scheduler, and through the checks every accelerated model, alive
+# after the user drops the pipeline.
+_GUARD_ATTR = "_bcg_call_guard"
 
 
 class BusyError(BCGError):
@@ -121,9 +123,10 @@ class CallGuard:
         scheduler = getattr(pipe, "scheduler", None)
         if scheduler is None or not hasattr(scheduler, "set_timesteps"):
             return None
-        guard = _guards.get(scheduler)
+        guard = vars(scheduler).get(_GUARD_ATTR)
         if guard is None:
-            guard = _guards[scheduler] = cls(scheduler)
+            guard = cls(scheduler)
+            guard._shadowed.append(patch(scheduler, _GUARD_ATTR, guard, why="the call guard", where="dict"))
         guard._checks[id(user)] = check
         ends: list[Patch] = []
         if hasattr(pipe, "maybe_free_model_hooks"):
@@ -142,7 +145,6 @@ class CallGuard:
         for shadow in reversed(self._shadowed):
             shadow.undo()
         self._shadowed.clear()
-        _guards.pop(self.scheduler, None)
 
     def begin(self) -> None:
         self.lock.begin()
