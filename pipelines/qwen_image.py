@@ -273,6 +273,8 @@ class QwenImageRecipe(Recipe):
         return self.bucket(length) or length
 
     def prompt_lengths(self, pipe: Any, prompts: list[str]) -> list[int]:
+        if getattr(pipe, "tokenizer", None) is None:  # built without text encoders: embeddings are given
+            raise NotImplementedError("the pipeline has no tokenizer to measure prompts with")
         template = pipe.prompt_template_encode
         drop = pipe.prompt_template_encode_start_idx
         ids = pipe.tokenizer([template.format(p) for p in prompts]).input_ids

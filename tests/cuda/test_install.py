@@ -19,6 +19,7 @@ import torch
 
 from accel import accelerate_pipeline
 from accel.graphs import tree
+from accel.graphs.patches import patch, unpatched
 from accel.graphs.runner import GraphRunner
 from pipelines.builders import build_pipeline
 from tests.helpers.generate import generate
@@ -78,7 +79,14 @@ def test_decoded_images_and_embeddings_equal_eager(model) -> None:
     report = pipe.accel.warmup(RESOLUTIONS, prompts=PROMPTS, negative_prompt=NEGATIVE, cfg=True, progress=False)
     print(f"\n{name} warmup:\n{report}\n{pipe.accel.report()}")
     stats = pipe.accel.stats()
-    assert stats["vae.decoder"].entries == len(RESOLUTIONS), pipe.accel.report()
+    # Qwen-Image's causal video decoder stores its per-chunk features into a list it is given,
+    # which a replay would not: it decodes eagerly, the report says why. Z-Image's decoder replays.
+    decodes = name != "qwen-image"
+    if decodes:
+        assert stats["vae.decoder"].entries == len(RESOLUTIONS), pipe.accel.report()
+    else:
+        assert stats["vae.decoder"].entries == 0, pipe.accel.report()
+        assert "stores into a container it is given (kwargs['feat_cache'])" in pipe.accel.report()
     assert stats["text_encoder"].entries >= 1, pipe.accel.report()
     before = {k: s.replays for k, s in pipe.accel.stats().items()}
 
@@ -91,7 +99,7 @@ def test_decoded_images_and_embeddings_equal_eager(model) -> None:
         got = _embeddings(pipe, name, p)
         assert len(got) == len(embeds[p]) and all(torch.equal(a, b) for a, b in zip(got, embeds[p])), p
     after = pipe.accel.stats()
-    assert after["vae.decoder"].replays - before["vae.decoder"] == len(cases) + 2
+    assert after["vae.decoder"].replays - before["vae.decoder"] == (len(cases) + 2 if decodes else 0)
     assert after["text_encoder"].replays > before["text_encoder"], pipe.accel.report()
     assert after["text_encoder"].misses == 0 and after["vae.decoder"].misses == 0, pipe.accel.report()
     pipe.accel.restore()
@@ -101,9 +109,24 @@ def test_decoded_images_and_embeddings_equal_eager(model) -> None:
 def test_qwen_image_transformer_with_a_mask_is_captured_through_a_found_break() -> None:
     # diffusers' Qwen-Image transformer, run without its recipe: its text-mask helper copies a
     # host value to the device (a pageable copy), so the stock forward cannot be captured whole.
-    from tests.cuda.test_qwen_image import _call_kwargs, _small_qwen
+    from tests.cuda.test_qwen_image import _small_qwen
 
     model = _small_qwen()
+    # The stock helper, even while an accelerated Qwen-Image pipeline of this module (the fixture)
+    # keeps its recipe's mark of it in place.
+    import diffusers.models.transformers.transformer_qwenimage as qwen_module
+
+    helper = "compute_text_seq_len_from_mask"
+    stock = patch(qwen_module, helper, unpatched(qwen_module, helper), why="test: the stock helper")
+    try:
+        _found_breaks_capture(model)
+    finally:
+        stock.undo()
+
+
+def _found_breaks_capture(model) -> None:
+    from tests.cuda.test_qwen_image import _call_kwargs
+
     runner = GraphRunner(model, name="qwen-auto", auto_breaks=True)
     assert runner.capture(**_call_kwargs(16, 16, 32, 20, seed=0)), runner.blocked
     print("\nqwen-image transformer breaks found: " + "; ".join(map(str, runner.found_breaks)))

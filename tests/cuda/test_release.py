@@ -1,7 +1,9 @@
 """Dropped accelerated pipelines give their GPU memory back, with or without ``restore()``:
-after each scenario the pipeline's models are collected and the allocator holds what it held
-before (graph pools included). A leak here is a whole pipeline's memory per pipeline built, which
-a process that builds several (a server, a test suite) runs out of."""
+after each scenario the pipeline's models are collected, and a second run of it leaves the
+allocator where the first left it (the first may keep what the process keeps anyway: cuBLAS
+workspaces of a new stream, say). A leak here is a whole pipeline's memory per pipeline built,
+which a process that builds several (a server, a test suite) runs out of. cache-dit's own
+adapter keeps a pipeline it was enabled on until ``disable_cache``: dbcache is run restored only."""
 
 from __future__ import annotations
 
@@ -40,25 +42,30 @@ def _scenario(model: str, cache: str | None, compile: bool, restore: bool) -> we
     return ref
 
 
-@pytest.mark.parametrize("restore", [True, False], ids=["restored", "dropped"])
 @pytest.mark.parametrize(
-    "model,cache,compile",
-    [("z-image", None, False), ("z-image", "fbc", False), ("qwen-image", "dbcache", False), ("z-image", None, True)],
+    "model,cache,compile,restore",
+    [
+        ("z-image", None, False, False),
+        ("z-image", None, False, True),
+        ("z-image", "fbc", False, False),
+        ("qwen-image", None, False, False),
+        ("qwen-image", "dbcache", False, True),
+        ("z-image", None, True, False),
+    ],
 )
 @torch.no_grad()
 def test_a_dropped_pipeline_gives_its_memory_back(model: str, cache: str | None, compile: bool, restore: bool) -> None:
-    if compile:
-        torch._dynamo.reset()
-    gc.collect()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    ref = _scenario(model, cache, compile, restore)
-    gc.collect()
-    torch.cuda.synchronize()
-    if ref() is not None:
-        pytest.fail(f"the dropped pipeline's {type(ref()).__name__} is still alive:\n  {holder_path(ref())}")
-    if compile:
-        torch._dynamo.reset()  # compiled code holds its own constants until reset
+    allocated = []
+    for _ in range(2):
+        if compile:
+            torch._dynamo.reset()
+        ref = _scenario(model, cache, compile, restore)
+        if compile:
+            torch._dynamo.reset()  # compiled code holds its own references until reset
         gc.collect()
-    leaked = torch.cuda.memory_allocated() - before
-    assert leaked <= 1 << 20, f"{leaked / 2**20:.1f} MiB still allocated after the pipeline was dropped"
+        torch.cuda.synchronize()
+        if ref() is not None:
+            pytest.fail(f"the dropped pipeline's {type(ref()).__name__} is still alive:\n  {holder_path(ref())}")
+        allocated.append(torch.cuda.memory_allocated())
+    grown = allocated[1] - allocated[0]
+    assert grown <= 1 << 20, f"{grown / 2**20:.1f} MiB more allocated after a second pipeline was dropped"
