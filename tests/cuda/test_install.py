@@ -19,7 +19,6 @@ import torch
 
 from accel import accelerate_pipeline
 from accel.graphs import tree
-from accel.graphs.patches import patch, unpatched
 from accel.graphs.runner import GraphRunner
 from pipelines.builders import build_pipeline
 from tests.helpers.generate import generate
@@ -103,44 +102,6 @@ def test_decoded_images_and_embeddings_equal_eager(model) -> None:
     assert after["text_encoder"].replays > before["text_encoder"], pipe.accel.report()
     assert after["text_encoder"].misses == 0 and after["vae.decoder"].misses == 0, pipe.accel.report()
     pipe.accel.restore()
-
-
-@torch.no_grad()
-def test_qwen_image_transformer_with_a_mask_is_captured_through_a_found_break() -> None:
-    # diffusers' Qwen-Image transformer, run without its recipe: its text-mask helper copies a
-    # host value to the device (a pageable copy), so the stock forward cannot be captured whole.
-    from tests.cuda.test_qwen_image import _small_qwen
-
-    model = _small_qwen()
-    # The stock helper, even while an accelerated Qwen-Image pipeline of this module (the fixture)
-    # keeps its recipe's mark of it in place.
-    import diffusers.models.transformers.transformer_qwenimage as qwen_module
-
-    helper = "compute_text_seq_len_from_mask"
-    stock = patch(qwen_module, helper, unpatched(qwen_module, helper), why="test: the stock helper")
-    try:
-        _found_breaks_capture(model)
-    finally:
-        stock.undo()
-
-
-def _found_breaks_capture(model) -> None:
-    from tests.cuda.test_qwen_image import _call_kwargs
-
-    runner = GraphRunner(model, name="qwen-auto", auto_breaks=True)
-    assert runner.capture(**_call_kwargs(16, 16, 32, 20, seed=0)), runner.blocked
-    print("\nqwen-image transformer breaks found: " + "; ".join(map(str, runner.found_breaks)))
-    assert runner.found_breaks and all(s.filename and s.lineno > 0 for s in runner.found_breaks)
-    for seed in range(1, 6):
-        kw = _call_kwargs(16, 16, 32, 10 + seed, seed=seed)  # mask values change, shape does not
-        assert torch.equal(runner(**kw)[0], model(**kw)[0]), f"seed {seed}"
-    assert runner.stats().replays == 5
-    runner.release()
-    runner.unmark()
-    # Given back: the stock forward fails to capture again.
-    again = GraphRunner(model, name="qwen-stock")
-    assert not again.capture(**_call_kwargs(16, 16, 32, 20, seed=0))
-    assert "at " in next(iter(again.blocked.values()))  # the failure is named even without auto_breaks
 
 
 @torch.no_grad()
