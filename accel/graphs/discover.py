@@ -340,19 +340,34 @@ def mark_by_name(qualname: str, *, refuse: Iterable[CodeType] = ()) -> Callable[
     if entry is None:
         entry = _named[qualname] = [0, _mark_named(qualname, refuse)]
     entry[0] += 1
-    released = False
+    return _NamedUse(qualname, entry)
 
-    def undo() -> None:
-        nonlocal released
-        if released:
+
+class _NamedUse:
+    """One user's hold on a mark by name: calling it lets go (once); so does its collection, so
+    a user dropped without letting go (a pipeline never restored) does not keep the mark."""
+
+    __slots__ = ("_entry", "_qualname")
+
+    def __init__(self, qualname: str, entry: list[Any]) -> None:
+        self._qualname: str | None = qualname
+        self._entry = entry
+
+    def __call__(self) -> None:
+        qualname, self._qualname = self._qualname, None
+        if qualname is None:
             return
-        released = True
+        entry = self._entry
         entry[0] -= 1
         if entry[0] == 0 and _named.get(qualname) is entry:
             del _named[qualname]
             entry[1]()
 
-    return undo
+    def __del__(self) -> None:
+        try:
+            self()
+        except Exception:  # interpreter shutdown
+            pass
 
 
 def _mark_named(qualname: str, refuse: Iterable[CodeType]) -> Callable[[], None]:

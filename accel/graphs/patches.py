@@ -12,14 +12,15 @@ denoiser of a model family) are taken once per holder and last while any holder 
 :func:`active` lists the places patched now, for reports.
 
 Whoever patches undoes: every install of the library returns its undo, and a patch lasts only
-as long as what needs it (a capture, a call, a session, an accelerated module).
+as long as what needs it (a capture, a call, a session, an accelerated module). A patch nobody
+holds any more is undone when it is collected, so a pipeline dropped without ``restore()`` takes
+its marks with it; the registry holds places weakly and so keeps nothing alive.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any, Literal
 
 __all__ = ["MISSING", "Patch", "active", "patch", "unpatched"]
@@ -69,6 +70,15 @@ class Patch:
         with _lock:
             self._place.remove(self)
 
+    def __del__(self) -> None:
+        # Nothing holds this patch any more, so nothing needs it: what patched (a pipeline the
+        # user dropped without restoring it) is gone, and a mark of a module's function must not
+        # outlive it. Patches that last are held by whoever made them.
+        try:
+            self.undo()
+        except Exception:  # interpreter shutdown: the place may be half torn down
+            pass
+
     def __enter__(self) -> Patch:
         return self
 
@@ -78,10 +88,10 @@ class Patch:
 
 class _Place:
     def __init__(self, target: Any, name: Any, where: Where, key: tuple[int, str, Any]) -> None:
-        try:
-            self._ref: Callable[[], Any] = weakref.ref(target, lambda _: _forget(key))
-        except TypeError:  # a dict, say: held strongly while patched
-            self._ref = lambda: target
+        # Held strongly: only patches hold their place (the registry's values are weak), so this
+        # keeps a target alive no longer than its patches, and a patch collected with its place
+        # can still write the original back (the collector clears weak references first).
+        self._target = target
         self.key = key
         self.name = name
         self.where = where
@@ -90,8 +100,7 @@ class _Place:
 
     @property
     def label(self) -> str:
-        target = self._ref()
-        return _label(target, self.name, self.where) if target is not None else f"<gone>.{self.name}"
+        return _label(self._target, self.name, self.where)
 
     def _read(self, target: Any) -> Any:
         return self._read_value(target, self.name, self.where)
@@ -127,8 +136,7 @@ class _Place:
             setattr(target, self.name, value)
 
     def add(self, layer: Patch) -> None:
-        target = self._ref()
-        self._write(target, layer.value)
+        self._write(self._target, layer.value)
         self.layers.append(layer)
 
     def remove(self, layer: Patch) -> None:
@@ -136,18 +144,10 @@ class _Place:
             return
         top = self.layers[-1] is layer
         self.layers.remove(layer)
-        target = self._ref()
-        if target is not None and top:
-            self._write(target, self.layers[-1].value if self.layers else self.original)
+        if top:
+            self._write(self._target, self.layers[-1].value if self.layers else self.original)
         if not self.layers:
             _places.pop(self.key, None)
-
-
-def _forget(key: tuple[int, str, Any]) -> None:
-    with _lock:
-        place = _places.get(key)
-        if place is not None and place._ref() is None:  # not a newer place at a reused id
-            _places.pop(key, None)
 
 
 def _label(target: Any, name: Any, where: Where) -> str:
@@ -171,7 +171,7 @@ def patch(target: Any, name: Any, value: Any, *, why: str, where: Where = "attr"
     key = (id(target), where, name)
     with _lock:
         place = _places.get(key)
-        if place is None or place._ref() is not target:
+        if place is None or place._target is not target:
             place = _Place(target, name, where, key)
         layer = Patch(place, value, why)
         place.add(layer)  # raises, changing nothing, where the place cannot be written
@@ -185,7 +185,7 @@ def unpatched(target: Any, name: Any, where: Where = "attr") -> Any:
     Wrap this, not the current value, to add a patch that must not wrap another one."""
     with _lock:
         place = _places.get((id(target), where, name))
-        if place is not None and place._ref() is target:
+        if place is not None and place._target is target:
             return place.original
         return _Place._read_value(target, name, where)
 
@@ -196,7 +196,8 @@ def active() -> list[str]:
         places = sorted(list(_places.values()), key=lambda p: p.label)
         lines = []
         for place in places:
-            whys = list(dict.fromkeys(layer.why for layer in place.layers))
-            held = f" (held {len(place.layers)} times)" if len(place.layers) > 1 else ""
+            layers = list(place.layers)
+            whys = list(dict.fromkeys(layer.why for layer in layers))
+            held = f" (held {len(layers)} times)" if len(layers) > 1 else ""
             lines.append(f"{'; '.join(whys)}: {place.label}{held}")
         return lines
