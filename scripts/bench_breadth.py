@@ -627,7 +627,7 @@ def table(results: dict[str, Any]) -> str:
         )
         + ". Per step: the "
         f"slope of wall time over calls at {' and '.join(map(str, cfg['steps']))} steps; end to end: its intercept "
-        "plus the usual step count times per step (derived, not a call at that count). Graphs: "
+        "plus the usual step count times per step (a measured call where that count is among them, else derived). Graphs: "
         "`accelerate_pipeline(pipe)` with default options and a warm-up at the geometry; equal: the latents "
         "bit for bit against eager (compiled: against the same compiled model with graphs off). Ratios: eager "
         "over the variant, per step (end to end).",
