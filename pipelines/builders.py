@@ -31,8 +31,8 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from diffusers import (
@@ -86,6 +86,7 @@ __all__ = [
     "init_defaults",
     "pipeline_class",
     "scheduler_config",
+    "seeded",
     "text_encoder_2_config",
     "text_encoder_config",
     "transformer_class",
@@ -94,6 +95,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 # "flux" is FLUX.1-dev; "wan" is Wan2.1-T2V-14B and "wan-1.3b" its 1.3B sibling (the same tiny
 # model: the two differ only in widths and depths).
@@ -640,6 +643,15 @@ def constructing_on(device: str | torch.device, dtype: torch.dtype) -> Iterator[
         torch.set_default_dtype(previous)
 
 
+def seeded(make: Callable[[], M], device: str | torch.device, dtype: torch.dtype | str, seed: int) -> M:
+    """``make()`` with the torch seed set to ``seed`` and its parameters created on ``device`` in
+    ``dtype`` (:func:`constructing_on`), in eval mode: every builder's random weights."""
+    torch.manual_seed(seed)
+    with constructing_on(device, as_dtype(dtype)):
+        module = make()
+    return module.eval()
+
+
 def build_transformer(
     name: str,
     size: str = "tiny",
@@ -650,16 +662,14 @@ def build_transformer(
     """The denoiser of ``name`` with random weights (``device="meta"`` builds no storage)."""
     model, config = _require_model(name), transformer_config(name, size)
     cls = transformer_class(model)
-    torch.manual_seed(seed)
-    with constructing_on(device, as_dtype(dtype)):
-        transformer = cls(**config)
+    transformer = seeded(lambda: cls(**config), device, dtype, seed)
     if model == "z-image":
         # The pad tokens are learned and attended to; left at their zero init they would make
         # padding numerically invisible and hide padding bugs.
         with torch.no_grad():
             transformer.x_pad_token.normal_()
             transformer.cap_pad_token.normal_()
-    return transformer.eval()
+    return transformer
 
 
 def build_vae(
@@ -672,10 +682,7 @@ def build_vae(
     """The VAE of ``name`` with random weights."""
     model, config = _require_model(name), vae_config(name, size)
     cls = _VAES[_family(model)]
-    torch.manual_seed(seed)
-    with constructing_on(device, as_dtype(dtype)):
-        vae = cls(**config)
-    return vae.eval()
+    return seeded(lambda: cls(**config), device, dtype, seed)
 
 
 def build_text_encoder(
@@ -689,10 +696,7 @@ def build_text_encoder(
     """The (first) text encoder of ``name`` with random weights: Qwen2.5-VL, Qwen3, CLIP-L or UMT5."""
     model, config = _require_model(name), text_encoder_config(name, size, tokenizer)
     cls = _TEXT_ENCODERS[_family(model)]
-    torch.manual_seed(seed)
-    with constructing_on(device, as_dtype(dtype)):
-        text_encoder = cls(config)
-    return text_encoder.eval()
+    return seeded(lambda: cls(config), device, dtype, seed)
 
 
 def build_text_encoder_2(
@@ -705,10 +709,7 @@ def build_text_encoder_2(
 ) -> torch.nn.Module:
     """FLUX.1's second text encoder (T5-XXL's encoder) with random weights; ValueError for others."""
     config = text_encoder_2_config(name, size, tokenizer)
-    torch.manual_seed(seed)
-    with constructing_on(device, as_dtype(dtype)):
-        text_encoder = T5EncoderModel(config)
-    return text_encoder.eval()
+    return seeded(lambda: T5EncoderModel(config), device, dtype, seed)
 
 
 def build_scheduler(name: str) -> SchedulerMixin:

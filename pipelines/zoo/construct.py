@@ -1,6 +1,6 @@
 """Construct a zoo family's pipeline with random weights and no text encoders.
 
-Weights are created in place on the target device and dtype (``builders.constructing_on``), so
+Weights are created in place on the target device and dtype (``builders.seeded``), so
 a 32B denoiser on a GPU builds in seconds; on the ``meta`` device nothing is allocated,
 which is how parameter counts are taken. As ``from_pretrained`` does, modules a denoiser class
 names in ``_keep_in_fp32_modules`` stay in float32 under a half-precision dtype.
@@ -18,7 +18,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from ..builders import as_dtype, constructing_on
+from ..builders import as_dtype, seeded
 from .registry import family
 from .spec import Family, check_size
 
@@ -44,11 +44,9 @@ def _construct(
     class_name: str, config: dict[str, Any], device: str | torch.device, dtype: torch.dtype, seed: int
 ) -> torch.nn.Module:
     cls = getattr(diffusers, class_name)
-    torch.manual_seed(seed)
-    with constructing_on(device, dtype):
-        module = cls(**config)
+    module = seeded(lambda: cls(**config), device, dtype, seed)
     _keep_fp32(module, dtype)
-    return module.eval()
+    return module
 
 
 def build_denoiser(

@@ -79,6 +79,18 @@ _SDXL_VAE = {
 
 # FLUX.1-dev's scheduler: the shift grows with the image's token count. Chroma ships the same.
 _FLUX_SCHEDULER = builders.scheduler_config("flux")
+# Sana's and PixArt-Sigma's released DPM-Solver++ schedulers share these; Sana's predicts flow.
+_DPM_SOLVER: dict[str, Any] = dict(
+    num_train_timesteps=1000,
+    beta_start=0.0001,
+    beta_end=0.02,
+    beta_schedule="linear",
+    algorithm_type="dpmsolver++",
+    solver_order=2,
+    solver_type="midpoint",
+    lower_order_final=True,
+    timestep_spacing="linspace",
+)
 # Sana's and PixArt-Sigma's calls beside their embeddings: T5 text of 300 tokens, and no
 # resolution binning at the tiny size (binning snaps sizes to the release's aspect-ratio table,
 # which has 1024x1024 but not the tiny geometry).
@@ -334,21 +346,13 @@ def _sana() -> Family:
         scheduler_class="DPMSolverMultistepScheduler",
         denoiser_configs={"full": full, "tiny": tiny},
         vae_configs={"full": vae_full, "tiny": vae_tiny},
-        scheduler=dict(
-            num_train_timesteps=1000,
-            beta_start=0.0001,
-            beta_end=0.02,
-            beta_schedule="linear",
-            algorithm_type="dpmsolver++",
-            solver_order=2,
-            solver_type="midpoint",
-            prediction_type="flow_prediction",
-            use_flow_sigmas=True,
-            flow_shift=3.0,
-            final_sigmas_type="zero",
-            lower_order_final=True,
-            timestep_spacing="linspace",
-        ),
+        scheduler={
+            **_DPM_SOLVER,
+            "prediction_type": "flow_prediction",
+            "use_flow_sigmas": True,
+            "flow_shift": 3.0,
+            "final_sigmas_type": "zero",
+        },
         geometry=GEOMETRY,
         embeddings={
             "full": _text_pair(300, 2304, "mask_int"),
@@ -403,18 +407,7 @@ def _pixart_sigma() -> Family:
         scheduler_class="DPMSolverMultistepScheduler",
         denoiser_configs={"full": full, "tiny": tiny},
         vae_configs=_SDXL_VAE,
-        scheduler=dict(
-            num_train_timesteps=1000,
-            beta_start=0.0001,
-            beta_end=0.02,
-            beta_schedule="linear",
-            algorithm_type="dpmsolver++",
-            solver_order=2,
-            solver_type="midpoint",
-            prediction_type="epsilon",
-            lower_order_final=True,
-            timestep_spacing="linspace",
-        ),
+        scheduler={**_DPM_SOLVER, "prediction_type": "epsilon"},
         geometry=GEOMETRY,
         embeddings={
             "full": _text_pair(300, 4096, "mask_int"),
