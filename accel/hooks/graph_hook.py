@@ -16,6 +16,7 @@ the last one to let go removes it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import weakref
 from collections.abc import Callable
@@ -115,8 +116,10 @@ class GraphHook(ModelHook):
         self.caches: CacheBinding | None = None
         self.context = ContextProbe()
         self.follower = Follower(self)
-        # Set once removed: a wrapper someone put over this hook's forward may still call it.
+        # Set once removed: a wrapper someone put over this hook's forward may still call it,
+        # and reaches the module's forward through ``_after_removal``.
         self._removed = False
+        self._after_removal: Callable[[], Callable[..., Any] | None] = lambda: None
         # What removing the hook must undo beyond the registry's own bookkeeping.
         self._drop_registry = False
         self._drop_forward_attr = False
@@ -179,7 +182,25 @@ class GraphHook(ModelHook):
         self.follower.undo_arrangement()
         while self._undo:
             self._undo.pop()()
+        self._let_go_of_module()
         return module
+
+    def _let_go_of_module(self) -> None:
+        # The hook is a cycle of its own (its runner calls its bound method); while it also held
+        # the module, a restored pipeline lived on until the collector ran, and its GPU memory
+        # with it (a stock pipeline is freed by reference counting at ``del pipe``). The registry
+        # has dropped its function reference; a wrapper over our forward may still call it, and
+        # then reaches the module's forward through a weak method.
+        original = self.fn_ref.original_forward if self.fn_ref is not None else None
+        if inspect.ismethod(original):
+            self._after_removal = weakref.WeakMethod(original)
+        elif original is not None:
+            self._after_removal = lambda o=original: o
+        self.fn_ref = None
+        self._forward = None
+        self.runner.entry = None
+        self.runner.capture_scope = None
+        self.caches = None
 
     def reset_state(self, module: torch.nn.Module) -> torch.nn.Module:
         self.context.set_context(None)
@@ -188,7 +209,7 @@ class GraphHook(ModelHook):
     # -- per call ----------------------------------------------------------------------------
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self._removed:
-            return self.fn_ref.original_forward(*args, **kwargs)
+            return self._after_removal()(*args, **kwargs)
         if self.component:
             # A text encoder runs before the pipeline's per-call check (the scheduler's
             # set_timesteps), so a component checks its weights (offload, LoRA) as it is called.

@@ -10,6 +10,7 @@ NaN-poisoned before each) must equal it bit for bit, with no call left to run ea
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -155,6 +156,7 @@ def zimage():
     pipe.set_progress_bar_config(disable=True)
     yield pipe
     del pipe
+    gc.collect()  # its hooks' cycles: the next module's pipeline needs the memory
     torch.cuda.empty_cache()
 
 
@@ -187,6 +189,7 @@ def qwen():
     pipe.set_progress_bar_config(disable=True)
     yield pipe
     del pipe
+    gc.collect()  # its hooks' cycles: the next module's pipeline needs the memory
     torch.cuda.empty_cache()
 
 

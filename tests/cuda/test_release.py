@@ -73,3 +73,18 @@ def test_a_dropped_pipeline_gives_its_memory_back(model: str, cache: str | None,
     # A tiny pipeline holds tens of MiB; a leak of it shows. Qwen-Image's second run measured
     # 1.0 MiB above its first on an H200 (its models collected): not traced to this library yet.
     assert grown <= 2 << 20, f"{grown / 2**20:.1f} MiB more allocated after a second pipeline was dropped"
+
+
+@torch.no_grad()
+def test_a_restored_pipeline_is_freed_at_del_without_the_collector() -> None:
+    """``pipe.accel.restore(); del pipe`` frees the models by reference counting, as a stock
+    Z-Image pipeline is freed at ``del``: ``torch.cuda.empty_cache()`` right after gives the
+    memory back without a ``gc.collect()``."""
+    gc.collect()
+    gc.disable()
+    try:
+        ref = _scenario("z-image", None, False, True)
+        alive = ref()
+    finally:
+        gc.enable()
+    assert alive is None, f"a restored pipeline outlives del until the collector runs:\n  {holder_path(alive)}"
