@@ -10,6 +10,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# More than module-scoped fixtures' tiny pipelines: a full-size model outlived its test.
+LEFT_AFTER_A_TEST = 2 << 30
+
 
 @pytest.fixture(autouse=True)
 def collect_after_test(request: pytest.FixtureRequest):
@@ -19,7 +22,10 @@ def collect_after_test(request: pytest.FixtureRequest):
     this the next test's pipeline ran out of memory beside the last ones' (a module-scoped
     fixture's pipeline is collected after its module's last test)."""
     yield
+    torch._dynamo.reset()  # compiled code holds the modules it was compiled for
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        logger.info("after %s: %.1f GiB allocated", request.node.name, torch.cuda.memory_allocated() / 2**30)
+        left = torch.cuda.memory_allocated()
+        if left > LEFT_AFTER_A_TEST:
+            logger.warning("after %s: %.1f GiB still allocated", request.node.name, left / 2**30)
