@@ -10,7 +10,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# More than module-scoped fixtures' tiny pipelines: a full-size model outlived its test.
+# Above what tiny pipelines hold: a full-size model outlived its test (or a module-scoped fixture holds one).
 LEFT_AFTER_A_TEST = 2 << 30
 
 
