@@ -31,6 +31,11 @@ for _path in (ROOT, Path(__file__).resolve().parent):
         sys.path.insert(0, str(_path))
 
 
+def fused(model) -> bool:
+    """Whether any attention module of ``model`` runs diffusers' fused projections."""
+    return any(getattr(m, "fused_projections", False) for m in model.modules())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -125,14 +130,12 @@ def main() -> int:
             if "accel" in pipe.__dict__:
                 pipe.accel.restore()
             uncompile(pipe.transformer)
-            if getattr(pipe.transformer, "fused_projections", False):
+            if fused(pipe.transformer):
                 pipe.transformer.unfuse_qkv_projections()
             if stock_decoder_forward is None:
                 pipe.vae.decoder.__dict__.pop("forward", None)
             result["variants"].setdefault(label, {})["given_back"] = not (
-                getattr(pipe.transformer, "fused_projections", False)
-                or "forward" in vars(pipe.vae.decoder)
-                or "accel" in pipe.__dict__
+                fused(pipe.transformer) or "forward" in vars(pipe.vae.decoder) or "accel" in pipe.__dict__
             )
             save()
     return 0
