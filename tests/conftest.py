@@ -18,3 +18,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords or "/tests/cuda/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def few_threads():
+    """At most two torch CPU threads: tiny models gain nothing from more, and CI boxes are small."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(min(previous, 2))
+    yield
+    torch.set_num_threads(previous)

@@ -41,36 +41,25 @@ run         ``main``: checks, build, warmup, generation, summary
 
 from __future__ import annotations
 
-import importlib
 import sys
-from typing import Any
+
+from ..lazy import lazy_exports
 
 # __all__ stays the API it was when the CLI was one module; the other names that module had are
 # still importable from here. All are loaded on first use (PEP 562), so that starting
 # bcg-generate imports almost nothing before main() can catch a Ctrl-C.
-_NAMES = {
-    "arguments": ("DEFAULT_MODEL", "DEFAULT_PROMPT", "DEFAULT_RESOLUTION", "DTYPES", "PROG", "build_parser"),
-    "checks": ("HOST_BYTES_PER_PIXEL", "check_out", "read_prompts_file", "resolve_device"),
-    "defaults": ("generation_defaults",),
-    "errors": ("CLIError", "RunError"),
-    "jobs": ("Job", "image_filename", "plan_jobs", "shard", "slug"),
-    "loading": ("build_model",),
-    "processes": ("Processes", "detect_processes"),
-}
-_MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__, _ = lazy_exports(
+    __name__,
+    {
+        "arguments": ("DEFAULT_MODEL", "DEFAULT_PROMPT", "DEFAULT_RESOLUTION", "DTYPES", "PROG", "build_parser"),
+        "checks": ("HOST_BYTES_PER_PIXEL", "check_out", "read_prompts_file", "resolve_device"),
+        "defaults": ("generation_defaults",),
+        "errors": ("CLIError", "RunError"),
+        "jobs": ("Job", "image_filename", "plan_jobs", "shard", "slug"),
+        "loading": ("build_model",),
+        "processes": ("Processes", "detect_processes"),
+    },
+)
 
 
 def main(argv: list[str] | None = None) -> int:

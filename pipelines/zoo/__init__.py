@@ -25,32 +25,25 @@ inputs    random, seeded embeddings and call keywords
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ..lazy import lazy_exports
 from .names import NAMES
 
-# Loaded on first use (PEP 562): the names alone import neither torch nor diffusers.
-_NAMES = {
-    "construct": ("absent_components", "build", "build_denoiser", "build_scheduler", "build_vae", "parameter_counts"),
-    "spec": ("SIZES", "Embedding", "Family", "Geometry"),
-    "inputs": ("call_inputs", "call_kwargs", "embeddings"),
-    "registry": ("FAMILIES", "family"),
-}
-_MODULE_OF = {name: module for module, names in _NAMES.items() for name in names}
+# Loaded on first use: the names alone import neither torch nor diffusers.
+__getattr__, __dir__, _LAZY = lazy_exports(
+    __name__,
+    {
+        "construct": (
+            "absent_components",
+            "build",
+            "build_denoiser",
+            "build_scheduler",
+            "build_vae",
+            "parameter_counts",
+        ),
+        "spec": ("SIZES", "Embedding", "Family", "Geometry"),
+        "inputs": ("call_inputs", "call_kwargs", "embeddings"),
+        "registry": ("FAMILIES", "family"),
+    },
+)
 
-
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
-
-
-__all__ = ["NAMES", *sorted(_MODULE_OF)]
+__all__ = ["NAMES", *_LAZY]

@@ -26,12 +26,7 @@ FAST_TEXT = dict(max_sequence_length=16)
 STEPS = 2
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(min(previous, 2))
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("few_threads")
 
 
 @pytest.fixture

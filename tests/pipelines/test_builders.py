@@ -51,13 +51,7 @@ CLASSES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    # Tiny models gain nothing from many threads, and CI boxes are small.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(min(previous, 2))
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("few_threads")
 
 
 def _params(module: torch.nn.Module) -> int:

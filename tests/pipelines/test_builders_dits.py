@@ -48,13 +48,7 @@ PROMPT = "a red fox in the snow"
 FAST_TEXT = dict(max_sequence_length=64)
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    # Tiny models gain nothing from many threads, and CI boxes are small.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(min(previous, 2))
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("few_threads")
 
 
 @pytest.fixture(scope="module")

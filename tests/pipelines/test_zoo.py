@@ -54,12 +54,7 @@ RELEASED_GEOMETRY = {"wan": (480, 832, 33), "ltx": (512, 704, 121), "hunyuan-vid
 NOT_CALLED = {"qwen-image-edit"}
 
 
-@pytest.fixture(autouse=True)
-def _few_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(min(previous, 2))
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("few_threads")
 
 
 def test_sixteen_families_in_table_order():
