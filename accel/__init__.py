@@ -33,6 +33,7 @@ from .graphs.patches import patch, unpatched
 from .graphs.pool import GraphPool
 from .graphs.runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
+from .hooks.fused import addmm_gelu_tanh
 from .hooks.guard import BusyError
 from .hooks.options import AcceleratorOptions
 from .hooks.recipe import (
@@ -69,6 +70,7 @@ __all__ = [
     "RunnerStats",
     "WarmupReport",
     "accelerate_pipeline",
+    "addmm_gelu_tanh",
     "break_graph",
     "capture",
     "check_heads_divisible",

@@ -8,9 +8,15 @@ guidance 3.5, decoded (``output_type="pt"``). Variants side by side, each a medi
 ``--repeats`` whole calls after an untimed one:
 
 * ``eager``: the stock pipeline;
-* ``compiled``: ``accelerate_pipeline(pipe, compile=True)`` as it is;
-* ``fused-qkv``: the same after diffusers' ``transformer.fuse_qkv_projections()``;
-* ``fused-qkv+vae``: and the VAE decoder's forward compiled by inductor (static shapes; CUDA only).
+* ``compiled``: ``accelerate_pipeline(pipe, compile=True)`` as it is (with FLUX.1's single-stream
+  form, pipelines/flux.py);
+* ``compiled-stock-single``: the same with the single-stream blocks as diffusers wrote them;
+* ``compiled+vae``: ``compiled`` and the VAE decoder's forward compiled by inductor (static
+  shapes; CUDA only);
+* ``compiled+vae-norms``: ``compiled`` and only the decoder's GroupNorms compiled (their ATen
+  moments kernel is half of a 1024x1024 decode, samples/bench/vae-z-image-1024.json);
+* ``fused-qkv``: ``compiled`` after diffusers' ``transformer.fuse_qkv_projections()``;
+* ``fused-qkv+vae``: and the VAE decoder compiled.
 
 Each compiled variant's graphs are compared bit for bit with the same compiled model with its
 runners off. Writes ``flux-forms.json`` under ``--out``.
@@ -40,15 +46,18 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="eager,compiled,fused-qkv,fused-qkv+vae")
+    p.add_argument("--variants", default="eager,compiled,compiled-stock-single,compiled+vae,compiled+vae-norms")
     p.add_argument("--size", default="full", choices=("full", "tiny"), help="tiny: a CPU smoke run (nothing compiles)")
     args = p.parse_args()
     import torch
-    from benchkit.calls import uncompile
+    from benchkit.calls import register_recipes, uncompile
     from benchkit.environment import collect_env
 
     from accel import accelerate_pipeline
     from pipelines import zoo
+    from pipelines.flux import FluxRecipe
+
+    register_recipes()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,11 +101,18 @@ def main() -> int:
     for label in [v for v in wanted if v != "eager"]:
         torch._dynamo.reset()
         stock_decoder_forward = pipe.vae.decoder.__dict__.get("forward")
+        norms = [m for m in pipe.vae.decoder.modules() if isinstance(m, torch.nn.GroupNorm)]
+        stock_forms = FluxRecipe.compiled_forms
         try:
             if "fused-qkv" in label:
                 pipe.transformer.fuse_qkv_projections()
+            if label.endswith("stock-single"):
+                FluxRecipe.compiled_forms = lambda self, module: lambda: None
             if label.endswith("+vae") and dev.type == "cuda":  # inductor on a CPU: minutes, no use
                 pipe.vae.decoder.forward = torch.compile(pipe.vae.decoder.forward, fullgraph=True, dynamic=False)
+            if label.endswith("+vae-norms") and dev.type == "cuda":
+                for m in norms:
+                    m.forward = torch.compile(m.forward, fullgraph=True, dynamic=False)
             accelerate_pipeline(pipe, compile=True)
             t0 = time.perf_counter()
             pipe.accel.warmup([(geo.width, geo.height)], cfg=fam.cfg, call_kwargs=given, progress=False)
@@ -134,8 +150,15 @@ def main() -> int:
                 pipe.transformer.unfuse_qkv_projections()
             if stock_decoder_forward is None:
                 pipe.vae.decoder.__dict__.pop("forward", None)
+            for m in norms:
+                m.__dict__.pop("forward", None)
+            FluxRecipe.compiled_forms = stock_forms
             result["variants"].setdefault(label, {})["given_back"] = not (
-                fused(pipe.transformer) or "forward" in vars(pipe.vae.decoder) or "accel" in pipe.__dict__
+                fused(pipe.transformer)
+                or "forward" in vars(pipe.vae.decoder)
+                or any("forward" in vars(m) for m in norms)
+                or any("forward" in vars(b) for b in pipe.transformer.single_transformer_blocks)
+                or "accel" in pipe.__dict__
             )
             save()
     return 0

@@ -79,7 +79,7 @@ import torch  # noqa: E402
 from benchkit.kernels import DESCRIPTIONS, KINDS, DeviceEvent, summarize  # noqa: E402
 from benchkit.settings import NEGATIVE, PROMPT, SEED, parse_resolution, res_name, say, uses_cfg  # noqa: E402
 
-MODELS = ("z-image", "qwen-image")
+MODELS = ("z-image", "qwen-image", "flux")
 STEP_LABEL = "profile_step/"
 SETTLE_LABEL = "profile_step/settle"
 # Device-side records that are not work: the GPU side of record_function ranges, synchronisations.

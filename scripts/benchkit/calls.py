@@ -18,11 +18,13 @@ def register_recipes() -> None:
     (PYTHONPATH) has none, so register them by hand. Harmless when installed."""
     try:
         from accel.hooks.recipe import register_recipe
+        from pipelines.flux import FluxRecipe
+        from pipelines.hunyuan_video15 import HunyuanVideo15Recipe
         from pipelines.qwen_image import QwenImageRecipe
         from pipelines.z_image import ZImageRecipe
 
-        register_recipe(QwenImageRecipe)
-        register_recipe(ZImageRecipe)
+        for recipe in (FluxRecipe, HunyuanVideo15Recipe, QwenImageRecipe, ZImageRecipe):
+            register_recipe(recipe)
     except Exception as exc:
         say(f"warning: could not register the recipes by hand ({err_text(exc)})")
 
@@ -53,7 +55,7 @@ def describe_call(args: tuple, kwargs: dict) -> str:
 
 
 def text_tokens(model: str, args: tuple, kwargs: dict) -> int | None:
-    if model == "qwen-image":
+    if model in ("qwen-image", "flux"):
         t = kwargs.get("encoder_hidden_states")
         return int(t.shape[1]) if isinstance(t, torch.Tensor) else None
     if len(args) >= 3 and isinstance(args[2], list) and args[2] and isinstance(args[2][0], torch.Tensor):

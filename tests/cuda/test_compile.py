@@ -112,3 +112,43 @@ def test_compiled_graphs_after_an_uncompiled_session_in_the_same_process(tmp_pat
     print(f"{name} after an uncompiled session: {mismatches or 'exact'}")
     del pipe  # no graphs left alive in the shared pool when the assertion fails
     assert not mismatches, mismatches
+
+
+@torch.no_grad()
+def test_flux_single_block_form_under_graphs_equals_the_same_compiled_model(tmp_path) -> None:
+    """FLUX.1's single-stream form (pipelines/flux.py) at full size: taken by every single block,
+    its graphs equal to the same compiled blocks without graphs, and near stock eager (a wrong
+    weight split would be far off, not bf16 noise away)."""
+    pipe = build_pipeline("flux", "full", device="cuda", dtype=torch.bfloat16, seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    sizes = [(1024, 1024), (512, 768)]
+
+    def call(wh, seed: int) -> torch.Tensor:
+        return generate(pipe, PROMPTS[0], size=wh, steps=2, guidance=3.5, seed=seed, device="cuda")
+
+    stock = {wh: call(wh, 0) for wh in sizes}
+    torch._dynamo.reset()
+    accelerate_pipeline(pipe, compile=True, compile_cache_dir=tmp_path)
+    try:
+        blocks = pipe.transformer.single_transformer_blocks
+        assert all("forward" in vars(b) for b in blocks), "the single-stream form was not installed"
+        pipe.accel.warmup(sizes, prompts=PROMPTS[:1], progress=False)
+        runner = pipe.accel.runners["transformer"]
+        for wh, seed in [(sizes[1], 1), (sizes[0], 0), (sizes[1], 0)]:
+            out = call(wh, seed)
+            runner.enabled = False
+            try:
+                ref = call(wh, seed)
+            finally:
+                runner.enabled = True
+            assert torch.equal(out, ref), f"{wh} seed {seed}: max diff {(out.float() - ref.float()).abs().max():.4f}"
+            if seed == 0:
+                s = stock[wh].float()
+                rel = ((out.float() - s).abs().max() / s.abs().max()).item()
+                print(f"flux {wh}: compiled form vs stock eager, max-abs diff relative to max |latent| {rel:.2e}")
+                assert rel < 0.1
+        st = pipe.accel.stats()["transformer"]
+        assert st.misses == 0 and st.replays >= 6
+    finally:
+        pipe.accel.restore()
+    assert not any("forward" in vars(b) for b in pipe.transformer.single_transformer_blocks)
