@@ -8,13 +8,13 @@ guidance 3.5, decoded (``output_type="pt"``). Variants side by side, each a medi
 ``--repeats`` whole calls after an untimed one:
 
 * ``eager``: the stock pipeline;
-* ``compiled``: ``accelerate_pipeline(pipe, compile=True)`` as it is (with FLUX.1's single-stream
-  form, pipelines/flux.py);
+* ``compiled``: ``accelerate_pipeline(pipe, compile=True)`` as it is: FLUX.1's single-stream
+  form (pipelines/flux.py) and the decoder's GroupNorms through inductor
+  (accel/hooks/group_norm.py);
 * ``compiled-stock-single``: the same with the single-stream blocks as diffusers wrote them;
-* ``compiled+vae``: ``compiled`` and the VAE decoder's forward compiled by inductor (static
-  shapes; CUDA only);
-* ``compiled+vae-norms``: ``compiled`` and only the decoder's GroupNorms compiled (their ATen
-  moments kernel is half of a 1024x1024 decode, samples/bench/vae-z-image-1024.json);
+* ``compiled-stock-norms``: the same with the decoder's GroupNorms as ATen's;
+* ``compiled+vae``: ``compiled`` and the whole VAE decoder's forward compiled by inductor
+  (static shapes; CUDA only);
 * ``fused-qkv``: ``compiled`` after diffusers' ``transformer.fuse_qkv_projections()``;
 * ``fused-qkv+vae``: and the VAE decoder compiled.
 
@@ -46,7 +46,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="eager,compiled,compiled-stock-single,compiled+vae,compiled+vae-norms")
+    p.add_argument("--variants", default="eager,compiled,compiled-stock-single,compiled-stock-norms,compiled+vae")
     p.add_argument("--size", default="full", choices=("full", "tiny"), help="tiny: a CPU smoke run (nothing compiles)")
     args = p.parse_args()
     import torch
@@ -54,6 +54,7 @@ def main() -> int:
     from benchkit.environment import collect_env
 
     from accel import accelerate_pipeline
+    from accel.hooks import graph_hook
     from pipelines import zoo
     from pipelines.flux import FluxRecipe
 
@@ -102,7 +103,7 @@ def main() -> int:
         torch._dynamo.reset()
         stock_decoder_forward = pipe.vae.decoder.__dict__.get("forward")
         norms = [m for m in pipe.vae.decoder.modules() if isinstance(m, torch.nn.GroupNorm)]
-        stock_forms = FluxRecipe.compiled_forms
+        stock_forms, stock_norms = FluxRecipe.compiled_forms, graph_hook.compile_group_norms
         try:
             if "fused-qkv" in label:
                 pipe.transformer.fuse_qkv_projections()
@@ -110,9 +111,8 @@ def main() -> int:
                 FluxRecipe.compiled_forms = lambda self, module: lambda: None
             if label.endswith("+vae") and dev.type == "cuda":  # inductor on a CPU: minutes, no use
                 pipe.vae.decoder.forward = torch.compile(pipe.vae.decoder.forward, fullgraph=True, dynamic=False)
-            if label.endswith("+vae-norms") and dev.type == "cuda":
-                for m in norms:
-                    m.forward = torch.compile(m.forward, fullgraph=True, dynamic=False)
+            if label.endswith("stock-norms"):
+                graph_hook.compile_group_norms = lambda module, cache_dir=None: lambda: None
             accelerate_pipeline(pipe, compile=True)
             t0 = time.perf_counter()
             pipe.accel.warmup([(geo.width, geo.height)], cfg=fam.cfg, call_kwargs=given, progress=False)
@@ -150,9 +150,7 @@ def main() -> int:
                 pipe.transformer.unfuse_qkv_projections()
             if stock_decoder_forward is None:
                 pipe.vae.decoder.__dict__.pop("forward", None)
-            for m in norms:
-                m.__dict__.pop("forward", None)
-            FluxRecipe.compiled_forms = stock_forms
+            FluxRecipe.compiled_forms, graph_hook.compile_group_norms = stock_forms, stock_norms
             result["variants"].setdefault(label, {})["given_back"] = not (
                 fused(pipe.transformer)
                 or "forward" in vars(pipe.vae.decoder)

@@ -23,7 +23,7 @@ import threading
 import weakref
 from typing import Any, Literal
 
-__all__ = ["MISSING", "Patch", "active", "patch", "unpatched"]
+__all__ = ["MISSING", "Patch", "active", "patch", "placed", "unpatched"]
 
 Where = Literal["attr", "dict", "item"]
 
@@ -188,6 +188,16 @@ def unpatched(target: Any, name: Any, where: Where = "attr") -> Any:
         if place is not None and place._target is target:
             return place.original
         return _Place._read_value(target, name, where)
+
+
+def placed(target: Any, name: Any, where: Where = "attr") -> bool:
+    """Whether what ``target``'s ``name`` holds now is this library's: the value of the patch in
+    effect there (not something written over it since)."""
+    with _lock:
+        place = _places.get((id(target), where, name))
+        if place is None or place._target is not target or not place.layers:
+            return False
+        return _Place._read_value(target, name, where) is place.layers[-1].value
 
 
 def active() -> list[str]:

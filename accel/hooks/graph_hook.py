@@ -34,6 +34,7 @@ from .caches.binding import is_registry_forward
 from .cfg_batch import ContextProbe
 from .follow import Follower
 from .fused import fuse_gelu_epilogues
+from .group_norm import compile_group_norms
 from .options import RECIPE_DEFAULT, AcceleratorOptions
 from .recipe import GenericRecipe, Recipe, recipe_for, version_supported
 
@@ -162,6 +163,9 @@ class GraphHook(ModelHook):
                 else:  # not compiled (no CUDA, no repeated blocks): the stock forms stay
                     for form in reversed(forms):
                         form()
+            elif self.options.compile and self.options.compiled_forms and module_device(module).type == "cuda":
+                # A component (the VAE decoder) has no blocks to compile; its GroupNorms pay.
+                self._undo.append(compile_group_norms(module, self.options.compile_cache_dir))
         if not self.component:
             self.caches = CacheBinding(module, self.name, HOOK_NAME)
             self.caches.context_name = lambda: self.context.name

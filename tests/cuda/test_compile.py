@@ -115,16 +115,17 @@ def test_compiled_graphs_after_an_uncompiled_session_in_the_same_process(tmp_pat
 
 
 @torch.no_grad()
-def test_flux_single_block_form_under_graphs_equals_the_same_compiled_model(tmp_path) -> None:
-    """FLUX.1's single-stream form (pipelines/flux.py) at full size: taken by every single block,
-    its graphs equal to the same compiled blocks without graphs, and near stock eager (a wrong
-    weight split would be far off, not bf16 noise away)."""
+def test_flux_compiled_forms_under_graphs_equal_the_same_compiled_model(tmp_path) -> None:
+    """FLUX.1's single-stream form (pipelines/flux.py) and the decoder's GroupNorms through inductor
+    (accel/hooks/group_norm.py) at full size: both installed, the decoded images of their graphs
+    equal to the same compiled model with every runner off, and near stock eager (a wrong weight
+    split would be far off, not bf16 noise away)."""
     pipe = build_pipeline("flux", "full", device="cuda", dtype=torch.bfloat16, seed=0)
     pipe.set_progress_bar_config(disable=True)
     sizes = [(1024, 1024), (512, 768)]
 
     def call(wh, seed: int) -> torch.Tensor:
-        return generate(pipe, PROMPTS[0], size=wh, steps=2, guidance=3.5, seed=seed, device="cuda")
+        return generate(pipe, PROMPTS[0], size=wh, steps=2, guidance=3.5, seed=seed, device="cuda", output_type="pt")
 
     stock = {wh: call(wh, 0) for wh in sizes}
     torch._dynamo.reset()
@@ -132,23 +133,28 @@ def test_flux_single_block_form_under_graphs_equals_the_same_compiled_model(tmp_
     try:
         blocks = pipe.transformer.single_transformer_blocks
         assert all("forward" in vars(b) for b in blocks), "the single-stream form was not installed"
+        norms = [m for m in pipe.vae.decoder.modules() if isinstance(m, torch.nn.GroupNorm)]
+        assert norms and all("forward" in vars(m) for m in norms), "the decoder's GroupNorms were not routed"
         pipe.accel.warmup(sizes, prompts=PROMPTS[:1], progress=False)
-        runner = pipe.accel.runners["transformer"]
+        runners = list(pipe.accel.runners.values())
         for wh, seed in [(sizes[1], 1), (sizes[0], 0), (sizes[1], 0)]:
             out = call(wh, seed)
-            runner.enabled = False
+            for r in runners:
+                r.enabled = False
             try:
                 ref = call(wh, seed)
             finally:
-                runner.enabled = True
+                for r in runners:
+                    r.enabled = True
             assert torch.equal(out, ref), f"{wh} seed {seed}: max diff {(out.float() - ref.float()).abs().max():.4f}"
             if seed == 0:
-                s = stock[wh].float()
-                rel = ((out.float() - s).abs().max() / s.abs().max()).item()
-                print(f"flux {wh}: compiled form vs stock eager, max-abs diff relative to max |latent| {rel:.2e}")
-                assert rel < 0.1
-        st = pipe.accel.stats()["transformer"]
-        assert st.misses == 0 and st.replays >= 6
+                diff = (out.float() - stock[wh].float()).abs().max().item()
+                print(f"flux {wh}: compiled forms vs stock eager, max-abs diff of the image {diff:.4f}")
+                assert diff < 0.25
+        stats = pipe.accel.stats()
+        assert stats["transformer"].misses == 0 and stats["transformer"].replays >= 6
+        assert stats["vae.decoder"].replays >= 3
     finally:
         pipe.accel.restore()
     assert not any("forward" in vars(b) for b in pipe.transformer.single_transformer_blocks)
+    assert not any("forward" in vars(m) for m in pipe.vae.decoder.modules() if isinstance(m, torch.nn.GroupNorm))

@@ -70,3 +70,15 @@ def test_a_patch_is_undone_on_error_as_a_context_manager() -> None:
     with pytest.raises(RuntimeError), patch(ns, "x", 2, why="test"):
         raise RuntimeError("boom")
     assert ns.x == 1
+
+
+def test_placed_is_true_only_while_the_patch_in_effect_is_what_the_place_holds() -> None:
+    thing = Thing()
+    assert not patches.placed(thing, "greet", "dict")
+    p = patch(thing, "greet", lambda: "ours", why="form", where="dict")
+    assert patches.placed(thing, "greet", "dict")
+    assert not patches.placed(thing, "greet")  # another kind of place
+    thing.__dict__["greet"] = lambda: "someone else's"  # written over ours
+    assert not patches.placed(thing, "greet", "dict")
+    p.undo()
+    assert not patches.placed(thing, "greet", "dict")

@@ -102,3 +102,24 @@ def test_flux_gets_its_recipe_and_no_form_without_cuda() -> None:
         assert len(blocks) and not any("forward" in vars(b) for b in blocks)
     finally:
         pipe.accel.restore()
+
+
+def test_the_form_is_ours_to_the_caches_binding_and_a_forward_over_it_is_not() -> None:
+    """Graphs stay on under the form (the binding once took it for a foreign forward and switched
+    them off); a forward someone writes over it still switches them off."""
+    from accel.hooks.caches.binding import find_caches
+
+    pipe = build_pipeline("flux", "tiny")
+    model = pipe.transformer
+    undo = single_blocks_without_concat(model)
+    try:
+        _, _, foreign = find_caches(model, "bcg")
+        assert foreign == []
+        block = model.single_transformer_blocks[0]
+        ours = block.forward
+        block.__dict__["forward"] = lambda *a, **k: ours(*a, **k)
+        _, _, foreign = find_caches(model, "bcg")
+        assert len(foreign) == 1 and "single_transformer_blocks.0" in foreign[0]
+        block.__dict__["forward"] = ours
+    finally:
+        undo()

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from diffusers.hooks.hooks import CacheContext, HookRegistry, _set_cache_context
 
+from ...graphs.patches import placed
 from . import cache_dit, diffusers_caches  # noqa: F401  (registers the rules)
 from .rules import CacheRule, rule_for_hook
 
@@ -89,8 +90,9 @@ def find_caches(
                     found.setdefault(rule, []).append((path, hook))
         forward = d.get("forward")
         wrapped = forward is not None and not is_registry_forward(forward) and "_hf_hook" not in d
-        # Ours: compile=True's forms (accel.hooks.fused), which the graphs capture like any code.
-        wrapped = wrapped and (getattr(forward, "__module__", None) or "").split(".")[0] != "accel"
+        # Ours: compile=True's forms (accel.hooks.fused, a recipe's), placed by the library's
+        # patches and captured by the graphs like any code. One written over them is foreign.
+        wrapped = wrapped and not placed(m, "forward", "dict")
         # diffusers leaves the module's own forward as an attribute once its last hook is removed.
         wrapped = wrapped and not (
             getattr(forward, "__self__", None) is m and getattr(forward, "__func__", None) is type(m).forward

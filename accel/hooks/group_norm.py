@@ -1,0 +1,72 @@
+"""GroupNorm through inductor, for the components of a ``compile=True`` pipeline (its VAE decoder).
+
+ATen's GroupNorm reduces each (image, group) pair in one thread block: a 1024x1024 decode of the
+FLUX.1 VAE normalises 32 groups of up to 4M values each, so its moments kernel keeps 32 of the
+H200's 132 SMs busy and takes half of the decode (samples/bench/vae-z-image-1024.json: 44 of
+86 ms). Inductor splits such a reduction over the whole GPU. :func:`compile_group_norms` gives a
+component's ``nn.GroupNorm`` modules a forward through one ``torch.compile`` of ``F.group_norm``
+(dynamic shapes: one compile serves every layer and resolution), which the component's graphs
+capture like any kernel.
+
+Not bit for bit the stock GroupNorm (another reduction order): applied only with ``compile=True``
+and ``compiled_forms``, whose rule is graphs equal to the same compiled model without graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..graphs.patches import patch
+from .compile import use_compile_cache
+
+__all__ = ["compile_group_norms"]
+
+logger = logging.getLogger(__name__)
+
+WHY = "GroupNorm through inductor (compile=True)"
+
+_compiled: Callable[..., torch.Tensor] | None = None
+
+
+def _group_norm() -> Callable[..., torch.Tensor]:
+    global _compiled
+    if _compiled is None:  # one wrapper for the process: its compiled code serves every module
+        _compiled = torch.compile(F.group_norm, dynamic=True, fullgraph=True)
+    return _compiled
+
+
+def _forward(module: torch.nn.GroupNorm) -> Callable[[torch.Tensor], torch.Tensor]:
+    stock = type(module).forward
+    compiled = _group_norm()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        # Inductor's kernel has no backward here and helps only on the GPU.
+        if not x.is_cuda or torch.is_grad_enabled() or not x.is_floating_point():
+            return stock(module, x)
+        return compiled(x, module.num_groups, module.weight, module.bias, module.eps)
+
+    return forward
+
+
+def compile_group_norms(module: torch.nn.Module, cache_dir: Path | None = None) -> Callable[[], None]:
+    """Route ``module``'s ``nn.GroupNorm`` layers (exactly that class, with no forward of their own)
+    through inductor until the returned undo is called. Compiles on first use, with the kernel
+    cache in ``cache_dir`` (see :func:`accel.hooks.compile.use_compile_cache`)."""
+    norms = [m for m in module.modules() if type(m) is torch.nn.GroupNorm and "forward" not in vars(m)]
+    if not norms:
+        return lambda: None
+    _, forget_folder = use_compile_cache(cache_dir)
+    held = [patch(m, "forward", _forward(m), why=WHY, where="dict") for m in norms]
+    logger.info("%s: %d GroupNorm layers through inductor", type(module).__name__, len(held))
+
+    def undo() -> None:
+        for p in reversed(held):
+            p.undo()
+        forget_folder()
+
+    return undo
