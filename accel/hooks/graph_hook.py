@@ -165,7 +165,12 @@ class GraphHook(ModelHook):
                         form()
             elif self.options.compile and self.options.compiled_forms and module_device(module).type == "cuda":
                 # A component (the VAE decoder) has no blocks to compile; its GroupNorms pay.
-                self._undo.append(compile_group_norms(module, self.options.compile_cache_dir))
+                # Compiled like blocks: traced with the same settings, its graphs dropped on a
+                # recompile (see accel.hooks.follow), compiled by the warm-up before any capture.
+                undo = compile_group_norms(module, self.options.compile_cache_dir)
+                self.compiled = undo is not None
+                if undo is not None:
+                    self._undo.append(undo)
         if not self.component:
             self.caches = CacheBinding(module, self.name, HOOK_NAME)
             self.caches.context_name = lambda: self.context.name

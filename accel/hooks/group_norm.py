@@ -53,13 +53,14 @@ def _forward(module: torch.nn.GroupNorm) -> Callable[[torch.Tensor], torch.Tenso
     return forward
 
 
-def compile_group_norms(module: torch.nn.Module, cache_dir: Path | None = None) -> Callable[[], None]:
+def compile_group_norms(module: torch.nn.Module, cache_dir: Path | None = None) -> Callable[[], None] | None:
     """Route ``module``'s ``nn.GroupNorm`` layers (exactly that class, with no forward of their own)
-    through inductor until the returned undo is called. Compiles on first use, with the kernel
-    cache in ``cache_dir`` (see :func:`accel.hooks.compile.use_compile_cache`)."""
+    through inductor until the returned undo is called; None where there are none. Compiles on
+    first use, with the kernel cache in ``cache_dir`` (see
+    :func:`accel.hooks.compile.use_compile_cache`)."""
     norms = [m for m in module.modules() if type(m) is torch.nn.GroupNorm and "forward" not in vars(m)]
     if not norms:
-        return lambda: None
+        return None
     _, forget_folder = use_compile_cache(cache_dir)
     held = [patch(m, "forward", _forward(m), why=WHY, where="dict") for m in norms]
     logger.info("%s: %d GroupNorm layers through inductor", type(module).__name__, len(held))

@@ -26,7 +26,7 @@ def graph_memory_bytes(hooks: dict[str, GraphHook]) -> int:
 def _module_lines(installed: Installation, name: str, h: GraphHook, why_no_graphs: str | None) -> list[str]:
     s = h.runner.stats()
     state = "graphs" if h.active else f"eager ({h.inactive_reason})"
-    extra = ", compiled blocks" if h.compiled else ""
+    extra = (", compiled GroupNorms" if h.component else ", compiled blocks") if h.compiled else ""
     if h.recompile_drops:
         extra += f", graphs dropped by {h.recompile_drops} recompiles"
     lines = [

@@ -437,6 +437,11 @@ def run_warmup(
     progress_config = dict(getattr(pipe, "_progress_bar_config", {}))
     pipe.set_progress_bar_config(disable=True)
     try:
+        component_calls = (
+            list(_component_calls(recipe, pipe, plan, prompts or [WARMUP_PROMPT], negative_prompt))
+            if components
+            else []
+        )
         if compiled:
             # Every case runs once uncaptured first: dynamo compiles (and recompiles, on new
             # shapes) here, so that the capture below times capture alone and no graph is
@@ -451,6 +456,13 @@ def run_warmup(
                     torch.cuda.synchronize(device)
                     row.compile_seconds += time.perf_counter() - t0
                     bar.update()
+                # And the calls that capture the components, whose kernels may be compiled
+                # too (a VAE decoder's GroupNorms): their sizes compile before any capture.
+                for size, kwargs in component_calls:
+                    t0 = time.perf_counter()
+                    pipe(**kwargs, generator=torch.Generator(device).manual_seed(0))
+                    torch.cuda.synchronize(device)
+                    rows[size].compile_seconds += time.perf_counter() - t0
             bar.close()
         with capture_session(), ExitStack() as stack:
             for r in runners:
@@ -475,9 +487,8 @@ def run_warmup(
                     break
                 logger.info("warmup: inductor compiled again during capture; capturing every case once more")
             if components:
-                calls = list(_component_calls(recipe, pipe, plan, prompts or [WARMUP_PROMPT], negative_prompt))
-                bar = _progress(len(calls), progress, "capturing text encoder and VAE")
-                for size, kwargs in calls:
+                bar = _progress(len(component_calls), progress, "capturing text encoder and VAE")
+                for size, kwargs in component_calls:
                     _run_capturing(pipe, device, rows[size], runners, pool, [kwargs])
                     bar.update()
                 bar.close()
