@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
+import traceback
 
 import pytest
 import torch
@@ -22,6 +24,15 @@ def collect_after_test(request: pytest.FixtureRequest):
     this the next test's pipeline ran out of memory beside the last ones' (a module-scoped
     fixture's pipeline is collected after its module's last test)."""
     yield
+    # A failed test's frames outlive it: pytest keeps the last failure in sys.last_traceback
+    # (for a debugger), and with it the test's pipeline and graphs, so one failure ran every
+    # later test out of memory (the GPU suite: one assertion, then 40 OOM and cuBLAS failures).
+    tb = getattr(sys, "last_traceback", None)
+    if tb is not None:
+        traceback.clear_frames(tb)
+        sys.last_type = sys.last_value = sys.last_traceback = None
+        if hasattr(sys, "last_exc"):
+            sys.last_exc = None
     torch._dynamo.reset()  # compiled code holds the modules it was compiled for
     gc.collect()
     if torch.cuda.is_available():

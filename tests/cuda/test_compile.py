@@ -45,7 +45,8 @@ def _compiled_session(pipe, name: str, cache_dir, stock: dict) -> tuple[list[str
     report = pipe.accel.warmup(RESOLUTIONS, prompts=PROMPTS, negative_prompt="blurry, low quality", progress=False)
     print(f"\n{name} compile=True warmup:\n{report}")
     assert report.total_compile_seconds > 0 and report.total_captures > 0
-    assert 0 < report.compiled_graphs <= 8, "dynamic shapes should compile the blocks a few times, not per shape"
+    # The blocks a few times, and the decoder's GroupNorms (accel.hooks.group_norm) a few more.
+    assert 0 < report.compiled_graphs <= 12, "dynamic shapes should compile a few times, not per shape"
     assert any(cache_dir.iterdir()), "the compile cache folder stayed empty"
     st0 = pipe.accel.stats()["transformer"]
 
