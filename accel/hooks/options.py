@@ -186,11 +186,12 @@ class AcceleratorOptions:
             clear.
         compiled_forms: with ``compile``, swap in forms of the model's code that compile to
             fewer kernels before the blocks compile: diffusers' GELU(tanh) projections with the
-            GELU in the matrix product's epilogue (:mod:`accel.hooks.fused`), and the recipe's
-            own (Qwen-Image's rotary embeddings in real arithmetic). Equal in real
-            arithmetic, not bit for bit to stock eager (neither is compile); graphs still equal
-            the same compiled model without graphs. Default on; off: diffusers' code compiled
-            as it is.
+            GELU in the matrix product's epilogue (:mod:`accel.hooks.fused`), the recipe's own
+            (Qwen-Image's rotary embeddings in real arithmetic, FLUX.1's single-stream blocks
+            without their concatenated copy), and the components' GroupNorms (a VAE decoder's)
+            through inductor (:mod:`accel.hooks.group_norm`). Equal in real arithmetic, not bit
+            for bit to stock eager (neither is compile); graphs still equal the same compiled
+            model without graphs. Default on; off: diffusers' code compiled as it is.
         inductor: inductor settings for the compiled blocks (``torch.compile``'s ``options``,
             e.g. ``{"coordinate_descent_tuning": True}``), over the library's own
             (:data:`accel.hooks.compile.INDUCTOR_OPTIONS`); a mapping of setting names to values,
