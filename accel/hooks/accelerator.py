@@ -234,6 +234,7 @@ class PipelineAccelerator:
                 prompts=([prompts] if isinstance(prompts, str) else list(prompts)) if prompts else None,
                 negative_prompt=negative_prompt,
                 components=components,
+                components_compiled=any(h.compiled for n, h in hooks.items() if n not in denoisers and h.active),
             )
         for hook in hooks.values():
             hook.follow_weights()

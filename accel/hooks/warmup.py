@@ -426,9 +426,12 @@ def run_warmup(
     prompts: list[str] | None = None,
     negative_prompt: str | None = None,
     components: Sequence[GraphRunner] = (),
+    components_compiled: bool = False,
 ) -> WarmupReport:
     """Run ``plan``'s warm-up calls through ``pipe`` with ``runners`` capturing; then, when
-    ``components`` (runners among ``runners``) are given, the calls that capture them."""
+    ``components`` (runners among ``runners``) are given, the calls that capture them. With
+    ``compiled``, every call runs uncaptured first (the components' too where
+    ``components_compiled``), so nothing is captured over kernels a later shape recompiles."""
     pool = runners[0].pool
     assert pool is not None
     rows: dict[tuple[int, int, int | None], WarmupRow] = {}
@@ -456,9 +459,9 @@ def run_warmup(
                     torch.cuda.synchronize(device)
                     row.compile_seconds += time.perf_counter() - t0
                     bar.update()
-                # And the calls that capture the components, whose kernels may be compiled
-                # too (a VAE decoder's GroupNorms): their sizes compile before any capture.
-                for size, kwargs in component_calls:
+                # And, where a component has compiled kernels too (a VAE decoder's GroupNorms),
+                # the calls that capture the components: their sizes compile before any capture.
+                for size, kwargs in component_calls if components_compiled else ():
                     t0 = time.perf_counter()
                     pipe(**kwargs, generator=torch.Generator(device).manual_seed(0))
                     torch.cuda.synchronize(device)
