@@ -33,7 +33,7 @@ from .graphs.patches import patch, unpatched
 from .graphs.pool import GraphPool
 from .graphs.runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
-from .hooks.fused import addmm_gelu_tanh
+from .hooks.fused import addmm_gelu_tanh, fusable_linear
 from .hooks.guard import BusyError
 from .hooks.options import AcceleratorOptions
 from .hooks.recipe import (
@@ -42,6 +42,7 @@ from .hooks.recipe import (
     Recipe,
     RecipeError,
     check_heads_divisible,
+    diffusers_in,
     recipe_for,
     register_recipe,
 )
@@ -74,7 +75,9 @@ __all__ = [
     "break_graph",
     "capture",
     "check_heads_divisible",
+    "diffusers_in",
     "eager_on_graph",
+    "fusable_linear",
     "is_capturing",
     "patch",
     "recipe_for",

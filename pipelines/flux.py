@@ -24,7 +24,6 @@ compiled model without graphs, and only on the diffusers range it was written ag
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from accel import GenericRecipe, addmm_gelu_tanh, patch
+from accel import GenericRecipe, addmm_gelu_tanh, diffusers_in, fusable_linear, patch
 
 __all__ = ["FORM_VERSIONS", "FluxRecipe", "single_blocks_without_concat"]
 
@@ -43,17 +42,12 @@ FORM_VERSIONS = ">=0.42,<0.43"
 WHY = "single-stream block without the concatenated copy (compile=True)"
 
 
-def _plain_linear(m: Any) -> bool:
-    # A LoRA layer or quantised weights replace the Linear or its parameter: the form would bypass them.
-    return type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter and m.weight.is_floating_point()
-
-
 def _form_applies(block: torch.nn.Module) -> bool:
     act = block.act_mlp
     return (
         not torch.is_grad_enabled()  # the fused op has no backward
-        and _plain_linear(block.proj_mlp)
-        and _plain_linear(block.proj_out)
+        and fusable_linear(block.proj_mlp)  # not a LoRA layer or quantised weights, which the form would bypass
+        and fusable_linear(block.proj_out)
         and type(act) is torch.nn.GELU
         and act.approximate == "tanh"
     )
@@ -90,16 +84,6 @@ def _forward(block: torch.nn.Module) -> Callable[..., tuple[torch.Tensor, torch.
     return forward
 
 
-def _versions_match() -> bool:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    try:
-        return Version(importlib.metadata.version("diffusers")) in SpecifierSet(FORM_VERSIONS)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
 def single_blocks_without_concat(model: torch.nn.Module) -> Callable[[], None]:
     """Give ``model``'s diffusers ``FluxSingleTransformerBlock``s the forward described above until
     the returned undo is called. Blocks of another class (a subclass too), with a forward of their
@@ -107,11 +91,10 @@ def single_blocks_without_concat(model: torch.nn.Module) -> Callable[[], None]:
     blocks compile: dynamo traces what the forward is then."""
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
 
-    if not _versions_match():
+    ok, installed = diffusers_in(FORM_VERSIONS)
+    if not ok:
         logger.info(
-            "flux: diffusers %s is outside %s; single-stream blocks compile as they are",
-            importlib.metadata.version("diffusers"),
-            FORM_VERSIONS,
+            "flux: diffusers %s is outside %s; single-stream blocks compile as they are", installed, FORM_VERSIONS
         )
         return lambda: None
     held = [

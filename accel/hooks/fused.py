@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..graphs.patches import patch
 
-__all__ = ["addmm_gelu_tanh", "fuse_gelu_epilogues"]
+__all__ = ["addmm_gelu_tanh", "fusable_linear", "fuse_gelu_epilogues"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,19 +52,20 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 _FUSABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def fusable_linear(m: torch.nn.Module) -> bool:
+    """Whether :func:`addmm_gelu_tanh` may read ``m``'s weight directly: a plain ``nn.Linear`` in
+    a dtype it fuses. A projection someone replaced or wrapped since (a LoRA layer, quantised
+    weights) changes the class or the parameter, and fusing would bypass it."""
+    return type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter and m.weight.dtype in _FUSABLE_DTYPES
+
+
 def _fused_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     stock = type(module).forward
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         proj = module.proj
-        # A projection someone replaced or wrapped since (a LoRA layer, quantised weights) runs
-        # the stock way: fusing would bypass it. So does a call that records gradients (the op
-        # has no backward).
-        if not torch.is_grad_enabled() and (
-            type(proj) is torch.nn.Linear
-            and type(proj.weight) is torch.nn.Parameter
-            and proj.weight.dtype in _FUSABLE_DTYPES
-        ):
+        # A call that records gradients runs the stock way too: the op has no backward.
+        if not torch.is_grad_enabled() and fusable_linear(proj):
             return addmm_gelu_tanh(hidden_states, proj.weight, proj.bias)
         return stock(module, hidden_states)
 

@@ -31,6 +31,7 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "check_heads_divisible",
+    "diffusers_in",
     "recipe_for",
     "register_recipe",
     "version_supported",
@@ -420,15 +421,21 @@ def recipe_for(module: torch.nn.Module) -> type[Recipe]:
     return GenericRecipe
 
 
-def version_supported(recipe: type[Recipe]) -> tuple[bool, str]:
-    """Whether the installed diffusers is inside the recipe's tested range, and which it is."""
+def diffusers_in(versions: str) -> tuple[bool, str]:
+    """Whether the installed diffusers is inside ``versions`` (a PEP 440 specifier; empty: any),
+    and which it is."""
     try:
         installed = importlib.metadata.version("diffusers")
     except importlib.metadata.PackageNotFoundError:
         return False, "not installed"
-    if not recipe.diffusers_versions:
+    if not versions:
         return True, installed
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    return Version(installed) in SpecifierSet(recipe.diffusers_versions), installed
+    return Version(installed) in SpecifierSet(versions), installed
+
+
+def version_supported(recipe: type[Recipe]) -> tuple[bool, str]:
+    """Whether the installed diffusers is inside the recipe's tested range, and which it is."""
+    return diffusers_in(recipe.diffusers_versions)
