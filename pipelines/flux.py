@@ -25,9 +25,8 @@ compiled model without graphs, and only on the diffusers range it was written ag
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -109,13 +108,10 @@ def single_blocks_without_concat(model: torch.nn.Module) -> Callable[[], None]:
 
 
 class FluxRecipe(GenericRecipe):
-    """The generic recipe, with the single-stream blocks' compiled form (:func:`single_blocks_without_concat`)
-    and inductor's coordinate-descent tuning of their Triton kernels (block sizes searched per
-    kernel at compile time: the norm, rotary and modulation kernels are a tenth of a 1024x1024 step)."""
+    """The generic recipe, with the single-stream blocks' compiled form (:func:`single_blocks_without_concat`)."""
 
     name = "flux"
     denoiser_classes = ("FluxTransformer2DModel",)
-    inductor: ClassVar[Mapping[str, Any]] = MappingProxyType({"coordinate_descent_tuning": True})
 
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
         return single_blocks_without_concat(module)

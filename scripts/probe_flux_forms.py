@@ -9,9 +9,8 @@ guidance 3.5, decoded (``output_type="pt"``). Variants side by side, each a medi
 
 * ``eager``: the stock pipeline;
 * ``compiled``: ``accelerate_pipeline(pipe, compile=True)`` as it is: FLUX.1's single-stream
-  form and its blocks' inductor settings (pipelines/flux.py: coordinate-descent tuning), and the
-  decoder's GroupNorms through inductor (accel/hooks/group_norm.py);
-* ``compiled-inductor-defaults``: the same with the blocks at inductor's default settings;
+  form (pipelines/flux.py) and the decoder's GroupNorms through inductor
+  (accel/hooks/group_norm.py);
 * ``compiled-stock-single``: the same with the single-stream blocks as diffusers wrote them;
 * ``compiled-stock-norms``: the same with the decoder's GroupNorms as ATen's;
 * ``compiled+vae``: ``compiled`` and the whole VAE decoder's forward compiled by inductor
@@ -47,14 +46,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument(
-        "--variants",
-        default="eager,compiled,compiled-inductor-defaults,compiled-stock-single,compiled-stock-norms,compiled+vae",
-    )
+    p.add_argument("--variants", default="eager,compiled,compiled-stock-single,compiled-stock-norms,compiled+vae")
     p.add_argument("--size", default="full", choices=("full", "tiny"), help="tiny: a CPU smoke run (nothing compiles)")
     args = p.parse_args()
     import torch
-    import torch._inductor.config as inductor_config
     from benchkit.calls import register_recipes, uncompile
     from benchkit.environment import collect_env
 
@@ -118,8 +113,7 @@ def main() -> int:
                 pipe.vae.decoder.forward = torch.compile(pipe.vae.decoder.forward, fullgraph=True, dynamic=False)
             if label.endswith("stock-norms"):
                 graph_hook.compile_group_norms = lambda module, cache_dir=None: lambda: None
-            defaults = {k: getattr(inductor_config, k) for k in FluxRecipe.inductor}
-            accelerate_pipeline(pipe, compile=True, inductor=defaults if label.endswith("inductor-defaults") else None)
+            accelerate_pipeline(pipe, compile=True)
             t0 = time.perf_counter()
             pipe.accel.warmup([(geo.width, geo.height)], cfg=fam.cfg, call_kwargs=given, progress=False)
             result["variants"][label] = {"warmup_s": round(time.perf_counter() - t0, 2)}

@@ -179,10 +179,8 @@ class GraphHook(ModelHook):
 
     @property
     def compile_options(self) -> dict[str, Any]:
-        """``torch.compile``'s arguments for this module's blocks: the recipe's inductor settings
-        (with ``compiled_forms``), the user's over them."""
-        recipe = self.recipe.inductor if self.options.compiled_forms else {}
-        return compile_mod.compile_options({**recipe, **dict(self.options.inductor or ())})
+        """``torch.compile``'s arguments for this module's blocks (with the user's inductor settings)."""
+        return compile_mod.compile_options(self.options.inductor)
 
     def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
         self._removed = True

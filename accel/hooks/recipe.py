@@ -18,7 +18,6 @@ import importlib.metadata
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -102,9 +101,6 @@ class Recipe:
         diffusers_versions: the diffusers range (PEP 440 specifier) the recipe was tested with;
             outside it the denoiser runs eagerly with a warning.
         pads_text: the recipe takes a ``text_buckets`` argument (``None`` for no padding).
-        inductor: inductor settings its compiled blocks take with ``compile=True`` and
-            ``compiled_forms`` (measured to pay for this family); the user's
-            ``AcceleratorOptions.inductor`` go over them.
     """
 
     name: ClassVar[str] = "generic"
@@ -112,7 +108,6 @@ class Recipe:
     diffusers_versions: ClassVar[str] = ""
     # Whether the recipe pads text to buckets: only then is it built with ``text_buckets=``.
     pads_text: ClassVar[bool] = False
-    inductor: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
     # -- installation ----------------------------------------------------------------------
     def install(self, module: torch.nn.Module) -> Callable[[], None]:

@@ -123,28 +123,3 @@ def test_the_form_is_ours_to_the_caches_binding_and_a_forward_over_it_is_not() -
         block.__dict__["forward"] = ours
     finally:
         undo()
-
-
-def test_flux_blocks_compile_with_the_recipes_inductor_settings_under_the_users() -> None:
-    """FluxRecipe.inductor reaches torch.compile's options with compiled forms on; the user's
-    settings go over it, and compiled_forms=False compiles with inductor's defaults."""
-    pipe = build_pipeline("flux", "tiny")
-
-    def options(**kw) -> dict:
-        accelerate_pipeline(pipe, compile=True, **kw)
-        try:
-            return pipe.accel.hooks["transformer"].compile_options.get("options", {})
-        finally:
-            pipe.accel.restore()
-
-    assert dict(FluxRecipe.inductor) == {"coordinate_descent_tuning": True}
-    assert options() == {"coordinate_descent_tuning": True}
-    assert options(inductor={"coordinate_descent_tuning": False, "epilogue_fusion": False}) == {
-        "coordinate_descent_tuning": False,
-        "epilogue_fusion": False,
-    }
-    assert options(compiled_forms=False) == {}
-    zimage = build_pipeline("z-image", "tiny")
-    accelerate_pipeline(zimage, compile=True)
-    assert "options" not in zimage.accel.hooks["transformer"].compile_options  # the generic recipe sets none
-    zimage.accel.restore()
