@@ -8,12 +8,6 @@ that function becomes an eager break and the capture is tried again (at most
 before a capture succeeded: a failed capture must not cost a good graph. A failure blocks the
 signature (it runs eagerly from now on) and keeps the reason; a decision path that fails to
 capture (:meth:`CapturePolicy.capture_path`) is blocked alone.
-
-A capture that runs out of device memory while the caching allocator holds free blocks is tried
-once more after :func:`torch.cuda.empty_cache`. During a capture the allocator cannot give its
-cached blocks back to the driver (that would end the capture), and the graph pool cannot use
-them, so a process that ran something larger eagerly before (a bigger model, a bigger
-resolution) could otherwise lose its graphs to memory that sat idle in the cache.
 """
 
 from __future__ import annotations
@@ -39,13 +33,6 @@ __all__ = ["CapturePolicy"]
 logger = logging.getLogger("accel.graphs.runner")
 
 _OUT_OF_MEMORY = (torch.cuda.OutOfMemoryError, MemoryError, GraphMemoryBudgetError)
-
-
-def _cache_given_back(device: torch.device) -> bool:
-    """Empty the caching allocator's cache; whether that gave memory on ``device`` back to the driver."""
-    before = torch.cuda.memory_reserved(device)
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved(device) < before
 
 
 class CapturePolicy:
@@ -124,19 +111,6 @@ class CapturePolicy:
             return chain
 
     def _attempt(self, entry: Entry, memo: Any) -> Chain:
-        """One capture; once more after an out-of-memory failure that emptying the allocator's
-        cache gave memory back for (see the module's docstring)."""
-        try:
-            return self._attempt_once(entry, memo)
-        except torch.cuda.OutOfMemoryError:
-            if not _cache_given_back(self.runner.pool.device):
-                raise
-            logger.info(
-                "%s: capture ran out of memory; emptied the allocator's cache and trying again", self.runner.name
-            )
-            return self._attempt_once(entry, memo)
-
-    def _attempt_once(self, entry: Entry, memo: Any) -> Chain:
         r = self.runner
         pool = r.pool
         assert pool is not None
