@@ -44,10 +44,11 @@ def collect_after_test(request: pytest.FixtureRequest):
 
 def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> None:
     """A module-scoped fixture's pipeline is let go after :func:`collect_after_test` of its
-    module's last test has run, so its memory stayed in the allocator's cache, and the next
-    module built its pipeline into those segments. A capture cannot use them (a graph pool takes
+    module's last test has run, so its memory stayed in the allocator's cache, where the next
+    module's pipeline is allocated. A capture cannot use those segments (a graph pool takes
     segments of its own, and the allocator frees none while a capture runs), and once live
-    blocks sat in them, emptying the cache gave nothing back either: on the H200 the Z-Image
+    blocks sit in them, emptying the cache gives nothing back either (the likely reading of what
+    the H200 showed: emptying it freed nothing there): the Z-Image
     decoder's capture in test_install ran out of memory beside 115 GiB reserved but unallocated,
     after test_accelerator through test_hunyuan_video15 in one process. Each module now starts
     from an empty cache, as a new process would."""
