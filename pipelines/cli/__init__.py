@@ -22,11 +22,21 @@ and an existing image is never replaced without ``--overwrite``.
 
 Importing this package imports no torch: ``--help`` and argument errors answer at once.
 
+A second front end (a server, say) reuses the model flags and the pipeline they make:
+:func:`add_model_arguments` adds the flags to its parser, :func:`load_pipeline` turns them into a
+:class:`PreparedPipeline` (checked, built, accelerated, warmed up), whose
+:meth:`~PreparedPipeline.generate` makes one call's images and :func:`call_pngs` their PNG bytes,
+with the text the CLI writes into its files.
+
 The modules, one job each:
 
 errors      :class:`CLIError` (status 2) and :class:`RunError` (status 1)
+constants   the CLI's constants, accel's options loaded without torch, the package version
+values      each flag's value, checked as it is read
+model_flags ``add_model_arguments`` and ``model_settings``: the model flags (model, size, device,
+            dtype, mode, compile, step cache, graphs, warm-up), shared by every front end
+arguments   ``build_parser``: the model flags, what to generate, output; the help's epilog
 jobs        :class:`Job`, ``plan_jobs``, ``shard`` and the image file names
-arguments   ``build_parser``: each value checked as it is read
 checks      checks that need no model: prompts file, device, ``--out``, existing images,
             compile cache, limits
 caches      ``--cache``: the step caches of diffusers and cache-dit, checked and applied
@@ -34,9 +44,14 @@ prompts     token counts, so a prompt the text encoder cuts is said
 defaults    ``generation_defaults``: steps and guidance from the model's recipe (or, for FLUX.1
             and Wan2.1, a table); a built-in video model's resolution and frames
 loading     ``build_model``: library warnings held back, load errors in one line
+calls       ``call_settings``: the run's flags against the model's defaults; one pipeline call
+            to images, and the mode it ran in
+prepare     ``prepare_pipeline`` and ``load_pipeline``: checked, built, limits, step cache,
+            accelerated, warmed up
+images      the PNG text of each image, its bytes (``call_pngs``), and a file that appears whole
 processes   one process or those of an accelerate launch
-images      one pipeline call to images, and an image to a PNG file
-run         ``main``: checks, build, warmup, generation, summary
+summary     the run's closing line
+run         ``main``: checks, prepare, generation, summary; exit statuses and signals
 """
 
 from __future__ import annotations
@@ -45,18 +60,23 @@ import sys
 
 from ..lazy import lazy_exports
 
-# __all__ stays the API it was when the CLI was one module; the other names that module had are
-# still importable from here. All are loaded on first use (PEP 562), so that starting
+# __all__: the CLI's API and the pieces another front end reuses; the other names the CLI had when it
+# was one module are still importable from here. All are loaded on first use (PEP 562), so that starting
 # bcg-generate imports almost nothing before main() can catch a Ctrl-C.
 __getattr__, __dir__, _ = lazy_exports(
     __name__,
     {
-        "arguments": ("DEFAULT_MODEL", "DEFAULT_PROMPT", "DEFAULT_RESOLUTION", "DTYPES", "PROG", "build_parser"),
+        "arguments": ("build_parser",),
+        "calls": ("CallSettings", "call_settings"),
         "checks": ("HOST_BYTES_PER_PIXEL", "check_out", "read_prompts_file", "resolve_device"),
+        "constants": ("DEFAULT_MODEL", "DEFAULT_PROMPT", "DEFAULT_RESOLUTION", "DTYPES", "PROG"),
         "defaults": ("generation_defaults",),
         "errors": ("CLIError", "RunError"),
+        "images": ("call_pngs", "image_texts", "png_bytes", "run_text"),
         "jobs": ("Job", "image_filename", "plan_jobs", "shard", "slug"),
         "loading": ("build_model",),
+        "model_flags": ("ModelSettings", "add_model_arguments", "model_settings"),
+        "prepare": ("GeneratedCall", "PreparedPipeline", "Workload", "load_pipeline", "prepare_pipeline"),
         "processes": ("Processes", "detect_processes"),
     },
 )
@@ -76,12 +96,24 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = [
     "DEFAULT_PROMPT",
     "CLIError",
+    "CallSettings",
+    "GeneratedCall",
     "Job",
+    "ModelSettings",
+    "PreparedPipeline",
     "RunError",
+    "Workload",
+    "add_model_arguments",
     "build_parser",
+    "call_pngs",
+    "call_settings",
     "generation_defaults",
+    "load_pipeline",
     "main",
+    "model_settings",
     "plan_jobs",
+    "png_bytes",
+    "prepare_pipeline",
     "shard",
     "slug",
 ]

@@ -164,6 +164,11 @@ def check_compile_cache(path: Path, what: str = "--compile-cache") -> None:
         raise CLIError(f"{what} {str(path)!r} cannot be created: {str(ancestor)!r} is not a writable folder")
 
 
+def largest_first(sizes: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The distinct ``sizes``, the most pixels first."""
+    return sorted(set(sizes), key=lambda wh: (wh[0] * wh[1], wh), reverse=True)
+
+
 def _check_host_floor(largest: tuple[int, int], batch_size: int) -> None:
     """Refuse a call whose decoded images alone exceed the host's free memory (any model)."""
     from .. import limits

@@ -7,7 +7,7 @@ import inspect
 import math
 from typing import TYPE_CHECKING, Any
 
-from .arguments import DEFAULT_RESOLUTION
+from .constants import DEFAULT_RESOLUTION
 
 if TYPE_CHECKING:  # accel imports torch: not before it is needed
     from accel import GenerationDefaults

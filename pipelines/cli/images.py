@@ -1,62 +1,92 @@
-"""One pipeline call to images, and an image to a PNG file that appears only once complete."""
+"""Images to PNG: the text that says how each was made, the PNG's bytes, and a file that
+appears only once complete.
+
+:func:`call_pngs` gives the PNGs of one pipeline call in memory, with the text the CLI writes
+into its files (:func:`save_png`), for a front end that sends them rather than writes them.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import itertools
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .constants import package_version
 from .errors import RunError, _one_line
 from .jobs import Job
 
+if TYPE_CHECKING:
+    from .calls import CallSettings
+    from .prompts import TokenCount
 
-def _generate(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None) -> list[Any]:
-    """One pipeline call -> PIL images; RunError for out-of-memory or non-finite pixels.
 
-    A video pipeline's output (``frames``, not ``images``) gives the first frame of each video;
-    every frame is checked for non-finite pixels, since a NaN anywhere says the call went wrong.
-    ``cache``: the step cache applied (its description), if any: a cache hook that fails inside
-    the call is told in one line with the cache named, since it, not the pipeline, is the suspect.
-    """
-    import numpy as np
-    import torch
+def run_text(model: str, device: Any, dtype: Any, call: CallSettings, cache: str | None = None) -> dict[str, str]:
+    """The PNG text every image of a run shares: how the calls were made (``cache``: the step
+    cache applied, as described when it was)."""
+    text = dict(
+        negative_prompt=call.negative_prompt or "",
+        steps=str(call.steps),
+        guidance="default" if call.guidance is None else f"{call.guidance:g}",
+        model=model,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        Software=f"bcg-diffusers {package_version()}",
+    )
+    if cache is not None:
+        text["cache"] = cache
+    if call.frames is not None:
+        text["frames"] = f"{call.frames} generated, the first written"
+    return text
 
-    from accel import ParallelError
 
-    try:
-        output = pipe(**kwargs)
-    except ParallelError as e:  # --parallel: the ranks disagree or lost one another
-        raise RunError(_one_line(e)) from None
-    except torch.OutOfMemoryError:
-        raise RunError(
-            f"out of memory generating {len(job.indices)} image(s) at {job.width}x{job.height}: "
-            "use a smaller --resolution or --batch-size"
-        ) from None
-    except Exception as e:
-        if cache is not None:
-            raise RunError(f"{type(pipe).__name__} failed with --cache {cache}: {type(e).__name__}: "
-                           f"{_one_line(e)[:300]} (try without --cache)") from None  # fmt: skip
-        if isinstance(e, (TypeError, ValueError)):  # a pipeline that needs more than a prompt (an input image...)
-            raise RunError(f"{type(pipe).__name__} refused the call: {_one_line(e)[:300]}") from None
-        raise
-    video = getattr(output, "images", None) is None and getattr(output, "frames", None) is not None
-    pixels = output.frames if video else output.images
-    if kwargs.get("output_type") != "np":
-        return [frames[0] for frames in pixels] if video else list(pixels)
-    array = np.asarray(pixels)
-    if not np.isfinite(array).all():
-        raise RunError(
-            f"the pipeline produced NaN or infinite pixels for {job.width}x{job.height} seed {job.seeds[0]}"
-            f"{hint}; nothing was written for this call"
-        )
-    from diffusers.image_processor import VaeImageProcessor
+def image_texts(job: Job, common: Mapping[str, str], mode: str, requested_mode: str,
+                tokens: TokenCount | None = None) -> list[dict[str, str]]:  # fmt: skip
+    """The PNG text of each image of ``job``: its prompt, seed, size and index, the ``mode`` that
+    ran (and the one requested, where another ran), the prompt's ``tokens``, then ``common``
+    (:func:`run_text`)."""
+    texts = []
+    for index, seed in zip(job.indices, job.seeds):
+        text = dict(prompt=job.prompt, seed=str(seed), resolution=f"{job.width}x{job.height}", index=str(index),
+                    mode=mode)  # fmt: skip
+        if mode != requested_mode:
+            text["requested_mode"] = requested_mode
+        if tokens is not None:
+            text["prompt_tokens"] = tokens.describe()
+        text.update(common)
+        texts.append(text)
+    return texts
 
-    return VaeImageProcessor.numpy_to_pil(array[:, 0] if video else array)
+
+def _png_info(text: Mapping[str, str]) -> Any:
+    from PIL.PngImagePlugin import PngInfo
+
+    meta = PngInfo()
+    for key, value in text.items():
+        meta.add_text(key, value)
+    return meta
+
+
+def png_bytes(image: Any, text: Mapping[str, str]) -> bytes:
+    """``image`` as PNG bytes with ``text`` as its text chunks: the bytes :func:`save_png` writes."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=_png_info(text))
+    return buffer.getvalue()
+
+
+def call_pngs(images: Sequence[Any], job: Job, common: Mapping[str, str], mode: str, requested_mode: str,
+              tokens: TokenCount | None = None) -> list[bytes]:  # fmt: skip
+    """The PNGs of one pipeline call's ``images`` (:meth:`PreparedPipeline.generate
+    <pipelines.cli.prepare.PreparedPipeline.generate>`), in memory, with the text the CLI writes
+    into its files (:func:`image_texts`); nothing is written."""
+    return [
+        png_bytes(image, text) for image, text in zip(images, image_texts(job, common, mode, requested_mode, tokens))
+    ]
 
 
 @contextlib.contextmanager
@@ -114,11 +144,7 @@ def save_png(image: Any, path: Path, info: dict[str, str], overwrite: bool = Fal
     with ``overwrite``; otherwise one that appeared since the run checked (another run writing
     the same name) is kept, and the image takes the first free name ``{stem}-N.png`` instead.
     """
-    from PIL.PngImagePlugin import PngInfo
-
-    meta = PngInfo()
-    for key, value in info.items():
-        meta.add_text(key, value)
+    meta = _png_info(info)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")

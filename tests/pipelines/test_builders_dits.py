@@ -337,12 +337,12 @@ def test_cli_wan_writes_the_first_frame(tmp_path: Path):
     ],
 )  # fmt: skip
 def test_cli_refuses_bad_frames_before_building(argv, expected, tmp_path, capsys, monkeypatch):
-    from pipelines.cli import run as cli_run
+    from pipelines.cli import prepare as cli_prepare
 
     def no_build(*args, **kwargs):
         raise AssertionError("this bad input must be refused before a model is built")
 
-    monkeypatch.setattr(cli_run, "build_model", no_build)
+    monkeypatch.setattr(cli_prepare, "build_model", no_build)
     assert main([*argv, "--out", str(tmp_path / "out"), "--device", "cpu", *FAST_CLI]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err

@@ -20,7 +20,7 @@ from PIL import Image
 from pipelines.builders import build_transformer
 from pipelines.cli import build_parser, main
 from pipelines.cli import caches as cli_caches
-from pipelines.cli import run as cli_run
+from pipelines.cli import prepare as cli_prepare
 
 FAST = ["--model", "qwen-image", "--resolution", "64x64", "--quiet"]
 HAS_CACHE_DIT = importlib.util.find_spec("cache_dit") is not None
@@ -42,8 +42,8 @@ class _Calls:
         self.attention = 0
         self.order: list[str] = []
         real_build, real_apply, real_accelerate = (
-            cli_run.build_model,
-            cli_run.apply_cache,
+            cli_prepare.build_model,
+            cli_prepare.apply_cache,
             accel.accelerate_pipeline,
         )
 
@@ -60,8 +60,8 @@ class _Calls:
             self.order.append("accelerate")
             return real_accelerate(*args, **kwargs)
 
-        monkeypatch.setattr(cli_run, "build_model", build)
-        monkeypatch.setattr(cli_run, "apply_cache", apply)
+        monkeypatch.setattr(cli_prepare, "build_model", build)
+        monkeypatch.setattr(cli_prepare, "apply_cache", apply)
         monkeypatch.setattr(accel, "accelerate_pipeline", accelerate)
 
     def _count(self, *args: Any) -> None:
@@ -136,7 +136,7 @@ def test_dbcache_without_cache_dit_names_the_extra(
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("refused before a model is built")
 
-    monkeypatch.setattr(cli_run, "build_model", no_build)
+    monkeypatch.setattr(cli_prepare, "build_model", no_build)
     assert main(["--cache", "dbcache", "--out", str(tmp_path / "out"), *FAST]) == 2
     err = capsys.readouterr().err.strip()
     assert err == 'bcg-generate: error: --cache dbcache uses cache-dit, which is not installed: pip install ' \

@@ -17,7 +17,7 @@ from PIL import Image
 
 from pipelines.cli import images as cli_images
 from pipelines.cli import main
-from pipelines.cli import run as cli_run
+from pipelines.cli import prepare as cli_prepare
 
 FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
 
@@ -48,7 +48,7 @@ def test_a_name_taken_during_the_run_is_kept_and_the_image_goes_to_a_free_name(
     finds the first one's files."""
     out = tmp_path / "out"
     names = ["0000-a-fox-64x64-s0.png", "0001-a-fox-64x64-s1.png"]
-    real_build = cli_run.build_model
+    real_build = cli_prepare.build_model
 
     def build_while_another_run_writes(*args: Any, **kwargs: Any) -> Any:
         pipe = real_build(*args, **kwargs)
@@ -57,7 +57,7 @@ def test_a_name_taken_during_the_run_is_kept_and_the_image_goes_to_a_free_name(
         (out / "0000-a-fox-64x64-s0-1.png").write_bytes(b"and its second try")
         return pipe
 
-    monkeypatch.setattr(cli_run, "build_model", build_while_another_run_writes)
+    monkeypatch.setattr(cli_prepare, "build_model", build_while_another_run_writes)
     with caplog.at_level(logging.WARNING, logger="bcg-generate"):
         assert main(["--prompt", "a fox", "--batch-size", "2", "--out", str(out), *FAST]) == 0
     assert (out / names[0]).read_bytes() == b"the other run's image"
@@ -73,14 +73,14 @@ def test_a_name_taken_during_the_run_is_kept_and_the_image_goes_to_a_free_name(
 
 def test_two_runs_with_one_png_both_keep_their_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "same.png"
-    real_build = cli_run.build_model
+    real_build = cli_prepare.build_model
 
     def build_while_another_run_writes(*args: Any, **kwargs: Any) -> Any:
         pipe = real_build(*args, **kwargs)
         out.write_bytes(b"the other run's image")
         return pipe
 
-    monkeypatch.setattr(cli_run, "build_model", build_while_another_run_writes)
+    monkeypatch.setattr(cli_prepare, "build_model", build_while_another_run_writes)
     assert main(["--seed", "9", "--out", str(out), *FAST]) == 0
     assert out.read_bytes() == b"the other run's image"
     assert png_text(tmp_path / "same-1.png")["seed"] == "9"

@@ -23,8 +23,9 @@ from PIL import Image
 from accel.hooks.options import default_compile_cache_dir
 from pipelines import limits
 from pipelines.cli import DEFAULT_PROMPT, Job, build_parser, main, plan_jobs, read_prompts_file, shard, slug
+from pipelines.cli import calls as cli_calls
 from pipelines.cli import loading as cli_loading
-from pipelines.cli import run as cli_run
+from pipelines.cli import prepare as cli_prepare
 from tests.helpers.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -306,7 +307,7 @@ def test_bad_input_is_one_line_before_building(
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("this bad input must be refused before a model is built")
 
-    monkeypatch.setattr(cli_run, "build_model", no_build)
+    monkeypatch.setattr(cli_prepare, "build_model", no_build)
     before = sorted(tmp_path.rglob("*"))
     rc, line = _run_bad(tmp_path, [a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
     assert expected.replace("{tmp}", str(tmp_path)) in line
@@ -419,7 +420,7 @@ def test_ctrl_c_while_loading(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_run, "build_model", interrupted)
+    monkeypatch.setattr(cli_prepare, "build_model", interrupted)
     assert main(["--out", str(tmp_path / "out"), *FAST]) == 130
     assert capsys.readouterr().err.strip() == "bcg-generate: interrupted"
     assert not (tmp_path / "out").exists()
@@ -505,8 +506,9 @@ def test_warmup_passes_the_runs_prompts_frames_and_guidance() -> None:
     calls: list[tuple[Any, dict[str, Any]]] = []
     pipe = types.SimpleNamespace(accel=types.SimpleNamespace(warmup=lambda res, **kw: calls.append((res, kw))))
     jobs = plan_jobs(["a red fox", "a blue bird", "a red fox"], [(64, 64)], 2, 0)
-    cli_run._warmup(pipe, [(64, 64)], jobs, "blurry", True, 2, 9, False)
-    cli_run._warmup(pipe, [(64, 64)], jobs, None, False, 1, None, False)
+    prompts = [j.prompt for j in jobs]
+    cli_prepare._warmup(pipe, [(64, 64)], prompts, "blurry", True, 2, 9, False)
+    cli_prepare._warmup(pipe, [(64, 64)], prompts, None, False, 1, None, False)
     (res, video), (_, image) = calls
     assert res == [(64, 64)] and video["prompts"] == ["a red fox", "a blue bird"]
     assert (video["num_frames"], video["cfg"], video["negative_prompt"], video["batch_sizes"]) == (
@@ -536,7 +538,7 @@ def test_the_warmups_guidance_is_what_the_runs_calls_do(pipeline, kwarg, above, 
     import diffusers
 
     params = inspect.signature(getattr(diffusers, pipeline).__call__).parameters
-    assert cli_run._runs_cfg(guidance, kwarg, above, params, negative) is runs
+    assert cli_calls.runs_cfg(guidance, kwarg, above, params, negative) is runs
 
 
 def test_prompts_starting_with_a_dash_and_unicode(tmp_path: Path) -> None:
@@ -628,7 +630,7 @@ def test_a_compile_cache_variable_naming_a_file_is_refused_with_compile(
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("this bad input must be refused before a model is built")
 
-    monkeypatch.setattr(cli_run, "build_model", no_build)
+    monkeypatch.setattr(cli_prepare, "build_model", no_build)
     rc, line = _run_bad(tmp_path, ["--compile"], capsys)
     assert rc == 2 and f"$BCG_COMPILE_CACHE {str(cache)!r} is an existing file, not a folder" in line
     assert "$BCG_COMPILE_CACHE names a file, not a folder: --compile refuses it" in build_parser().format_help()

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from pipelines.cli import main
-from pipelines.cli import run as cli_run
+from pipelines.cli import prepare as cli_prepare
 
 ROOT = Path(__file__).resolve().parents[3]
 FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
@@ -79,7 +79,7 @@ def test_sigterm_while_building_is_one_line(
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("SIGTERM should have ended the run")
 
-    monkeypatch.setattr(cli_run, "build_model", terminated)
+    monkeypatch.setattr(cli_prepare, "build_model", terminated)
     assert main(["--out", str(tmp_path / "out"), *FAST]) == 143
     assert capsys.readouterr().err.strip() == "bcg-generate: terminated"
     assert not (tmp_path / "out").exists()
@@ -103,11 +103,11 @@ def test_sigterm_while_writing_leaves_no_file(
 def test_the_parsers_constants_equal_what_they_mirror() -> None:
     import accel.hooks.options
     from pipelines import limits
-    from pipelines.cli import arguments
+    from pipelines.cli import constants
 
-    assert (arguments.MAX_SEED, arguments.MAX_STEPS, arguments.MEMORY_MARGIN) == (
+    assert (constants.MAX_SEED, constants.MAX_STEPS, constants.MEMORY_MARGIN) == (
         limits.MAX_SEED, limits.DEFAULT_MAX_STEPS, limits.MEMORY_MARGIN)  # fmt: skip
-    light = arguments.accel_options()
+    light = constants.accel_options()
     for name in ("MODES", "PARALLEL_MODES", "RESOLUTION_MULTIPLE", "COMPILE_CACHE_ENV"):
         assert getattr(light, name) == getattr(accel.hooks.options, name), name
     assert light.default_compile_cache_dir() == accel.hooks.options.default_compile_cache_dir()

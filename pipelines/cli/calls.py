@@ -1,0 +1,184 @@
+"""One pipeline call: the run's settings resolved against the model's defaults, the call's
+arguments, the call itself (errors in one line, non-finite pixels refused) and what ran."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+from typing import Any
+
+from .checks import check_frames
+from .defaults import default_frames, generation_defaults
+from .errors import RunError, _one_line
+from .jobs import Job
+
+logger = logging.getLogger("bcg-generate")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSettings:
+    """How every call of a run is made, the flags resolved against the pipeline's defaults.
+
+    ``guidance`` None leaves the pipeline's own default; ``cfg``: classifier-free guidance runs
+    by the scale given (``warm_cfg``: also by the pipeline's own default, so that the warm-up
+    captures what the calls do). ``frames``: a video pipeline's frame count, None for images.
+    """
+
+    steps: int
+    guidance: float | None
+    negative_prompt: str | None
+    cfg: bool
+    warm_cfg: bool
+    frames: int | None
+    guidance_kwarg: str | None
+    count_kwarg: str = "num_images_per_prompt"
+    takes_output_type: bool = True
+
+    def kwargs(self, job: Job, device: Any) -> dict[str, Any]:
+        """The pipeline's keyword arguments for ``job`` (its generators on ``device``)."""
+        import torch
+
+        kwargs: dict[str, Any] = dict(
+            prompt=job.prompt,
+            height=job.height,
+            width=job.width,
+            num_inference_steps=self.steps,
+            generator=[torch.Generator(device).manual_seed(s) for s in job.seeds],
+        )
+        kwargs[self.count_kwarg] = len(job.indices)
+        if self.frames is not None:
+            kwargs["num_frames"] = self.frames
+        if self.takes_output_type:
+            kwargs["output_type"] = "np"  # floats, so NaN pixels can be told from black ones
+        if self.negative_prompt is not None:
+            kwargs["negative_prompt"] = self.negative_prompt
+        if self.guidance is not None and self.guidance_kwarg is not None:
+            kwargs[self.guidance_kwarg] = self.guidance
+        return kwargs
+
+
+def call_settings(pipe: Any, model: str, size: str, steps: int | None = None, guidance: float | None = None,
+                  negative_prompt: str | None = None, frames: int | None = None) -> CallSettings:  # fmt: skip
+    """``--steps``, ``--guidance``, ``--negative-prompt`` and ``--frames`` (None: not given) for
+    ``pipe``, built as ``model`` at ``size``; a negative prompt or guidance that the pipeline
+    would not use is dropped with a warning, and CLIError is raised for frames it cannot make."""
+    defaults = generation_defaults(pipe)
+    scale = guidance if guidance is not None else defaults.guidance
+    cfg = scale is not None and scale > defaults.cfg_above
+    negative = negative_prompt
+    if negative is not None and scale is not None and not cfg:
+        if math.isinf(defaults.cfg_above):
+            logger.warning("--negative-prompt is ignored: %s's --guidance feeds a distilled guidance embedding, "
+                           "not classifier-free guidance", type(pipe).__name__)  # fmt: skip
+        else:
+            logger.warning("--negative-prompt is ignored: classifier-free guidance runs only with --guidance above "
+                           "%g (this run uses %g)", defaults.cfg_above, scale)  # fmt: skip
+        negative = None
+    if negative is None and cfg and defaults.default_negative is not None:
+        negative = defaults.default_negative
+    if guidance is not None and defaults.guidance_kwarg is None:
+        logger.warning("%s takes no guidance scale; --guidance %s is ignored", type(pipe).__name__, guidance)
+
+    params = inspect.signature(pipe.__call__).parameters
+    temporal = getattr(pipe, "vae_scale_factor_temporal", None)
+    check_frames(frames, type(pipe).__name__, "num_frames" in params, temporal)
+    count_kwarg = "num_images_per_prompt"
+    if count_kwarg not in params and "num_videos_per_prompt" in params:  # a video pipeline counts videos
+        count_kwarg = "num_videos_per_prompt"
+    return CallSettings(
+        steps=steps or defaults.steps,
+        guidance=scale,
+        negative_prompt=negative,
+        cfg=cfg,
+        warm_cfg=runs_cfg(scale, defaults.guidance_kwarg, defaults.cfg_above, params, negative),
+        frames=frames or default_frames(model, size, pipe),
+        guidance_kwarg=defaults.guidance_kwarg,
+        count_kwarg=count_kwarg,
+        takes_output_type="output_type" in params,
+    )
+
+
+def runs_cfg(guidance: float | None, kwarg: str | None, above: float, params: Any, negative: str | None) -> bool:
+    """Whether this run's calls run classifier-free guidance, so that the warm-up captures them so.
+
+    ``guidance`` is the run's scale, passed as ``kwarg`` (None: the pipeline's own default, read
+    from ``params``, its call's parameters); guidance runs above ``above``, and true CFG only
+    with a ``negative`` prompt.
+    """
+    if guidance is None and kwarg in params:
+        default = params[kwarg].default
+        guidance = default if isinstance(default, (int, float)) and not isinstance(default, bool) else None
+    if guidance is None or not guidance > above:
+        return False
+    return kwarg != "true_cfg_scale" or negative is not None
+
+
+def nan_hint(dtype: str | None, guidance: float | None) -> str:
+    """What may have made NaN pixels, from ``--dtype`` and ``--guidance`` as given."""
+    if dtype in ("float16", "fp16"):
+        return " (float16 overflows in this model: use bfloat16)"
+    if guidance is not None:
+        return f" (--guidance {guidance:g} may be too large for this model)"
+    return ""
+
+
+def generate_images(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None) -> list[Any]:
+    """One pipeline call -> PIL images; RunError for out-of-memory or non-finite pixels.
+
+    A video pipeline's output (``frames``, not ``images``) gives the first frame of each video;
+    every frame is checked for non-finite pixels, since a NaN anywhere says the call went wrong.
+    ``cache``: the step cache applied (its description), if any: a cache hook that fails inside
+    the call is told in one line with the cache named, since it, not the pipeline, is the suspect.
+    """
+    import numpy as np
+    import torch
+
+    from accel import ParallelError
+
+    try:
+        output = pipe(**kwargs)
+    except ParallelError as e:  # --parallel: the ranks disagree or lost one another
+        raise RunError(_one_line(e)) from None
+    except torch.OutOfMemoryError:
+        raise RunError(
+            f"out of memory generating {len(job.indices)} image(s) at {job.width}x{job.height}: "
+            "use a smaller --resolution or --batch-size"
+        ) from None
+    except Exception as e:
+        if cache is not None:
+            raise RunError(f"{type(pipe).__name__} failed with --cache {cache}: {type(e).__name__}: "
+                           f"{_one_line(e)[:300]} (try without --cache)") from None  # fmt: skip
+        if isinstance(e, (TypeError, ValueError)):  # a pipeline that needs more than a prompt (an input image...)
+            raise RunError(f"{type(pipe).__name__} refused the call: {_one_line(e)[:300]}") from None
+        raise
+    video = getattr(output, "images", None) is None and getattr(output, "frames", None) is not None
+    pixels = output.frames if video else output.images
+    if kwargs.get("output_type") != "np":
+        return [frames[0] for frames in pixels] if video else list(pixels)
+    array = np.asarray(pixels)
+    if not np.isfinite(array).all():
+        raise RunError(
+            f"the pipeline produced NaN or infinite pixels for {job.width}x{job.height} seed {job.seeds[0]}"
+            f"{hint}; nothing was written for this call"
+        )
+    from diffusers.image_processor import VaeImageProcessor
+
+    return VaeImageProcessor.numpy_to_pil(array[:, 0] if video else array)
+
+
+def graph_replays(pipe: Any) -> int | None:
+    """Replays of the denoisers' graphs so far, or None where the accelerator does not tell."""
+    try:
+        return sum(s.replays for s in pipe.accel.stats().values())
+    except Exception:  # an accel without stats(): what ran is then what was asked
+        return None
+
+
+def mode_ran(pipe: Any, mode: str, before: int | None) -> str:
+    """What the denoiser did in the call just made: ``bcg`` only if a graph was replayed."""
+    if mode != "bcg" or before is None:
+        return mode
+    after = graph_replays(pipe)
+    return "bcg" if after is None or after > before else "eager"

@@ -1,0 +1,69 @@
+"""The CLI's constants, and those it borrows without importing torch.
+
+``--help`` and a mistyped option answer in a fraction of a second instead of the 3-5 s that
+torch, diffusers and accel's package take to import. So the option constants come from
+``accel/hooks/options.py`` (standard library only), loaded on its own, and the few limits the
+parser needs are mirrored from :mod:`pipelines.limits` (which imports torch), kept equal by a test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+PROG = "bcg-generate"
+DEFAULT_PROMPT = "a red fox in the snow, golden hour"
+DEFAULT_MODEL = "z-image"
+DEFAULT_RESOLUTION = (512, 512)
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}  # fmt: skip
+CACHES = ("fbc", "taylorseer", "magcache", "dbcache")
+
+# Mirrors of pipelines.limits (which imports torch); tests/pipelines/cli/test_startup.py keeps them equal.
+MAX_SEED = 2**63 - 1
+MAX_STEPS = 1000
+MEMORY_MARGIN = 1.5
+
+
+@cache
+def accel_options() -> ModuleType:
+    """``accel.hooks.options`` without running ``accel/__init__`` (which imports torch and diffusers).
+
+    The file needs only the standard library, so it is executed on its own under a private name.
+    Should it ever need the rest of accel, loading it alone fails and the real module is used:
+    slower, never wrong.
+    """
+    real = sys.modules.get("accel.hooks.options")
+    if real is not None:
+        return real
+    name = "pipelines.cli._accel_options"
+    try:
+        package = importlib.util.find_spec("accel")  # a top-level find_spec imports nothing
+        locations = list(package.submodule_search_locations or []) if package else []
+        spec = importlib.util.spec_from_file_location(name, Path(locations[0]) / "hooks" / "options.py")
+        if spec is None or spec.loader is None:
+            raise ImportError("accel/hooks/options.py not found")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+        return module
+    except Exception:
+        sys.modules.pop(name, None)
+        import accel.hooks.options
+
+        return accel.hooks.options
+
+
+def package_version() -> str:
+    """bcg-diffusers' version, from the installed metadata (no torch import), else accel's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bcg-diffusers")
+    except PackageNotFoundError:  # a source tree that was never installed
+        from accel import __version__
+
+        return __version__

@@ -1,0 +1,273 @@
+"""The model flags: which pipeline, on which device, how it is accelerated and warmed up.
+
+:func:`add_model_arguments` adds them to any parser, and :func:`model_settings` reads them back
+checked, as a :class:`ModelSettings`, before torch is imported. ``bcg-generate`` takes them with
+its own flags; another front end (a server, say) takes the same ones::
+
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    settings = model_settings(parser.parse_args())
+
+and hands the settings to :func:`pipelines.cli.prepare.load_pipeline`. A new flag that changes
+the model or how it is accelerated belongs here, with its field in :class:`ModelSettings`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from . import values
+from .caches import CacheRequest, cache_request
+from .checks import check_compile_cache
+from .constants import CACHES, DEFAULT_MODEL, DTYPES, accel_options
+from .errors import CLIError
+
+Size = tuple[int, int]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add the model flags to ``parser``, in a group of their own, which is returned."""
+    options = accel_options()
+    p = parser.add_argument_group("model and acceleration")
+    p.add_argument(
+        "--model",
+        type=values.model,
+        default=DEFAULT_MODEL,
+        help="'z-image' (default; built offline with random weights), 'qwen-image', 'flux' (FLUX.1-dev), "
+        "'wan' (Wan2.1-T2V-14B), 'wan-1.3b', a local pipeline folder or a Hugging Face hub id (org/name)",
+    )
+    p.add_argument(
+        "--size",
+        choices=("tiny", "full"),
+        default="tiny",
+        help="size of the built-in random-weight models (default tiny; full needs a GPU)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=values.warmup_size,
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="WxH",
+        help="resolutions to capture before the first image (default: those generated; 'none' skips)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=options.MODES,
+        default=None,
+        help="bcg: CUDA graphs (default); debug: same runner, denoiser eager; eager: no acceleration",
+    )
+    p.add_argument(
+        "--parallel",
+        choices=options.PARALLEL_MODES,
+        default=None,
+        help="under accelerate launch / torchrun, compute each image on all processes together (cfg: the two "
+        "guidance branches on 2 GPUs, exact; ulysses: diffusers' context parallelism; cfg+ulysses: both, 4+ GPUs); "
+        "every process runs every job with the same seeds, rank 0 writes the files",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the denoiser's repeated blocks with inductor and capture the graphs over the "
+        "compiled kernels (CUDA only; the first run compiles, later runs reuse the cache)",
+    )
+    p.add_argument(
+        "--compile-cache",
+        type=values.path,
+        default=None,
+        metavar="DIR",
+        help=f"folder of the persistent compile cache (default {options.default_compile_cache_dir()}); "
+        "delete it to clear the cache",
+    )
+    p.add_argument(
+        "--no-text-encoder-graphs",
+        dest="text_encoder_graphs",
+        action="store_false",
+        help="run the text encoders eagerly (default: a graph per prompt token length, captured by the warmup)",
+    )
+    p.add_argument(
+        "--no-vae-graphs",
+        dest="vae_graphs",
+        action="store_false",
+        help="run the VAE decoder eagerly (default: a graph per latent shape, in the denoiser's graph pool)",
+    )
+    p.add_argument(
+        "--no-cfg-batch",
+        dest="cfg_batch",
+        action="store_false",
+        help="run true CFG's two denoiser calls one after the other (default: one call at twice the batch "
+        "where the text is padded anyway, e.g. Qwen-Image up to 768x768)",
+    )
+    p.add_argument(
+        "--no-auto-breaks",
+        dest="auto_breaks",
+        action="store_false",
+        help="when a capture fails on an operation a graph cannot hold, only name it (default: run the function "
+        "that did it as an eager break and capture again, kept only if equal to eager)",
+    )
+    p.add_argument(
+        "--cache",
+        choices=CACHES,
+        default=None,
+        help="skip denoiser work on steps whose result barely changes: fbc (First Block Cache), taylorseer, "
+        "magcache (diffusers' hooks) or dbcache (cache-dit, an optional extra); applied before acceleration",
+    )
+    p.add_argument(
+        "--cache-threshold",
+        type=values.positive,
+        default=None,
+        metavar="FLOAT",
+        help="fbc, magcache, dbcache: how much change a step may skip (higher: faster, less exact; "
+        "default each method's own)",
+    )
+    p.add_argument(
+        "--cache-interval",
+        type=values.positive_int,
+        default=None,
+        metavar="INT",
+        help="taylorseer: compute every INT-th step, predict the others (default 5)",
+    )
+    p.add_argument(
+        "--cache-ratios",
+        type=values.ratios,
+        default=None,
+        metavar="R1,R2,...",
+        help="magcache (required): the model's calibrated magnitude ratios, one per step (resampled to --steps)",
+    )
+    p.add_argument(
+        "--device", default=None, help="torch device: cpu, cuda, cuda:N (default cuda if available, else cpu)"
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="weights dtype (default bfloat16 on cuda, float32 on cpu)"
+    )
+    return p
+
+
+def _compile_cache_line() -> str:
+    options = accel_options()
+    folder = options.default_compile_cache_dir()
+    line = f"compile cache: --compile keeps compiled kernels in {folder}"
+    env = os.environ.get(options.COMPILE_CACHE_ENV)
+    if env and folder.exists() and not folder.is_dir():
+        line += f"\n  (${options.COMPILE_CACHE_ENV} names a file, not a folder: --compile refuses it)"
+    return line
+
+
+def model_epilog() -> str:
+    """The help's paragraphs on the model flags: the step caches and the compile cache."""
+    env = accel_options().COMPILE_CACHE_ENV
+    return f"""\
+step caches (--cache): fbc, diffusers' First Block Cache (--cache-threshold, default 0.05);
+  taylorseer, diffusers' TaylorSeer (--cache-interval, default 5); magcache, diffusers' MagCache
+  (--cache-ratios, calibrated for the model, required; --cache-threshold, default 0.06);
+  dbcache, cache-dit's DBCache (--cache-threshold, its residual_diff_threshold, default 0.08;
+  pip install "bcg-diffusers[cache-dit]"). diffusers' caches need a denoiser that supports them
+  (qwen-image, flux and wan do; z-image does not in diffusers 0.42; taylorseer finds no
+  attention module it knows in wan).
+
+{_compile_cache_line()}
+  (--compile-cache DIR, else ${env}, else $XDG_CACHE_HOME or ~/.cache, then
+  bcg-diffusers/compile; a TORCHINDUCTOR_CACHE_DIR you set wins over the default).
+  Delete that folder to clear the cache."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """The model flags, checked: what :func:`pipelines.cli.prepare.prepare_pipeline` builds.
+
+    ``mode_flag``, ``device`` and ``dtype`` are the flags as given (None: not given), so that
+    errors can say what was asked; :attr:`mode` is what runs. ``warmup``: the sizes to capture
+    before the first call; None: those the calls use; empty: none.
+    """
+
+    model: str = DEFAULT_MODEL
+    size: str = "tiny"
+    mode_flag: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    parallel: str | None = None
+    compile: bool = False
+    compile_cache: Path | None = None
+    cache: CacheRequest | None = None
+    warmup: tuple[Size, ...] | None = None
+    text_encoder_graphs: bool = True
+    vae_graphs: bool = True
+    cfg_batch: bool = True
+    auto_breaks: bool = True
+
+    @property
+    def mode(self) -> str:
+        """The accelerator's mode: ``--mode``, else ``bcg``."""
+        return self.mode_flag or "bcg"
+
+    @property
+    def accelerated(self) -> bool:
+        """Whether ``accelerate_pipeline`` is called (always but in mode eager without --parallel)."""
+        return self.mode != "eager" or self.parallel is not None
+
+    def dtype_name(self, device_type: str) -> str:
+        """The weights' dtype: ``--dtype``, else bfloat16 on CUDA and float32 elsewhere."""
+        if self.dtype:
+            return DTYPES[self.dtype]
+        return "bfloat16" if device_type == "cuda" else "float32"
+
+    def accelerate_options(self) -> dict[str, Any]:
+        """``accelerate_pipeline``'s keyword arguments besides ``mode``: only those not at their default,
+        so the CLI keeps working with an accel that lacks one it was not asked for."""
+        options: dict[str, Any] = {}
+        if self.parallel is not None:
+            options["parallel"] = self.parallel
+        if self.compile:
+            options["compile"] = True
+            if self.compile_cache is not None:
+                options["compile_cache_dir"] = self.compile_cache
+        if not self.text_encoder_graphs:
+            options["text_encoder"] = False
+        if not self.vae_graphs:
+            options["vae"] = False
+        if not self.auto_breaks:
+            options["auto_breaks"] = False
+        if not self.cfg_batch:
+            options["cfg_batch"] = False
+        return options
+
+
+def model_settings(args: argparse.Namespace) -> ModelSettings:
+    """The model flags of ``args`` (parsed by a parser :func:`add_model_arguments` built), checked
+    together; CLIError for flags that do not fit. Imports no torch."""
+    warmup: tuple[Size, ...] | None = None
+    if args.warmup is not None:
+        if None in args.warmup and any(w is not None for w in args.warmup):
+            raise CLIError("--warmup takes resolutions or 'none', not both")
+        warmup = tuple(dict.fromkeys(w for w in args.warmup if w is not None))
+    if args.compile and (args.mode or "bcg") == "eager":
+        raise CLIError("--compile prepares graph capture, which --mode eager never does: drop one of them")
+    cache = cache_request(args.cache, args.cache_threshold, args.cache_interval, args.cache_ratios)
+    if args.compile_cache is not None:
+        check_compile_cache(args.compile_cache)
+        if not args.compile:
+            raise CLIError("--compile-cache is the folder of --compile's kernel cache: add --compile")
+    elif args.compile:
+        options = accel_options()
+        if os.environ.get(options.COMPILE_CACHE_ENV):  # the default folder is checked where it comes from a user
+            check_compile_cache(options.default_compile_cache_dir(), f"${options.COMPILE_CACHE_ENV}")
+    return ModelSettings(
+        model=args.model,
+        size=args.size,
+        mode_flag=args.mode,
+        device=args.device,
+        dtype=args.dtype,
+        parallel=args.parallel,
+        compile=args.compile,
+        compile_cache=args.compile_cache,
+        cache=cache,
+        warmup=warmup,
+        text_encoder_graphs=args.text_encoder_graphs,
+        vae_graphs=args.vae_graphs,
+        cfg_batch=args.cfg_batch,
+        auto_breaks=args.auto_breaks,
+    )

@@ -1,0 +1,232 @@
+"""A pipeline made ready from the model flags: checked, built, its calls' settings resolved, its
+limits checked, its step cache applied, accelerated and warmed up.
+
+In that order, each step once; :func:`load_pipeline` runs them all for a front end that serves
+calls (a server), and ``bcg-generate`` runs the checks that need no model
+(:func:`resolve_device_and_dtype`, :func:`check_model`) among its own before it calls
+:func:`prepare_pipeline`, so that every bad input is refused before anything is built. The
+:class:`PreparedPipeline` then makes one call at a time (:meth:`PreparedPipeline.generate`), and
+:func:`pipelines.cli.images.call_pngs` turns a call's images into PNG bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .caches import CacheRequest, apply_cache, check_supported, denoiser_of
+from .calls import CallSettings, call_settings, generate_images, graph_replays, mode_ran
+from .checks import _check_embedded, check_positions, largest_first, resolve_device
+from .errors import CLIError, RunError, _one_line
+from .images import run_text
+from .jobs import Job
+from .loading import build_model
+from .model_flags import ModelSettings, model_settings
+
+logger = logging.getLogger("bcg-generate")
+
+Size = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The calls a pipeline is prepared for: its limits are checked against them, and the warm-up
+    captures what they will run.
+
+    ``resolutions``: every size a call may use. ``steps``, ``guidance``, ``negative_prompt``
+    and ``frames``: the flags as given (None: the model's default). ``prompts``: those the calls
+    of this process encode (the warm-up captures their text encoder's lengths); none: this
+    process makes no call, and nothing is warmed up. ``warm_sizes``: the sizes warmed up unless
+    ``--warmup`` names others (None: ``resolutions``).
+    """
+
+    resolutions: Sequence[Size]
+    batch_size: int = 1
+    steps: int | None = None
+    guidance: float | None = None
+    negative_prompt: str | None = None
+    frames: int | None = None
+    prompts: Sequence[str] = ()
+    warm_sizes: Sequence[Size] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedCall:
+    """One call's images (PIL; a video's first frame), the mode that ran and its seconds."""
+
+    images: list[Any]
+    mode: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedPipeline:
+    """A pipeline ready for calls. ``cache``: the step cache applied, as described in the PNG
+    text (None: none); ``warmup_seconds``: the time the warm-up took."""
+
+    pipe: Any
+    settings: ModelSettings
+    device: Any
+    dtype: Any
+    call: CallSettings
+    cache: str | None = None
+    warmup_seconds: float = 0.0
+
+    @property
+    def accelerated(self) -> bool:
+        return self.settings.accelerated
+
+    def text(self, call: CallSettings | None = None) -> dict[str, str]:
+        """The PNG text every image of ``call`` (default: :attr:`call`) shares."""
+        return run_text(self.settings.model, self.device, self.dtype, call or self.call, self.cache)
+
+    def generate(self, job: Job, hint: str = "", call: CallSettings | None = None) -> GeneratedCall:
+        """Make ``job``'s images in one call with ``call`` (default: :attr:`call`); RunError for a
+        call that fails or makes non-finite pixels (``hint`` is added: what may have caused them)."""
+        import torch
+
+        kwargs = (call or self.call).kwargs(job, self.device)
+        before = graph_replays(self.pipe) if self.accelerated else None
+        t0 = time.perf_counter()
+        images = generate_images(self.pipe, kwargs, job, hint, self.cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        return GeneratedCall(images, mode_ran(self.pipe, self.settings.mode, before), seconds)
+
+
+def resolve_device_and_dtype(settings: ModelSettings) -> tuple[Any, Any]:
+    """The torch device and dtype of ``--device`` and ``--dtype``; CLIError for a device not here."""
+    import torch
+
+    device = resolve_device(settings.device, settings.mode_flag)
+    return device, getattr(torch, settings.dtype_name(device.type))
+
+
+def check_model(settings: ModelSettings, device: Any, dtype: Any, resolutions: Sequence[Size],
+                frames: int | None = None) -> None:  # fmt: skip
+    """What can be checked before the model is built (CLIError): a local model's folder, and a
+    built-in model's limits and step cache against its configs."""
+    _check_embedded(settings.model, settings.size, device, dtype, resolutions, settings.warmup or [], frames)
+    if settings.cache is not None:
+        _check_embedded_cache(settings.cache, settings.model, settings.size)
+
+
+def _check_embedded_cache(cache: CacheRequest, model: str, size: str) -> None:
+    """``--cache`` against a built-in model's denoiser, built on the meta device (no storage)."""
+    from ..builders import SIZES, build_transformer, canonical_name, pipeline_class
+
+    name = canonical_name(model)
+    if name is None or size not in SIZES or not cache.diffusers_hook:
+        return
+    check_supported(cache, build_transformer(name, size, device="meta"), pipeline_class(name).__name__)
+
+
+def warn_unused_warmup(settings: ModelSettings, device: Any) -> None:
+    """A warning where ``--warmup`` names sizes that will not be captured."""
+    if settings.warmup and (device.type != "cuda" or settings.mode == "eager"):
+        why = "--mode eager" if settings.mode == "eager" else f"this run is on {device}"
+        logger.warning("--warmup is ignored: graphs are captured only on a CUDA device and not in mode eager (%s)", why)
+
+
+def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, dtype: Any, *,
+                     progress: bool = True) -> PreparedPipeline:  # fmt: skip
+    """Build the pipeline of ``settings`` on ``device``, check it against ``workload``, apply the
+    step cache, accelerate it and warm it up (``progress``: the warm-up's progress bars).
+
+    CLIError for a workload beyond the built model's limits; RunError for a model that cannot be
+    loaded or accelerated, or a warm-up out of memory. Call :func:`check_model` first.
+    """
+    import torch
+
+    from .. import limits
+
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # graphs are captured on the current device
+    pipe = build_model(settings.model, settings.size, device, dtype)
+    pipe.set_progress_bar_config(disable=True)
+    # Whatever changes the weights belongs here: the limits below read them, and the step cache
+    # and the accelerator hook the denoiser as it then is.
+    call = call_settings(pipe, settings.model, settings.size, workload.steps, workload.guidance,
+                         workload.negative_prompt, workload.frames)  # fmt: skip
+
+    # Limits that need the built model, still before anything runs.
+    warm: list[Size] = []
+    if device.type == "cuda" and settings.mode != "eager" and workload.prompts and settings.warmup != ():
+        default = workload.resolutions if workload.warm_sizes is None else workload.warm_sizes
+        warm = list(settings.warmup or dict.fromkeys(default))
+    graphs = device.type == "cuda" and settings.mode == "bcg"
+    try:
+        limits.check_steps(call.steps, getattr(getattr(pipe, "scheduler", None), "config", None))
+        limit = limits.pipeline_position_limit(pipe)
+        check_positions(limit, workload.resolutions, "--resolution")
+        check_positions(limit, warm, "--warmup")
+        # Unknown guidance (the pipeline's own default) may run CFG: plan memory as if it does.
+        cfg_memory = call.cfg or call.guidance is None
+        largest = largest_first([*workload.resolutions, *warm])
+        limits.check_memory(pipe, device, largest, workload.batch_size, cfg_memory, graphs)
+    except limits.LimitError as e:
+        raise CLIError(str(e)) from None
+
+    cache: str | None = None
+    if settings.cache is not None:  # before accelerate_pipeline, which then runs the denoiser with its hooks
+        check_supported(settings.cache, denoiser_of(pipe), type(pipe).__name__)
+        cache = apply_cache(pipe, settings.cache, call.steps)
+        logger.info("step cache: %s", cache)
+
+    warmup_seconds = 0.0
+    if settings.accelerated:
+        _accelerate(pipe, settings)
+        if warm:
+            try:
+                warmup_seconds = _warmup(pipe, warm, workload.prompts, call.negative_prompt, call.warm_cfg,
+                                         workload.batch_size, call.frames, progress)  # fmt: skip
+            except torch.OutOfMemoryError:
+                sizes = " ".join(f"{w}x{h}" for w, h in warm)
+                raise RunError(
+                    f"out of memory capturing graphs for {sizes}: use smaller sizes or --warmup none"
+                ) from None
+    return PreparedPipeline(pipe, settings, device, dtype, call, cache, warmup_seconds)
+
+
+def _accelerate(pipe: Any, settings: ModelSettings) -> None:
+    from accel import accelerate_pipeline
+
+    try:
+        accelerate_pipeline(pipe, mode=settings.mode, **settings.accelerate_options())
+    except (TypeError, ValueError) as e:  # e.g. a hub pipeline with no denoiser to accelerate
+        hint = "drop --parallel to split the jobs instead" if settings.parallel else "--mode eager runs it as is"
+        raise RunError(f"cannot accelerate {type(pipe).__name__}: {_one_line(e)} ({hint})") from None
+
+
+def _warmup(pipe: Any, resolutions: list[Size], prompts: Sequence[str], negative: str | None, cfg: bool,
+            batch_size: int, frames: int | None, progress: bool) -> float:  # fmt: skip
+    """Capture what this run's calls hit: its sizes, prompts, guidance, batch size and frames."""
+    kwargs: dict[str, Any] = dict(negative_prompt=negative, cfg=cfg, batch_sizes=(batch_size,), progress=progress)
+    if frames is not None:
+        kwargs["num_frames"] = frames
+    t0 = time.perf_counter()
+    pipe.accel.warmup(resolutions, prompts=list(dict.fromkeys(prompts)), **kwargs)
+    return time.perf_counter() - t0
+
+
+def load_pipeline(model: ModelSettings | argparse.Namespace, workload: Workload, *,
+                  progress: bool = True) -> PreparedPipeline:  # fmt: skip
+    """The pipeline of the model flags (parsed, or read back by :func:`model_settings`), checked,
+    built, accelerated and warmed up for ``workload`` in this process: every step of
+    ``bcg-generate`` before its first image. CLIError for bad input, RunError for a failure.
+
+    A server, say, prepares for the sizes it serves::
+
+        prepared = load_pipeline(args, Workload(resolutions=[(1024, 1024)], prompts=[DEFAULT_PROMPT]))
+        result = prepared.generate(plan_jobs([prompt], [(1024, 1024)], 1, seed)[0])
+    """
+    settings = model_settings(model) if isinstance(model, argparse.Namespace) else model
+    device, dtype = resolve_device_and_dtype(settings)
+    check_model(settings, device, dtype, workload.resolutions, workload.frames)
+    warn_unused_warmup(settings, device)
+    return prepare_pipeline(settings, workload, device, dtype, progress=progress)

@@ -1,0 +1,155 @@
+"""Argument values, each checked as it is read: the ``type=`` of every flag.
+
+Each function takes the text of one value and returns it parsed, or raises
+``argparse.ArgumentTypeError`` with the reason, which argparse prefixes with the flag's name.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+from .constants import MAX_SEED, MAX_STEPS, accel_options
+
+
+def resolution(text: str) -> tuple[int, int]:
+    """``WIDTHxHEIGHT``, both positive multiples of accel's resolution multiple."""
+    try:
+        return accel_options().parse_resolution(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def warmup_size(text: str) -> tuple[int, int] | None:
+    """A resolution, or None for ``none`` (no warm-up)."""
+    if text.strip().lower() == "none":
+        return None
+    return resolution(text)
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    value = integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def steps(text: str) -> int:
+    value = integer(text)
+    # The same words as limits.check_steps, which checks again against the built scheduler.
+    if not 1 <= value <= MAX_STEPS:
+        raise argparse.ArgumentTypeError(
+            f"must be 1 to {MAX_STEPS}, the number of noise levels the scheduler was trained on "
+            "(num_train_timesteps); more steps only repeat them"
+        )
+    return value
+
+
+def seed(text: str) -> int:
+    value = integer(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(
+            f"{value} is outside 0 to 2**63 - 1 ({MAX_SEED}); image i of a run uses seed + i"
+        )
+    return value
+
+
+def finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def guidance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the guidance scale must be a finite number, 0 or more")
+    return value
+
+
+def positive(text: str) -> float:
+    value = finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number above 0")
+    return value
+
+
+def ratios(text: str) -> tuple[float, ...]:
+    parts = [t.strip() for t in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError("is empty: give the calibrated ratios as R1,R2,... (one per step)")
+    try:
+        return tuple(positive(t) for t in parts)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"each ratio must be a finite number above 0; {e}") from None
+
+
+def user_path(text: str) -> str:
+    """``text`` with a leading ``~`` expanded, as the shell does unless the path is quoted.
+
+    Left as it was, ``--out "~/x.png"`` makes a folder named ``~`` in the current folder.
+    """
+    if not text.startswith("~"):
+        return text
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):
+        raise argparse.ArgumentTypeError(f"{text!r}: {text.split(os.sep)[0]} is no user's home folder here")
+    return expanded
+
+
+def path(text: str) -> Path:
+    return Path(user_path(text))
+
+
+def out_path(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name a folder, or a .png file for a single image")
+    if text.strip() == "-":
+        raise argparse.ArgumentTypeError("'-': images are not written to stdout; name a .png file or a folder")
+    return path(text)
+
+
+def check_utf8(text: str) -> str:
+    """``text`` if it is valid UTF-8, else ArgumentTypeError naming the first bad byte.
+
+    Arguments that are not UTF-8 reach Python as lone surrogates (PEP 383), which no tokenizer
+    takes and no PNG text chunk can hold.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what = f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise argparse.ArgumentTypeError(f"is not valid UTF-8 text ({what} at character {e.start})") from None
+    return text
+
+
+def prompt(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a prompt cannot be empty (leave --prompt out for the default prompt)")
+    return check_utf8(text)
+
+
+def model(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "is empty: name z-image, qwen-image, flux, wan, wan-1.3b, a pipeline folder or a hub id"
+        )
+    return user_path(text)
