@@ -11,11 +11,17 @@
 Nothing in ``accel`` imports ``pipelines``: ``accel`` works on any diffusers pipeline, and
 model-specific code (recipes, builders, the CLI) reaches it through its public API and the
 recipe entry points. An import the other way would make the core depend on what it serves.
+
+Inside a layer (:data:`CIRCLE_LAYERS`) no files import each other in a circle, counting imports
+inside functions and under ``TYPE_CHECKING``: a circle shows a job in the wrong file. The
+circles that exist today and are being removed are listed in :data:`KNOWN_CIRCLES`, and each
+must still be a circle exactly as listed, so the list cannot outlive them.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -36,6 +42,28 @@ PUBLIC_MODULES = {
     "accel.hooks.options": "standard library only: the CLI reads its constants and checks before torch is imported",
 }
 OURS = ("accel", "pipelines")
+# Layers whose files must not import each other in a circle.
+CIRCLE_LAYERS = ("accel.graphs", "accel.hooks", "accel.parallel", "pipelines")
+
+# ---- Known circles to remove ---------------------------------------------------------------
+# Each is a circle of files today; none may be added. When one is removed (or changes), the
+# test says so: strike it here. Empty once the branches removing them have landed.
+KNOWN_CIRCLES: frozenset[frozenset[str]] = frozenset(
+    {
+        frozenset(
+            {
+                "accel.hooks.call_shape",
+                "accel.hooks.cfg_batch",
+                "accel.hooks.follow",
+                "accel.hooks.graph_hook",
+                "accel.hooks.install",
+                "accel.hooks.recipe",
+            }
+        ),
+        frozenset({"pipelines.builders", "pipelines.limits"}),
+    }
+)
+# ---------------------------------------------------------------------------------------------
 
 
 def _module_name(path: Path) -> str:
@@ -113,6 +141,78 @@ def _violations(path: Path) -> list[str]:
     return bad
 
 
+def _layer_edges(layer: str) -> dict[str, dict[str, str]]:
+    """For every module of ``layer``: the modules of the same layer it imports, each with where
+    (``path:line`` of the first such import). An import of a package a module is inside is no
+    edge (the package is loaded before any of its modules anyway)."""
+    files = {_module_name(p): p for p in sorted(ROOT.joinpath(*layer.split(".")).rglob("*.py"))}
+    edges: dict[str, dict[str, str]] = {}
+    for module, path in files.items():
+        where = str(path.relative_to(ROOT))
+        found = edges.setdefault(module, {})
+        for line, target, names in _imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py"):
+            for name in names or ("",):
+                dep = f"{target}.{name}" if name and f"{target}.{name}" in files else target
+                while dep and dep not in files:
+                    dep = dep.rpartition(".")[0]
+                inside = files.get(dep, path).name == "__init__.py" and module.startswith(dep + ".")
+                if dep and dep != module and not inside:
+                    found.setdefault(dep, f"{where}:{line}")
+    return edges
+
+
+def _circles(edges: dict[str, dict[str, str]]) -> list[frozenset[str]]:
+    """Every set of two or more modules that reach each other through imports (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[frozenset[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(frozenset(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(out, key=sorted)
+
+
+def _describe_circle(circle: frozenset[str], edges: dict[str, dict[str, str]]) -> str:
+    """One shortest round trip through ``circle``'s first module, with the import behind each step."""
+    start = min(circle)
+    came: dict[str, str] = {}
+    todo = [start]
+    while todo and start not in came:
+        v = todo.pop(0)
+        for w in sorted(edges[v]):
+            if w in circle and w not in came:
+                came[w] = v
+                todo.append(w)
+    steps = [start]
+    while len(steps) == 1 or steps[-1] != start:
+        steps.append(came[steps[-1]])
+    steps.reverse()
+    text = steps[0] + "".join(f" -> {b} ({edges[a][b]})" for a, b in itertools.pairwise(steps))
+    others = sorted(circle - set(steps))
+    return text + (f"; the circle also holds {', '.join(others)}" if others else "")
+
+
 def test_the_checker_sees_every_import_form() -> None:
     source = (
         "import pipelines\n"
@@ -161,9 +261,46 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path: Path, monkeypatch: p
     ]
 
 
+def test_the_circle_checker_finds_a_circle_and_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    core = tmp_path / "accel" / "graphs"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("from .a import thing\n")  # its package: no edge back
+    (core / "a.py").write_text("from . import b\nfrom . import name_in_init\n")
+    (core / "b.py").write_text("import os\n\ndef f():\n    from .c import g\n")  # inside a function
+    (core / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import T\n")
+    (core / "d.py").write_text("import accel.graphs.a\nfrom ..hooks import x\n")  # imports the circle, not in it
+    (core / "e.py").write_text("from .d import y\n")
+    edges = _layer_edges("accel.graphs")
+    assert edges["accel.graphs.d"] == {"accel.graphs.a": "accel/graphs/d.py:1"}
+    assert edges["accel.graphs.a"] == {"accel.graphs.b": "accel/graphs/a.py:1"}
+    circles = _circles(edges)
+    assert circles == [frozenset({"accel.graphs.a", "accel.graphs.b", "accel.graphs.c"})]
+    assert _describe_circle(circles[0], edges) == (
+        "accel.graphs.a -> accel.graphs.b (accel/graphs/a.py:1) -> accel.graphs.c (accel/graphs/b.py:4)"
+        " -> accel.graphs.a (accel/graphs/c.py:3)"
+    )
+    (core / "e.py").write_text("from .d import y\nfrom .c import z\n")
+    (core / "c.py").write_text("from .e import w\nfrom .a import T\n")
+    (core / "d.py").write_text("from .e import v\n")
+    edges = _layer_edges("accel.graphs")
+    circles = _circles(edges)
+    assert circles == [
+        frozenset({"accel.graphs.a", "accel.graphs.b", "accel.graphs.c", "accel.graphs.d", "accel.graphs.e"})
+    ]
+    assert _describe_circle(circles[0], edges) == (
+        "accel.graphs.a -> accel.graphs.b (accel/graphs/a.py:1) -> accel.graphs.c (accel/graphs/b.py:4)"
+        " -> accel.graphs.a (accel/graphs/c.py:2); the circle also holds accel.graphs.d, accel.graphs.e"
+    )
+
+
 def test_every_layer_exists() -> None:
     for layer in LAYERS:
         assert (ROOT.joinpath(*layer.split(".")) / "__init__.py").is_file(), layer
+    for layer in CIRCLE_LAYERS:
+        assert (ROOT.joinpath(*layer.split(".")) / "__init__.py").is_file(), layer
+    for circle in KNOWN_CIRCLES:
+        assert any(all(_within(m, layer) for m in circle) for layer in CIRCLE_LAYERS), sorted(circle)
     for module in PUBLIC_MODULES:
         assert ROOT.joinpath(*module.split(".")).with_suffix(".py").is_file(), module
 
@@ -176,3 +313,18 @@ def test_every_layer_exists() -> None:
 def test_imports_follow_the_layers(path: Path) -> None:
     bad = _violations(path)
     assert not bad, "imports across layers (see tests/test_layering.py):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("layer", CIRCLE_LAYERS)
+def test_no_import_circle_inside_a_layer(layer: str) -> None:
+    edges = _layer_edges(layer)
+    found = _circles(edges)
+    new = [c for c in found if c not in KNOWN_CIRCLES]
+    assert not new, f"import circles between files of {layer} (a job is in the wrong file: move it):\n" + "\n".join(
+        f"  {_describe_circle(c, edges)}" for c in new
+    )
+    gone = [c for c in KNOWN_CIRCLES if all(_within(m, layer) for m in c) and c not in found]
+    assert not gone, (
+        "KNOWN_CIRCLES in tests/test_layering.py lists circles that no longer exist as listed; strike:\n"
+        + ("\n".join(f"  {', '.join(sorted(c))}" for c in gone))
+    )

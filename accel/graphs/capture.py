@@ -1,16 +1,18 @@
 """One capture of a call signature's decision path, its check against eager, and the gc session around captures.
 
-:func:`attempt` warms the call up on the pool's capture stream and captures it into a new
-:class:`~accel.graphs.branches.Chain`, or raises (nothing is kept). :func:`verify` compares one
-replay of that chain with an eager run of the same inputs, bit for bit. Both leave the state a
-call's breaks keep across calls (:class:`~accel.graphs.entries.StepState`) as it was, so a
-capture has the effect of exactly one call. :func:`capture_session` keeps the garbage collector
-off while graphs are captured.
+A :class:`Target` is what a capture runs: a runner's callable and what surrounds it when the
+capture begins (its pool, scope and step state). :func:`attempt` warms the call up on the
+pool's capture stream and captures it into a new :class:`~accel.graphs.branches.Chain`, or
+raises (nothing is kept). :func:`verify` compares one replay of that chain with an eager run of
+the same inputs, bit for bit. Both leave the state a call's breaks keep across calls
+(:class:`~accel.graphs.entries.StepState`) as it was, so a capture has the effect of exactly one
+call. :func:`capture_session` keeps the garbage collector off while graphs are captured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import threading
 import time
@@ -21,16 +23,40 @@ import torch
 
 from . import bcg, tree
 from .branches import Chain, GraphTree
+from .config import RunnerConfig
 from .entries import Entry, StepState
 from .errors import BreakError
 
 if TYPE_CHECKING:
     from .pool import GraphPool
-    from .runner import RunnerConfig
 
-__all__ = ["CaptureScope", "attempt", "capture_session", "verify"]
+__all__ = ["CaptureScope", "Target", "attempt", "capture_session", "verify"]
 
 CaptureScope = Callable[[], contextlib.AbstractContextManager[list]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a capture runs, taken from its runner when the capture begins.
+
+    Attributes:
+        fn: the callable captured.
+        name: for messages.
+        config: the runner's settings.
+        pool: where the graphs go.
+        scope: entered around warm-up and capture; what it yields lives as long as the graph.
+        state: what the call's breaks keep across calls, put back after each run of a capture.
+        wraps: the callable ``fn`` stands for, where ``fn`` wraps it (never marked as a break).
+    """
+
+    fn: Callable[..., Any]
+    name: str
+    config: RunnerConfig
+    pool: GraphPool
+    scope: CaptureScope | None = None
+    state: StepState | None = None
+    wraps: Callable[..., Any] | None = None
+
 
 # Capture sessions of all threads together: the first to open takes the collector's state and
 # turns it off, the last to close restores it, whatever order they close in.
@@ -126,30 +152,26 @@ def _check_containers_unchanged(name: str, before: list[tuple[str, Any, tuple[An
 
 
 def attempt(
-    fn: Callable[..., Any],
-    name: str,
-    config: RunnerConfig,
-    pool: GraphPool,
+    target: Target,
     entry: Entry,
     memo: bcg.Memo | None,
     *,
-    scope: CaptureScope | None,
-    state: StepState | None,
     check_budget: Callable[[bcg.BreakableCUDAGraph], None],
     verified: bool,
 ) -> Chain:
     """One warm-up and capture of a path of ``entry``'s signature (the first if ``memo`` is
     None); raises on any failure (nothing kept). ``check_budget`` raises when the new graph
     would not fit; ``verified``: the chain must equal an eager run (:func:`verify`)."""
+    fn, name, config, pool = target.fn, target.name, target.config, target.pool
     sig, static_inputs = entry.signature, entry.static_inputs
-    target = fn
+    captured = fn
     if config.debug:
-        target = bcg.eager_on_graph(fn, name=f"{name} (debug: whole call eager)", inline_nested=True)
+        captured = bcg.eager_on_graph(fn, name=f"{name} (debug: whole call eager)", inline_nested=True)
     t0 = time.perf_counter()
     graph = bcg.BreakableCUDAGraph()
     try:
-        with torch.inference_mode(False), torch.no_grad(), _as_one_call(state) as restore:
-            opened = scope() if scope is not None else contextlib.nullcontext([])
+        with torch.inference_mode(False), torch.no_grad(), _as_one_call(target.state) as restore:
+            opened = target.scope() if target.scope is not None else contextlib.nullcontext([])
             with pool.lock, opened as keepalive:
                 caller = torch.cuda.current_stream(pool.device)
                 pool.stream.wait_stream(caller)
@@ -166,7 +188,7 @@ def attempt(
                 pool.stream.synchronize()
                 args, kwargs = sig.rebuild(static_inputs)
                 with bcg.capture(graph, pool=pool.handle_for(graph), stream=pool.stream, memo=memo):
-                    output = target(*args, **kwargs)
+                    output = captured(*args, **kwargs)
                 caller.wait_stream(pool.stream)
                 pool.stream.synchronize()
                 restore()

@@ -9,7 +9,8 @@ that fails blocks its signature, which then always runs eagerly, and keeps the r
 
 The runner dispatches and replays; its parts keep the entries (:mod:`accel.graphs.entries`:
 least recently used first, within ``max_entries`` and the memory budget), capture one path
-(:mod:`accel.graphs.capture`) and decide what a failure costs (:mod:`accel.graphs.policy`).
+(:mod:`accel.graphs.capture`) and decide what a failure costs (:mod:`accel.graphs.policy`); its
+settings are a :class:`~accel.graphs.config.RunnerConfig`.
 """
 
 from __future__ import annotations
@@ -23,61 +24,22 @@ from typing import Any
 
 import torch
 
-from . import bcg, discover
+from . import bcg
 from .branches import PathMiss, path_label
-from .capture import CaptureScope, capture_session
+from .capture import CaptureScope, Target, capture_session
+from .config import RunnerConfig
 from .entries import Entry, EntryStore, RunnerStats, StepState
 from .errors import GraphMemoryBudgetError
 from .policy import CapturePolicy
 from .pool import GraphPool
 from .signature import Signature, describe_diff, flatten
+from .sites import BreakSite
 
 __all__ = ["GraphMemoryBudgetError", "GraphRunner", "RunnerConfig", "RunnerStats", "StepState", "capture_session"]
 
 logger = logging.getLogger(__name__)
 
 _said_no_cuda = False
-
-
-@dataclasses.dataclass(frozen=True)
-class RunnerConfig:
-    """The settings of a :class:`GraphRunner`.
-
-    Attributes:
-        capture_on_miss: capture a new signature on first use instead of running it eagerly.
-        max_entries: captured signatures kept; once a new capture succeeds beyond it, the least
-            recently used is evicted.
-        max_segments: a capture with more segments than this is refused (runs eagerly).
-        debug: capture the whole call as one eager break, so the model runs eagerly through the
-            same static buffers, replay walk and copies; tells capture bugs from model bugs.
-        warmup_runs: eager runs on the capture stream before a capture (lazy caches, autotuning).
-        memory_budget: bytes of graph memory (the pool, static inputs, boundary buffers) beyond
-            which a capture is refused and its signature runs eagerly; None for no limit.
-        auto_breaks: when a capture fails on an operation a graph cannot hold, run the function
-            that did it as an eager break and capture again; the graph must then equal an eager
-            run of the same inputs (else the signature runs eagerly). Off: the failure is only
-            located and named in :attr:`GraphRunner.blocked`.
-        verify: compare every new graph's output with an eager run of the same inputs, bit for
-            bit, before keeping it.
-        max_auto_breaks: functions marked for one capture at most.
-        max_paths: decision paths captured per signature (a cache's computed and cached steps,
-            a keyed break's output shapes); a path beyond runs eagerly.
-    """
-
-    capture_on_miss: bool = False
-    max_entries: int = 32
-    max_segments: int = 512
-    debug: bool = False
-    warmup_runs: int = 2
-    memory_budget: int | None = None
-    auto_breaks: bool = False
-    verify: bool = False
-    max_auto_breaks: int = 8
-    max_paths: int = 16
-
-    def __post_init__(self) -> None:
-        if self.max_entries < 1:
-            raise ValueError("max_entries must be at least 1")
 
 
 class GraphRunner:
@@ -124,7 +86,7 @@ class GraphRunner:
         self.enabled = True
         self.counts = RunnerStats()
         self.store = EntryStore(name, self.config.max_entries, self.config.memory_budget, self.counts)
-        self.policy = CapturePolicy(self)
+        self.policy = CapturePolicy(self.store, self.counts)
         self.lock = threading.RLock()
         self._said: set[Hashable] = set()
         self._capturing = 0
@@ -173,7 +135,8 @@ class GraphRunner:
         on_miss = self.config.capture_on_miss
         room = len(entry.tree.chains) < self.config.max_paths
         if (self._capturing or on_miss) and path not in entry.blocked_paths and room:
-            chain = self.policy.capture_path(entry, miss)
+            with self.lock:
+                chain = self.policy.capture_path(self._target(), entry, miss)
             if chain is not None:
                 return self._replay(entry, None, memo=miss.memo)
         self._say_once(
@@ -195,7 +158,12 @@ class GraphRunner:
         with self.lock:
             if self.pool is None:
                 self.pool = GraphPool(leaves[0].device)
-            return self.policy.capture_signature(key, sig, leaves)
+            return self.policy.capture_signature(self._target(), key, sig, leaves)
+
+    def _target(self) -> Target:
+        """What a capture beginning now runs: the callable, and what surrounds it at this moment."""
+        assert self.pool is not None
+        return Target(self.fn, self.name, self.config, self.pool, self.capture_scope, self.state, self.entry)
 
     def _replay(self, entry: Entry, leaves: list[torch.Tensor] | None, memo: bcg.Memo | None = None) -> Any:
         out = entry.replay(self.pool, entry.tree, leaves, memo)
@@ -273,7 +241,7 @@ class GraphRunner:
         return dict(self.store.blocked)
 
     @property
-    def found_breaks(self) -> list[discover.BreakSite]:
+    def found_breaks(self) -> list[BreakSite]:
         """Every function and line a capture of this runner failed on."""
         return self.policy.found_breaks
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,10 @@ from ..graphs import tree
 from ..hooks.cfg_batch import ContextProbe
 from ..hooks.graph_hook import GraphHook
 from . import ulysses
-from .agreement import describe_call, describe_value
+from .agreement import Agreement, describe_call, describe_value
 from .errors import PREFIX, ParallelError
-
-if TYPE_CHECKING:
-    from .session import ParallelSession
+from .groups import Groups
+from .process import Liveness
 
 __all__ = ["PARALLEL_HOOK_NAME", "ParallelHook", "Router"]
 
@@ -50,7 +49,7 @@ class _Pair:
 
 
 class ParallelHook(ModelHook):
-    """Outermost hook of one denoiser in a parallel run: routes every call through the session.
+    """Outermost hook of one denoiser in a parallel run: routes every call through the session's :class:`Router`.
 
     Stateful only so that diffusers tells it the current ``cache_context`` name.
     """
@@ -78,45 +77,54 @@ class ParallelHook(ModelHook):
 class Router:
     """The calls of one session's denoisers: who computes them, and the guidance exchange.
 
+    Args:
+        groups: the session's layout and groups (read at every call: set up after this is made).
+        agreement: the session's comparisons and collectives.
+        liveness: the session's progress, for the watchdog.
+
     Attributes:
+        hooks: the :class:`ParallelHook` of each denoiser, by component name.
         calls: denoiser calls so far (every rank counts the same).
         exchanges: guidance exchanges so far.
     """
 
-    def __init__(self, session: ParallelSession) -> None:
-        self.session = session
+    def __init__(self, groups: Groups, agreement: Agreement, liveness: Liveness) -> None:
+        self.groups = groups
+        self.agreement = agreement
+        self.liveness = liveness
+        self.hooks: dict[str, ParallelHook] = {}
         self.calls = 0
         self.exchanges = 0
 
     # -- per pipeline call (the call guard's listeners) ------------------------------------------
     def begin_call(self) -> None:
-        live = self.session.liveness
+        live = self.liveness
         live.in_pipeline_call = True
         live.stamp()
-        for hook in self.session.hooks.values():
+        for hook in self.hooks.values():
             hook.pair.clear()  # a call that raised mid-pair left it
 
     def end_call(self) -> None:
-        self.session.liveness.in_pipeline_call = False
+        self.liveness.in_pipeline_call = False
 
     def before_step(self) -> None:
         # Without guidance a pipeline call makes one branch per step: exchange it before the
         # scheduler reads it.
         try:
-            for hook in self.session.hooks.values():
+            for hook in self.hooks.values():
                 self.exchange(hook)
         except BaseException:
-            self.session.liveness.disarm()
+            self.liveness.disarm()
             raise
 
     # -- per denoiser call ---------------------------------------------------------------------
     def call(self, hook: ParallelHook, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        s, live = self.session, self.session.liveness
+        g, live = self.groups, self.liveness
         live.require_usable()
         live.depth += 1
         live.stamp()
         try:
-            lay = s.layout
+            lay = g.layout
             recipe = hook.graph_hook.recipe
             if lay.ulysses > 1:
                 args, kwargs = recipe.prepare_context_parallel(module, args, kwargs, lay.ulysses)
@@ -128,15 +136,15 @@ class Router:
             self.calls += 1
             if branch is None:
                 # Every rank computes it (with collectives, under Ulysses): agree first.
-                s.agreement.all_same(f"denoiser call {number}", desc, group=s.control, counter=number)
+                self.agreement.all_same(f"denoiser call {number}", desc, group=g.control, counter=number)
                 self.exchange(hook)  # a pair in flight ends before an unpaired call
                 return self._compute(hook, args, kwargs)
             if branch in hook.pair.outputs:
                 self.exchange(hook)  # a new pair begins
             if branch == lay.branch:
-                if s.ulysses_control is not None:
+                if g.ulysses_control is not None:
                     # Its Ulysses group computes it together: agree before their collectives.
-                    s.agreement.all_same(f"denoiser call {number}", desc, group=s.ulysses_control, counter=number)
+                    self.agreement.all_same(f"denoiser call {number}", desc, group=g.ulysses_control, counter=number)
                 out = self._compute(hook, args, kwargs)
                 hook.computed += 1
             else:
@@ -160,9 +168,9 @@ class Router:
             live.stamp()
 
     def _compute(self, hook: ParallelHook, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        s = self.session
+        g = self.groups
         runner = hook.graph_hook.runner
-        agree = s.ulysses_control is not None and runner.enabled
+        agree = g.ulysses_control is not None and runner.enabled
         keys: set[Hashable] = set()
         blocked: set[Hashable] = set()
         if agree:
@@ -170,7 +178,7 @@ class Router:
             keys, blocked = set(runner.keys), set(runner.blocked)
         # The fused attention is swapped in for this call only: other models in the process
         # keep diffusers' own.
-        fused = ulysses.fused_attention() if s.layout.ulysses > 1 else None
+        fused = ulysses.fused_attention() if g.layout.ulysses > 1 else None
         try:
             out = hook.fn_ref.original_forward(*args, **kwargs)
         finally:
@@ -179,12 +187,12 @@ class Router:
         if agree:
             after = runner.stats(memory=False)
             if (after.captures, after.capture_failures) != (before.captures, before.capture_failures):
-                ulysses.agree_on_capture(s, hook, keys, blocked)
+                ulysses.agree_on_capture(self.agreement, g.ulysses_control, runner, hook.name, keys, blocked)
         return out
 
     def exchange(self, hook: ParallelHook) -> None:
         """Broadcast each branch called since the last exchange from the rank that computed it."""
-        s = self.session
+        g = self.groups
         pair = hook.pair
         if not pair.outputs:
             return
@@ -196,15 +204,15 @@ class Router:
         lines = [f"{line} (call {n})" for n, desc in calls for line in desc]
         lines += [line for b, out in outputs for line in describe_value(out, f"branch {b} output")]
         numbers = "-".join(dict.fromkeys((str(calls[0][0]), str(calls[-1][0]))))
-        s.agreement.all_same(f"the guidance pair of denoiser calls {numbers}", lines, group=s.control)
+        self.agreement.all_same(f"the guidance pair of denoiser calls {numbers}", lines, group=g.control)
         for branch, out in outputs:
-            src = s.cfg_ranks[branch]
+            src = g.cfg_ranks[branch]
             for t in tree.tensors(out):
                 if not t.is_contiguous():
                     raise ParallelError(f"{PREFIX}: {hook.name} returned a non-contiguous output; cannot exchange it")
-                s.agreement.collective(
-                    lambda t=t, src=src: dist.broadcast(t, src=src, group=s.cfg_group),
+                self.agreement.collective(
+                    lambda t=t, src=src: dist.broadcast(t, src=src, group=g.cfg_group),
                     "exchanging guidance branches",
                 )
         self.exchanges += 1
-        s.liveness.stamp()
+        self.liveness.stamp()

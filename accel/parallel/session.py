@@ -1,7 +1,9 @@
 """One image on several GPUs: guidance branches on two ranks, Ulysses context parallelism, or both.
 
 ``accelerate_pipeline(pipe, parallel=...)`` in every process of a ``torchrun`` / ``accelerate
-launch`` builds a :class:`ParallelSession`. Contract:
+launch`` builds a :class:`ParallelSession`. It sets up collectively (:mod:`accel.parallel.setup`:
+checks, agreement, the :class:`~accel.parallel.groups.Groups` its parts talk on), then installs
+Ulysses and its hooks itself, beside :meth:`ParallelSession.restore`, which undoes them. Contract:
 
 * Every rank calls it with the same options, its pipeline on its own device, and then makes the
   same pipeline calls (same prompts, resolution, steps and seed). Every rank returns the same
@@ -55,9 +57,11 @@ from . import process
 from .agreement import Agreement
 from .cfg_split import PARALLEL_HOOK_NAME, ParallelHook, Router
 from .errors import ParallelConfigError, ParallelError
+from .groups import Groups
 from .layout import Layout
 from .process import Liveness
-from .setup import set_up
+from .setup import Setup, set_up
+from .ulysses import enable_ulysses
 
 __all__ = ["PARALLEL_HOOK_NAME", "ParallelConfigError", "ParallelError", "ParallelSession"]
 
@@ -70,11 +74,10 @@ class ParallelSession:
     Built collectively (every rank of the launch, same options); see the module docstring.
 
     Attributes:
-        layout: which branch and Ulysses slot this rank has.
+        groups: this rank's layout and process groups (:class:`~accel.parallel.groups.Groups`).
         timeout: ``parallel_timeout_s``.
-        hooks: the :class:`ParallelHook` of each denoiser (its ``computed`` and ``skipped``
-            branch calls).
         liveness: progress and what made the session unusable (a lost peer, say).
+        router: where each denoiser call goes (:class:`~accel.parallel.cfg_split.Router`).
     """
 
     def __init__(
@@ -86,23 +89,44 @@ class ParallelSession:
         self._pipe_ref = weakref.ref(pipe)
         self.graph_hooks = dict(hooks)
         self.guard = guard
-        self.hooks: dict[str, ParallelHook] = {}
         self.undo: list[Callable[[], None]] = []
-        self.layout = Layout(options.parallel, 1, 0, cfg=1, ulysses=1)  # until the process group says more
+        self.groups = Groups(Layout(options.parallel, 1, 0, cfg=1, ulysses=1))  # until the process group says more
         self.liveness = Liveness(self.timeout)
-        self.agreement = Agreement(self.liveness, lambda: self.layout)
-        self.router = Router(self)
-        self.control: Any = None
-        self.ulysses_control: Any = None
-        self.cfg_group: Any = None
-        self.cfg_ranks: list[int] = []
-        self.mesh: Any = None
+        self.agreement = Agreement(self.liveness, lambda: self.groups.layout)
+        self.router = Router(self.groups, self.agreement, self.liveness)
         self.device = module_device(getattr(pipe, next(iter(hooks))))
         try:
-            set_up(self, pipe)
+            plans = set_up(Setup(pipe, self.graph_hooks, guard, options, self.device), self.groups, self.agreement)
+            self._install(pipe, plans)
         except BaseException:
             self.restore()
             raise
+
+    def _install(self, pipe: Any, plans: dict[str, dict[str, Any]]) -> None:
+        """Ulysses (with each denoiser's plan) and the parallel hooks; :meth:`restore` undoes them."""
+        lay = self.layout
+        for name, graph_hook in self.graph_hooks.items():
+            module = getattr(pipe, name)
+            if lay.ulysses > 1:
+                self.undo.append(enable_ulysses(module, lay.ulysses, self.groups.mesh["ring", "ulysses"], plans[name]))
+            hook = ParallelHook(self.router, name, graph_hook)
+            HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, PARALLEL_HOOK_NAME)
+            self.hooks[name] = hook
+        if self.guard is not None:
+            r = self.router
+            self.guard.listen(self, begin=r.begin_call, step=r.before_step, end=r.end_call)
+        process.join(self)
+        logger.info("%s", self.describe())
+
+    @property
+    def layout(self) -> Layout:
+        """Which branch and Ulysses slot this rank has."""
+        return self.groups.layout
+
+    @property
+    def hooks(self) -> dict[str, ParallelHook]:
+        """The :class:`ParallelHook` of each denoiser (its ``computed`` and ``skipped`` branch calls)."""
+        return self.router.hooks
 
     @property
     def rank(self) -> int:
@@ -133,7 +157,7 @@ class ParallelSession:
     def check_same(self, what: str, lines: list[str]) -> None:
         """ParallelError on every rank unless every rank passes equal ``lines``."""
         self.liveness.require_usable()
-        self.agreement.all_same(what, lines, group=self.control)
+        self.agreement.all_same(what, lines, group=self.groups.control)
 
     def release(self) -> None:
         """Drop every graph of this session's denoisers (they may hold collectives)."""
@@ -162,11 +186,12 @@ class ParallelSession:
                 self.release()
         while self.undo:
             self.undo.pop()()
-        for group in (self.ulysses_control, self.control):
+        groups = self.groups
+        for group in (groups.ulysses_control, groups.control):
             if group is not None and live.broken is None and dist.is_initialized():
                 with contextlib.suppress(Exception):
                     process.unwrapped_destroy()(group)
-        self.control = self.ulysses_control = None
+        groups.control = groups.ulysses_control = None
 
     def shutdown(self) -> None:
         """:meth:`restore`, then destroy the default process group if a session created it."""

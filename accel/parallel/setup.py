@@ -1,11 +1,12 @@
-"""What a parallel session does once, collectively, before its first call.
+"""What a parallel session does once, collectively, before it installs anything.
 
 Every rank checks what it can alone (its device, the denoisers' recipes, diffusers' own
 parallelism), then every rank gathers every rank's facts (options, world size, model, versions,
 where it runs) and every rank raises the same :class:`ParallelConfigError`, or none does. Then
 the groups are built (a DeviceMesh ``(cfg, ring=1, ulysses)``, gloo twins of the Ulysses groups
-for agreeing on captures), Ulysses is enabled on the denoisers, and each denoiser gets its
-:class:`~accel.parallel.cfg_split.ParallelHook`.
+for agreeing on captures) into the session's :class:`~accel.parallel.groups.Groups`. What the
+session installs with them (Ulysses, each denoiser's
+:class:`~accel.parallel.cfg_split.ParallelHook`) it installs itself, beside its undo.
 """
 
 from __future__ import annotations
@@ -13,78 +14,81 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.metadata
-import logging
 import socket
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from diffusers.hooks import HookRegistry
 
-from . import process
-from .agreement import digest
-from .cfg_split import PARALLEL_HOOK_NAME, ParallelHook
+from ..hooks.graph_hook import GraphHook
+from ..hooks.guard import CallGuard
+from ..hooks.options import AcceleratorOptions
+from .agreement import Agreement, digest
 from .errors import PREFIX, ParallelConfigError, ParallelError
+from .groups import Groups
 from .layout import Layout, plan_layout
 from .process import ensure_process_group
-from .ulysses import enable_ulysses
 
-if TYPE_CHECKING:
-    from .session import ParallelSession
-
-__all__ = ["set_up"]
-
-logger = logging.getLogger("accel.parallel.session")
+__all__ = ["Setup", "set_up"]
 
 
-def set_up(s: ParallelSession, pipe: Any) -> None:
-    """Everything a session does once, collectively, before its first call (see the module)."""
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a session sets up from: its pipeline and denoisers, as every rank must agree on them.
+
+    Attributes:
+        pipe: the pipeline.
+        hooks: the graph hook of each denoiser, by component name.
+        guard: the scheduler's call guard (None without a scheduler).
+        options: the accelerator's options (``parallel`` is set).
+        device: where this rank's denoisers run.
+    """
+
+    pipe: Any
+    hooks: dict[str, GraphHook]
+    guard: CallGuard | None
+    options: AcceleratorOptions
+    device: torch.device
+
+
+def set_up(s: Setup, groups: Groups, agreement: Agreement) -> dict[str, dict[str, Any]]:
+    """Check, agree and build ``groups`` (see the module), collectively; returns each denoiser's
+    Ulysses plan (empty without Ulysses). Raises the same error on every rank, or none."""
     parallel = s.options.parallel
     assert parallel is not None
-    s.layout = Layout(parallel, 1, 0, cfg=1, ulysses=1)  # until the process group says more
-    ensure_process_group(s.device, s.timeout, parallel)
+    timeout_s = float(s.options.parallel_timeout_s)
+    groups.layout = Layout(parallel, 1, 0, cfg=1, ulysses=1)  # until the process group says more
+    ensure_process_group(s.device, timeout_s, parallel)
     world, rank = dist.get_world_size(), dist.get_rank()
-    s.layout = Layout(parallel, world, rank, cfg=1, ulysses=1)  # until checked
+    groups.layout = Layout(parallel, world, rank, cfg=1, ulysses=1)  # until checked
     # A group of our own for agreement and liveness: host-side, gloo, our timeout, whatever
     # backend and timeout the launch's default group has. A rank that never asked for
     # parallel= never comes: the others fail here after the timeout.
-    timeout = datetime.timedelta(seconds=s.timeout)
-    groups: list[Any] = []
-    s.agreement.collective(lambda: groups.append(dist.new_group(backend="gloo", timeout=timeout)), "joining them")
-    s.control = groups[0]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    joined: list[Any] = []
+    agreement.collective(lambda: joined.append(dist.new_group(backend="gloo", timeout=timeout)), "joining them")
+    groups.control = joined[0]
     error: str | None = None
     plans: dict[str, dict[str, Any]] = {}
     try:
-        s.layout = plan_layout(parallel, world, rank)
-        plans = _local_checks(s, pipe)
+        groups.layout = plan_layout(parallel, world, rank)
+        plans = _local_checks(s, groups.layout)
     except ValueError as exc:
         error = str(exc)
-    _agree_on_setup(s, pipe, error)
-    _build_groups(s)
-    lay = s.layout
-    for name, graph_hook in s.graph_hooks.items():
-        module = getattr(pipe, name)
-        if lay.ulysses > 1:
-            s.undo.append(enable_ulysses(module, lay.ulysses, s.mesh["ring", "ulysses"], plans[name]))
-        hook = ParallelHook(s.router, name, graph_hook)
-        HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, PARALLEL_HOOK_NAME)
-        s.hooks[name] = hook
-    if s.guard is not None:
-        s.guard.listen(s, begin=s.router.begin_call, step=s.router.before_step, end=s.router.end_call)
-    process.join(s)
-    logger.info("%s", s.describe())
+    _agree_on_setup(s, agreement, groups.control, error)
+    _build_groups(groups, s.device, timeout)
+    return plans
 
 
-def _local_checks(s: ParallelSession, pipe: Any) -> dict[str, dict[str, Any]]:
+def _local_checks(s: Setup, lay: Layout) -> dict[str, dict[str, Any]]:
     """What this rank can check alone; ValueError (one line) where it cannot run."""
-    lay = s.layout
     if s.device.type == "cuda" and s.device.index is None:
         raise ValueError("the denoiser is on 'cuda' without an index; move each rank's pipeline to cuda:LOCAL_RANK")
     if lay.cfg > 1 and s.guard is None:
         raise ValueError(f"parallel={lay.parallel!r} needs the pipeline's scheduler (where each step ends)")
     plans: dict[str, dict[str, Any]] = {}
-    for name, hook in s.graph_hooks.items():
-        module = getattr(pipe, name)
+    for name, hook in s.hooks.items():
+        module = getattr(s.pipe, name)
         if len(hook.users) > 1:
             raise ValueError(
                 f"{name} is shared with another accelerated pipeline; parallel= accelerates one pipeline per "
@@ -104,12 +108,12 @@ def _local_checks(s: ParallelSession, pipe: Any) -> dict[str, dict[str, Any]]:
     return plans
 
 
-def _setup_facts(s: ParallelSession, pipe: Any) -> dict[str, Any]:
+def _setup_facts(s: Setup) -> dict[str, Any]:
     options = {f"option {k}": repr(v) for k, v in dataclasses.asdict(s.options).items()}
     options.pop("option compile_cache_dir", None)  # a per-machine path
     denoisers = {}
-    for name, hook in s.graph_hooks.items():
-        module = getattr(pipe, name)
+    for name, hook in s.hooks.items():
+        module = getattr(s.pipe, name)
         config = dict(getattr(module, "config", {}) or {})
         dtype = next((str(p.dtype) for p in module.parameters()), "-")
         denoisers[name] = (
@@ -121,7 +125,7 @@ def _setup_facts(s: ParallelSession, pipe: Any) -> dict[str, Any]:
     return {
         **options,
         "world size": dist.get_world_size(),
-        "pipeline": type(pipe).__name__,
+        "pipeline": type(s.pipe).__name__,
         "denoisers": repr(denoisers),
         "device type": s.device.type,
         "torch": torch.__version__,
@@ -129,13 +133,13 @@ def _setup_facts(s: ParallelSession, pipe: Any) -> dict[str, Any]:
     }
 
 
-def _agree_on_setup(s: ParallelSession, pipe: Any, error: str | None) -> None:
+def _agree_on_setup(s: Setup, agreement: Agreement, control: Any, error: str | None) -> None:
     """Every rank raises the same ParallelConfigError, or none does."""
-    facts = _setup_facts(s, pipe)
+    facts = _setup_facts(s)
     where = (socket.gethostname(), str(s.device))
     gathered: list[Any] = [None] * dist.get_world_size()
-    s.agreement.collective(
-        lambda: dist.all_gather_object(gathered, (facts, where, error), group=s.control), "agreeing on options"
+    agreement.collective(
+        lambda: dist.all_gather_object(gathered, (facts, where, error), group=control), "agreeing on options"
     )
     for rank, (_f, _w, err) in enumerate(gathered):
         if err is not None:
@@ -159,26 +163,25 @@ def _agree_on_setup(s: ParallelSession, pipe: Any, error: str | None) -> None:
             seen[w] = rank
 
 
-def _build_groups(s: ParallelSession) -> None:
+def _build_groups(g: Groups, device: torch.device, timeout: datetime.timedelta) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    lay = s.layout
-    device_type = "cuda" if s.device.type == "cuda" else "cpu"
-    s.mesh = init_device_mesh(device_type, (lay.cfg, 1, lay.ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
+    lay = g.layout
+    device_type = "cuda" if device.type == "cuda" else "cpu"
+    g.mesh = init_device_mesh(device_type, (lay.cfg, 1, lay.ulysses), mesh_dim_names=("cfg", "ring", "ulysses"))
     if lay.cfg > 1:
-        s.cfg_group = s.mesh.get_group("cfg")
-        s.cfg_ranks = dist.get_process_group_ranks(s.cfg_group)
+        g.cfg_group = g.mesh.get_group("cfg")
+        g.cfg_ranks = dist.get_process_group_ranks(g.cfg_group)
         expected = lay.cfg_groups()[lay.ulysses_index]
-        if s.cfg_ranks != expected:
-            raise ParallelError(f"{PREFIX}: the device mesh put guidance pairs at {s.cfg_ranks}, not {expected}")
+        if g.cfg_ranks != expected:
+            raise ParallelError(f"{PREFIX}: the device mesh put guidance pairs at {g.cfg_ranks}, not {expected}")
     if lay.ulysses > 1:
         # Host-side twin of this rank's Ulysses group, for agreeing on captures; every rank
         # creates every group, in the same order.
-        timeout = datetime.timedelta(seconds=s.timeout)
         for ranks in lay.ulysses_groups():
             group = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if lay.rank in ranks:
-                s.ulysses_control = group
+                g.ulysses_control = group
 
 
 def _version(name: str) -> str:

@@ -41,8 +41,8 @@ from diffusers.hooks import HookRegistry
 from ..graphs.patches import Patch, patch
 
 if TYPE_CHECKING:
-    from .cfg_split import ParallelHook
-    from .session import ParallelSession
+    from ..graphs.runner import GraphRunner
+    from .agreement import Agreement
 
 __all__ = ["FusedUlyssesAttention", "agree_on_capture", "enable_ulysses", "fused_attention"]
 
@@ -222,15 +222,21 @@ def _restore_parallel_state(
         module.__dict__["_parallel_config"] = module_config
 
 
-def agree_on_capture(session: ParallelSession, hook: ParallelHook, keys: set[Hashable], blocked: set[Hashable]) -> None:
-    """After a call that captured (or failed to) on this Ulysses group: all keep it or none."""
-    runner = hook.graph_hook.runner
+def agree_on_capture(
+    agreement: Agreement,
+    group: Any,
+    runner: GraphRunner,
+    name: str,
+    keys: set[Hashable],
+    blocked: set[Hashable],
+) -> None:
+    """After a call of denoiser ``name`` that captured (or failed to) on this Ulysses group
+    (``group``, its gloo twin): all keep its new graphs or none. ``keys`` and ``blocked``: the
+    runner's before the call."""
     new = [k for k in runner.keys if k not in keys]
     failed = [k for k in runner.blocked if k not in blocked]
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
-    session.agreement.collective(
-        lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=session.ulysses_control), "agreeing on a capture"
-    )
+    agreement.collective(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group), "agreeing on a capture")
     if not int(flag.item()):
         return
     if new:
@@ -240,6 +246,6 @@ def agree_on_capture(session: ParallelSession, hook: ParallelHook, keys: set[Has
         )
     logger.warning(
         "%s: a capture failed on %s; every rank of its Ulysses group runs that call eagerly",
-        hook.name,
+        name,
         "this rank" if failed else "another rank",
     )

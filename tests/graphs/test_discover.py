@@ -19,16 +19,8 @@ import pytest
 import torch
 
 from accel.graphs import bcg, marks
-from accel.graphs.discover import (
-    BreakSite,
-    discover,
-    is_capture_error,
-    locate,
-    locate_by_sync_debug,
-    mark_as_break,
-    mark_by_name,
-    resolve,
-)
+from accel.graphs.discover import BreakSite, discover, mark_as_break, mark_by_name
+from accel.graphs.sites import is_capture_error, locate, locate_by_sync_debug, resolve
 from tests.helpers import discover_toys
 from tests.helpers.discover_toys import CAPTURE_ERROR, raising_op
 from tests.helpers.fakes import fake_capture

@@ -36,6 +36,44 @@ def test_fused_attention_nests_and_puts_diffusers_class_back() -> None:
     assert not any("TemplatedUlyssesAttention" in line for line in patches.active())
 
 
+def test_a_ulysses_group_keeps_a_calls_new_graphs_only_where_no_rank_failed() -> None:
+    """``agree_on_capture`` on a one-rank gloo group: its real all-reduce, a runner's new keys."""
+    import torch.distributed as dist
+
+    from accel.parallel import ulysses
+    from accel.parallel.agreement import Agreement
+    from accel.parallel.layout import Layout
+    from accel.parallel.process import Liveness
+
+    class Runner:  # what agree_on_capture reads of a graph runner, and the drops it asks for
+        def __init__(self, keys: list[str], blocked: dict[str, str]) -> None:
+            self.keys, self.blocked = keys, blocked
+            self.dropped: list[tuple[list[str], str]] = []
+
+        def block(self, keys: list[str], reason: str) -> None:
+            self.dropped.append((list(keys), reason))
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group(backend="gloo")
+        agreement = Agreement(Liveness(30.0), lambda: Layout("ulysses", 1, 0, cfg=1, ulysses=1))
+        captured = Runner(["old", "new"], {})
+        ulysses.agree_on_capture(agreement, group, captured, "transformer", {"old"}, set())
+        assert captured.dropped == []
+        failed = Runner(["old", "new"], {"bad": "BreakError: boom"})
+        ulysses.agree_on_capture(agreement, group, failed, "transformer", {"old"}, set())
+        assert failed.dropped == [
+            (["new"], "another rank failed to capture this call; every rank runs it eagerly (collectives in step)")
+        ]
+        failed_before = Runner(["old"], {"bad": "BreakError: boom"})
+        ulysses.agree_on_capture(agreement, group, failed_before, "transformer", {"old"}, {"bad"})
+        assert failed_before.dropped == []
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()
+
+
 def test_fused_equals_diffusers_ulysses_on_two_processes(tmp_path: Path) -> None:
     procs = launch_ranks(__file__, WORLD, tmp_path, str(tmp_path))
     try:
