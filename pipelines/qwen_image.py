@@ -91,6 +91,9 @@ class QwenImageRecipe(Recipe):
     name = "qwen-image"
     denoiser_classes = ("QwenImageTransformer2DModel",)
     diffusers_versions = ">=0.42,<0.43"
+    # quantize="fp8" keeps these in bf16 from the start, as the peers' float8 presets do: the image
+    # and text inputs, the timestep embedder, every block's modulation, the output norm and projection.
+    fp8_keep = ("img_in", "txt_in", "time_text_embed.*", "*.img_mod.*", "*.txt_mod.*", "norm_out.linear", "proj_out")
 
     pads_text = True
 

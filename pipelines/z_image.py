@@ -146,6 +146,9 @@ class ZImageRecipe(Recipe):
     name = "z-image"
     denoiser_classes = ("ZImageTransformer2DModel",)
     diffusers_versions = ">=0.42,<0.43"
+    # quantize="fp8" keeps these in bf16 from the start (every layer in float8 gives Z-Image noise):
+    # the patch, caption and timestep embedders, every block's adaLN modulation, the final layer.
+    fp8_keep = ("all_x_embedder.*", "cap_embedder.*", "t_embedder.*", "*adaLN_modulation*", "all_final_layer.*")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -23,9 +23,10 @@ from .graph_hook import HOOK_NAME, GraphHook, module_device
 from .guard import CallGuard, RequestLock
 from .install import DENOISER_NAMES, Installation, ParallelSession, register_parallel_session
 from .options import MODES, RESOLUTION_MULTIPLE, AcceleratorOptions, with_overrides
+from .quantize import Quantization
 from .recipe import Recipe
 from .report import graph_memory_bytes, report
-from .warmup import WarmupReport, WarmupRow, plan_warmup, run_warmup
+from .warmup import WarmupReport, WarmupRow, case_calls, plan_warmup, run_warmup, uncaptured
 
 __all__ = [
     "DENOISER_NAMES",
@@ -141,6 +142,12 @@ class PipelineAccelerator:
         batches = self._installed.cfg_batch if self._installed is not None else {}
         return {name: (b.joined, b.alone) for name, b in batches.items()}
 
+    @property
+    def quantization(self) -> Quantization | None:
+        """What ``quantize=`` did to the denoisers (:meth:`Quantization.summary` says it in one
+        line), or None where nothing is quantized."""
+        return self._installed.quantization if self._installed is not None else None
+
     def graph_memory_bytes(self) -> int:
         """Device memory held for graphs: the graph pool(s), static inputs and boundary buffers."""
         return graph_memory_bytes(self.hooks)
@@ -187,6 +194,9 @@ class PipelineAccelerator:
             A :class:`WarmupReport` with capture seconds (and compile seconds with
             ``compile=True``), graphs and resident graph memory per resolution; its ``skipped``
             says why nothing was captured, where nothing was.
+
+        With ``quantize=``, the first warm-up first measures its first call (the largest case)
+        in bf16 and quantized, and quantizes the layers it selects (:mod:`accel.hooks.quantize`).
         """
         installed = self.installed
         hooks, denoisers = installed.hooks, installed.denoisers
@@ -207,6 +217,16 @@ class PipelineAccelerator:
         if installed.parallel is not None:
             # Every rank must capture the same cases in the same order.
             installed.parallel.check_same("the warm-up plan", [repr(plan)])
+        if installed.quantization is not None and installed.quantization.pending:
+            case = plan.cases[0]
+            installed.quantization.calibrate(
+                self.pipe,
+                next(iter(case_calls(primary.recipe, self.pipe, plan, case))),
+                module_device(installed.primary),
+                keep={name: hooks[name].recipe.fp8_keep for name in denoisers},
+                where=f"{case.width}x{case.height}, batch {case.batch_size}, {plan.num_inference_steps} steps",
+                paused=uncaptured(h.runner for h in hooks.values()),
+            )
         runners = [h.runner for h in hooks.values() if h.active]
         device = module_device(installed.primary)
         skipped = installed.why_no_graphs(device) if not runners or device.type != "cuda" else None

@@ -25,6 +25,7 @@ from .cfg_batch import CFGBatchHook, apply_cfg_batch, remove_cfg_batch
 from .graph_hook import GraphHook, apply_graph_runner, module_device, remove_graph_runner
 from .guard import CallGuard
 from .options import AcceleratorOptions
+from .quantize import Quantization, plan_quantization
 
 __all__ = ["DENOISER_NAMES", "Installation", "ParallelSession", "register_parallel_session"]
 
@@ -84,6 +85,8 @@ class Installation:
         guard: the scheduler's call guard (None where the pipeline has no scheduler to hook).
         parallel: the several-process session, or None.
         cfg_batch: the guidance-batching hook of each denoiser that has one.
+        quantization: what ``quantize=`` does to the denoisers (:mod:`accel.hooks.quantize`),
+            or None.
     """
 
     def __init__(self, pipe: Any, options: AcceleratorOptions) -> None:
@@ -94,6 +97,7 @@ class Installation:
         self.guard: CallGuard | None = None
         self.parallel: ParallelSession | None = None
         self.cfg_batch: dict[str, CFGBatchHook] = {}
+        self.quantization: Quantization | None = None
         self._own_pool: GraphPool | None = None
         try:
             self._install()
@@ -103,6 +107,8 @@ class Installation:
 
     def _install(self) -> None:
         pipe, options = self.pipe, self.options
+        # Refused (one line) before anything is installed; quantizes nothing until the warm-up.
+        self.quantization = plan_quantization(pipe, options, DENOISER_NAMES)
         for name in DENOISER_NAMES:
             module = getattr(pipe, name, None)
             if isinstance(module, torch.nn.Module):
@@ -173,6 +179,8 @@ class Installation:
         # themselves as they are called (text encoders run before set_timesteps).
         for name in self.denoisers:
             self.hooks[name].follow_weights()
+        if self.quantization is not None:
+            self.quantization.note_call()
 
     def _apply_cfg_batch(self) -> None:
         # Only where graphs run (CUDA, not eager mode): elsewhere the pipeline stays unchanged.
@@ -202,7 +210,10 @@ class Installation:
             )
 
     def uninstall(self) -> None:
-        """Take out everything, in the reverse order; the pipeline is as it was before."""
+        """Take out everything, in the reverse order; the pipeline is as it was before, but for
+        layers ``quantize=`` put in float8, which stay (see :mod:`accel.hooks.quantize`)."""
+        if self.quantization is not None:
+            self.quantization.let_go()
         for name in list(self.cfg_batch):
             remove_cfg_batch(getattr(self.pipe, name), self)
         self.cfg_batch.clear()

@@ -21,11 +21,13 @@ from typing import Literal, get_args
 __all__ = [
     "MODES",
     "PARALLEL_MODES",
+    "QUANTIZE_MODES",
     "RECIPE_DEFAULT",
     "RESOLUTION_MULTIPLE",
     "AcceleratorOptions",
     "Mode",
     "Parallel",
+    "Quantize",
     "RecipeDefault",
     "check_resolution",
     "default_compile_cache_dir",
@@ -41,6 +43,12 @@ MODES: tuple[str, ...] = get_args(Mode)
 Parallel = Literal["cfg", "ulysses", "cfg+ulysses"]
 PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)
 DEFAULT_PARALLEL_TIMEOUT_S = 300.0
+
+# Lossy, opt-in: the denoiser's Linear layers in float8 (accel/hooks/quantize.py).
+Quantize = Literal["fp8"]
+QUANTIZE_MODES: tuple[str, ...] = get_args(Quantize)
+# The final latents' relative distance to bf16 that quantize="fp8" may cost (AcceleratorOptions.fp8_budget).
+DEFAULT_FP8_BUDGET = 0.05
 
 # Both latent dimensions are divided by the VAE factor (8) and then patchified by 2.
 RESOLUTION_MULTIPLE = 16
@@ -198,6 +206,29 @@ class AcceleratorOptions:
             stored as sorted ``(name, value)`` pairs. Names inductor does not know raise
             ValueError when the blocks are compiled. Default None: the library's settings.
 
+    Quantization (lossy, opt-in):
+
+    Attributes:
+        quantize: ``"fp8"``: the denoisers' Linear layers in float8 (torchao's dynamic float8
+            activations and float8 weights with per-row scales, through ``torchao.quantize_``),
+            the layers that cost the image most kept in bf16. The first :meth:`warmup` call
+            measures every quantized layer's output against bf16 and keeps the worst ones in bf16
+            until the final latents are within ``fp8_budget``, starting from those the recipe
+            names (embedders, modulation, final projection); until a warm-up the weights stay
+            bf16. Needs a CUDA GPU of compute capability 8.9 or newer, bf16 weights and the
+            ``[fp8]`` extra (torchao); refused otherwise, in one line. Not with ``parallel``. A
+            denoiser quantized when it was loaded (diffusers' ``TorchAoConfig``) is used as it
+            is. One-way: :meth:`restore` leaves the quantized layers in float8 (their bf16
+            weights are freed). Default None: nothing quantized, the image unchanged. See
+            :mod:`accel.hooks.quantize`.
+        fp8_budget: with ``quantize="fp8"``, the largest relative distance (L2 norm of the
+            difference over the L2 norm of the bf16 result) of the first warm-up call's final
+            latents from the same call in bf16. Default 0.05: one float8 product rounds its
+            output by about 3-5% (three mantissa bits, in weights and activations alike), so a
+            budget far below that keeps nearly every layer in bf16, while the peers' accepted
+            float8 images (vllm-omni's gate, LPIPS 0.15, about 20 dB PSNR) are around 10% from
+            bf16: 5% keeps half of that margin. A number in (0, 1].
+
     Several GPUs:
 
     Attributes:
@@ -233,6 +264,9 @@ class AcceleratorOptions:
     compile_cache_dir: Path | None = None
     compiled_forms: bool = True
     inductor: tuple[tuple[str, object], ...] | None = None
+    # quantization
+    quantize: Quantize | None = None
+    fp8_budget: float = DEFAULT_FP8_BUDGET
     # several GPUs
     parallel: Parallel | None = None
     parallel_timeout_s: float = DEFAULT_PARALLEL_TIMEOUT_S
@@ -271,6 +305,14 @@ class AcceleratorOptions:
             and timeout > 0
         ):
             raise ValueError(f"parallel_timeout_s must be a positive number of seconds, got {timeout!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be None or one of {', '.join(QUANTIZE_MODES)}; got {self.quantize!r}")
+        fp8 = self.fp8_budget
+        if not (isinstance(fp8, (int, float)) and not isinstance(fp8, bool) and math.isfinite(fp8) and 0 < fp8 <= 1):
+            raise ValueError(f"fp8_budget must be a relative error in (0, 1], got {fp8!r}")
+        if self.quantize is not None and self.parallel is not None:
+            # Each rank would measure its own share of the work and could keep other layers.
+            raise ValueError(f"quantize={self.quantize!r} does not combine with parallel= yet: pass one of them")
 
     @property
     def memory_budget_bytes(self) -> int | None:

@@ -101,6 +101,9 @@ class Recipe:
         diffusers_versions: the diffusers range (PEP 440 specifier) the recipe was tested with;
             outside it the denoiser runs eagerly with a warning.
         pads_text: the recipe takes a ``text_buckets`` argument (``None`` for no padding).
+        fp8_keep: ``quantize="fp8"``: fnmatch patterns of the Linear layers (qualified names in
+            the denoiser) kept in bf16 before anything is measured: those its float8 images are
+            known to need in bf16 (:mod:`accel.hooks.layer_select`).
     """
 
     name: ClassVar[str] = "generic"
@@ -108,6 +111,7 @@ class Recipe:
     diffusers_versions: ClassVar[str] = ""
     # Whether the recipe pads text to buckets: only then is it built with ``text_buckets=``.
     pads_text: ClassVar[bool] = False
+    fp8_keep: ClassVar[tuple[str, ...]] = ()
 
     # -- installation ----------------------------------------------------------------------
     def install(self, module: torch.nn.Module) -> Callable[[], None]:

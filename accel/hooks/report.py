@@ -1,8 +1,8 @@
 """``pipe.accel.report()``: what an accelerated pipeline did, in lines a person reads.
 
 Per accelerated module: its state (graphs, or eager and why), counters, capture failures and
-the breaks found, step caches and their decision paths, guidance batches; then the parallel
-session, graph memory, and the patches the library has in place in the process.
+the breaks found, step caches and their decision paths, guidance batches; then what ``quantize=``
+did, the parallel session, graph memory, and the patches the library has in place in the process.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def report(installed: Installation | None, pipeline: str, mode: str) -> str:
     why = installed.why_no_graphs(module_device(installed.primary))
     for name, h in installed.hooks.items():
         lines += _module_lines(installed, name, h, why)
+    if installed.quantization is not None:
+        lines += installed.quantization.describe()
     if installed.parallel is not None:
         lines.append(f"  {installed.parallel.describe()}")
     lines.append(f"  graph memory: {graph_memory_bytes(installed.hooks) / 2**20:.1f} MiB")

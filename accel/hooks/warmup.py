@@ -39,6 +39,7 @@ __all__ = [
     "WarmupPlan",
     "WarmupReport",
     "WarmupRow",
+    "case_calls",
     "normalise_resolutions",
     "plan_warmup",
     "run_warmup",
@@ -325,6 +326,10 @@ def _calls(recipe: Recipe, pipe: Any, plan: WarmupPlan, case: WarmupCase) -> Ite
         call_kwargs=plan.call_kwargs,
     ):
         yield {**kwargs, **plan.call_kwargs}
+
+
+# The calls of one case, for what runs them outside run_warmup (the measurement of quantize=).
+case_calls = _calls
 
 
 @contextlib.contextmanager

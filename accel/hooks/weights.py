@@ -19,7 +19,15 @@ _ACCELERATE_OFFLOAD = "accelerate offload hooks (enable_model_cpu_offload or ena
 _GROUP_OFFLOAD = "diffusers group offloading"
 
 
-def _tensor_key(t: torch.Tensor) -> tuple[int, int, int]:
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    if type(t) not in _PLAIN and hasattr(t, "__tensor_flatten__"):
+        # A wrapper subclass (torchao's float8 weights) has no storage of its own (its address
+        # reads 0) and its version does not move when its inner tensors change: key those.
+        names, _ = t.__tensor_flatten__()
+        return (id(t), *(_tensor_key(getattr(t, n)) for n in names))
     try:
         version = t._version
     except RuntimeError:  # inference tensors have no version counter
