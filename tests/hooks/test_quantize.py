@@ -286,3 +286,29 @@ def test_restore_leaves_the_float8_layers_and_an_accelerator_after_it_uses_them_
         "  transformer: quantized when loaded (stand-in grid, by an earlier quantize='fp8'): used as it is, "
         "not measured"
     ) in pipe.accel.report()
+
+
+def test_a_step_cache_under_graphs_on_the_quantized_model_equals_it_run_eagerly(monkeypatch) -> None:
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+
+    from tests.helpers.emulator import emulate_pipelines
+
+    emulate_pipelines(monkeypatch)
+    use_grid(monkeypatch, levels=16)
+    pipe = _pipe()
+    apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=10.0))  # caches every step it may
+    accelerate_pipeline(pipe, quantize="fp8", capture_on_miss=True, text_encoder=False, vae=False)
+    pipe.accel.warmup((64, 64), prompts=["a fox"], negative_prompt="blurry", progress=False)
+    assert pipe.accel.quantization.selection.quantized
+    cases = [dict(seed=1), dict(seed=0)]
+    kw = dict(prompt="a fox", steps=3, guidance=4.0, negative_prompt="blurry")
+    got = [generate(pipe, **kw, **case) for case in cases]
+    hook = pipe.accel.hooks["transformer"]
+    st = pipe.accel.stats()["transformer"]
+    assert hook.active and hook.caches.active and st.replays > 0 and st.eager_calls == 0
+    assert hook.caches.rules[0].counts.total_steps[1] > 0  # steps were cached
+    pipe.accel.restore()  # the float8 layers stay: the eager reference runs the same model
+    accelerate_pipeline(pipe, mode="eager")
+    want = [generate(pipe, **kw, **case) for case in cases]
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"call {i}: max diff {(a - b).abs().max()}"
