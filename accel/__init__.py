@@ -36,6 +36,7 @@ from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_p
 from .hooks.fused import addmm_gelu_tanh, fusable_linear
 from .hooks.guard import BusyError
 from .hooks.options import AcceleratorOptions
+from .hooks.quantizers import QuantizeError, check_quantize
 from .hooks.recipe import (
     GenerationDefaults,
     GenericRecipe,
@@ -66,6 +67,7 @@ __all__ = [
     "ParallelConfigError",
     "ParallelError",
     "PipelineAccelerator",
+    "QuantizeError",
     "Recipe",
     "RecipeError",
     "RunnerStats",
@@ -75,6 +77,7 @@ __all__ = [
     "break_graph",
     "capture",
     "check_heads_divisible",
+    "check_quantize",
     "diffusers_in",
     "eager_on_graph",
     "fusable_linear",

@@ -33,6 +33,7 @@ __all__ = [
     "Quantizer",
     "TorchAOFloat8",
     "check_fp8_device",
+    "check_quantize",
     "module_bytes",
     "quantized_when_loaded",
     "quantizer_for",
@@ -65,8 +66,9 @@ class Quantizer(abc.ABC):
     name: str = "quantizer"
     detail: str = ""
 
-    def check(self, module: torch.nn.Module, device: torch.device) -> None:  # noqa: B027 (optional)
-        """QuantizeError, in one line, where ``module`` on ``device`` cannot be quantized."""
+    def check(self, module: torch.nn.Module | None, device: torch.device) -> None:  # noqa: B027 (optional)
+        """QuantizeError, in one line, where ``module`` on ``device`` cannot be quantized (None:
+        any model, checked before one is built)."""
 
     def takes(self, linear: torch.nn.Linear) -> bool:
         """Whether :meth:`quantize` can take this layer (its shape, its dtype)."""
@@ -123,7 +125,7 @@ class TorchAOFloat8(Quantizer):
     name = "torchao float8"
     detail = "dynamic float8 activations and float8 weights, per-row scales"
 
-    def check(self, module: torch.nn.Module, device: torch.device) -> None:
+    def check(self, module: torch.nn.Module | None, device: torch.device) -> None:
         check_fp8_device(device)
         version = _torchao_version()
         if version is None:
@@ -143,7 +145,7 @@ class TorchAOFloat8(Quantizer):
             tested = False
         if not tested:
             logger.warning("quantize='fp8' was tested with torchao %s; this is %s", TORCHAO_VERSIONS, version)
-        dtype = _weights_dtype(module)
+        dtype = _weights_dtype(module) if module is not None else None
         if dtype is not None and dtype != torch.bfloat16:
             raise QuantizeError(
                 f"quantize='fp8' (per-row float8) needs bfloat16 weights; {type(module).__name__}'s are "
@@ -192,6 +194,14 @@ QUANTIZERS: dict[str, Callable[[], Quantizer]] = {"fp8": TorchAOFloat8}
 def quantizer_for(value: str) -> Quantizer:
     """A fresh quantizer for a ``quantize=`` value (validated by the options already)."""
     return QUANTIZERS[value]()
+
+
+def check_quantize(value: str, device: torch.device) -> None:
+    """QuantizeError, in one line, where ``quantize=value`` cannot run on ``device``, checked
+    before a model exists (the device, torchao); ValueError for a value that is none."""
+    if value not in QUANTIZERS:
+        raise ValueError(f"quantize must be None or one of {', '.join(QUANTIZERS)}; got {value!r}")
+    quantizer_for(value).check(None, torch.device(device))
 
 
 def quantized_when_loaded(module: torch.nn.Module) -> str | None:

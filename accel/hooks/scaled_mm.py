@@ -106,7 +106,7 @@ class ScaledMMFloat8(Quantizer):
     name = "float8 (opaque scaled_mm op)"
     detail = "dynamic float8 activations and float8 weights, per-row scales, one custom op per product"
 
-    def check(self, module: torch.nn.Module, device: torch.device) -> None:
+    def check(self, module: torch.nn.Module | None, device: torch.device) -> None:
         check_fp8_device(device)
 
     def takes(self, linear: torch.nn.Linear) -> bool:

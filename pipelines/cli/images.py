@@ -26,9 +26,10 @@ if TYPE_CHECKING:
     from .prompts import TokenCount
 
 
-def run_text(model: str, device: Any, dtype: Any, call: CallSettings, cache: str | None = None) -> dict[str, str]:
+def run_text(model: str, device: Any, dtype: Any, call: CallSettings, cache: str | None = None,
+             quantize: str | None = None) -> dict[str, str]:  # fmt: skip
     """The PNG text every image of a run shares: how the calls were made (``cache``: the step
-    cache applied, as described when it was)."""
+    cache applied, as described when it was; ``quantize``: what quantization ran, :func:`quantized`)."""
     text = dict(
         negative_prompt=call.negative_prompt or "",
         steps=str(call.steps),
@@ -40,9 +41,18 @@ def run_text(model: str, device: Any, dtype: Any, call: CallSettings, cache: str
     )
     if cache is not None:
         text["cache"] = cache
+    if quantize is not None:
+        text["quantize"] = quantize
     if call.frames is not None:
         text["frames"] = f"{call.frames} generated, the first written"
     return text
+
+
+def quantized(pipe: Any) -> str | None:
+    """What ``quantize=`` did to ``pipe``'s denoiser, in one line (None where nothing is quantized)."""
+    accel = vars(pipe).get("accel")
+    quantization = getattr(accel, "quantization", None)
+    return quantization.summary() if quantization is not None else None
 
 
 def image_texts(job: Job, common: Mapping[str, str], mode: str, requested_mode: str,

@@ -84,6 +84,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         "delete it to clear the cache",
     )
     p.add_argument(
+        "--quantize",
+        choices=options.QUANTIZE_MODES,
+        default=None,
+        help="fp8: the denoiser's Linear layers in float8 (lossy; a CUDA GPU of compute capability 8.9 or newer, "
+        "bf16 weights, pip install 'bcg-diffusers[fp8]'); the warmup measures them and keeps the worst in bf16 "
+        f"until the latents are within {options.DEFAULT_FP8_BUDGET:.0%} of bf16".replace("%", "%%"),
+    )
+    p.add_argument(
         "--no-text-encoder-graphs",
         dest="text_encoder_graphs",
         action="store_false",
@@ -198,6 +206,7 @@ class ModelSettings:
     vae_graphs: bool = True
     cfg_batch: bool = True
     auto_breaks: bool = True
+    quantize: str | None = None
 
     @property
     def mode(self) -> str:
@@ -233,6 +242,8 @@ class ModelSettings:
             options["auto_breaks"] = False
         if not self.cfg_batch:
             options["cfg_batch"] = False
+        if self.quantize is not None:
+            options["quantize"] = self.quantize
         return options
 
 
@@ -246,6 +257,8 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         warmup = tuple(dict.fromkeys(w for w in args.warmup if w is not None))
     if args.compile and (args.mode or "bcg") == "eager":
         raise CLIError("--compile prepares graph capture, which --mode eager never does: drop one of them")
+    if args.quantize is not None:
+        _check_quantize_flags(args.quantize, args.mode or "bcg", args.parallel, warmup)
     cache = cache_request(args.cache, args.cache_threshold, args.cache_interval, args.cache_ratios)
     if args.compile_cache is not None:
         check_compile_cache(args.compile_cache)
@@ -270,4 +283,33 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         vae_graphs=args.vae_graphs,
         cfg_batch=args.cfg_batch,
         auto_breaks=args.auto_breaks,
+        quantize=args.quantize,
     )
+
+
+def _check_quantize_flags(quantize: str, mode: str, parallel: str | None, warmup: tuple[Size, ...] | None) -> None:
+    if mode == "eager" and parallel is None:
+        raise CLIError(
+            f"--quantize {quantize} is applied by the accelerator, which --mode eager skips: drop one of them"
+        )
+    if parallel is not None:
+        raise CLIError(f"--quantize {quantize} does not combine with --parallel yet: drop one of them")
+    if warmup == ():
+        raise CLIError(f"--quantize {quantize} measures its layers in the warm-up: drop --warmup none")
+
+
+def check_quantize(settings: ModelSettings, device: Any, dtype: Any) -> None:
+    """``--quantize`` against the device and dtype, before anything is built: CLIError where it
+    cannot run (a CPU, a GPU below compute capability 8.9, torchao missing, weights not bf16)."""
+    if settings.quantize is None:
+        return
+    from accel import check_quantize as refusal
+
+    flag = f"--quantize {settings.quantize}"
+    try:
+        refusal(settings.quantize, device)
+    except ValueError as e:
+        raise CLIError(str(e).replace(f"quantize={settings.quantize!r}", flag)) from None
+    if str(dtype) != "torch.bfloat16":
+        name = str(dtype).removeprefix("torch.")
+        raise CLIError(f"{flag} makes its float8 weights from bfloat16 ones: use --dtype bfloat16, not {name}")

@@ -22,10 +22,10 @@ from .caches import CacheRequest, apply_cache, check_supported, denoiser_of
 from .calls import CallSettings, call_settings, generate_images, graph_replays, mode_ran
 from .checks import _check_embedded, check_positions, largest_first, resolve_device
 from .errors import CLIError, RunError, _one_line
-from .images import run_text
+from .images import quantized, run_text
 from .jobs import Job
 from .loading import build_model
-from .model_flags import ModelSettings, model_settings
+from .model_flags import ModelSettings, check_quantize, model_settings
 
 logger = logging.getLogger("bcg-generate")
 
@@ -82,7 +82,9 @@ class PreparedPipeline:
 
     def text(self, call: CallSettings | None = None) -> dict[str, str]:
         """The PNG text every image of ``call`` (default: :attr:`call`) shares."""
-        return run_text(self.settings.model, self.device, self.dtype, call or self.call, self.cache)
+        return run_text(
+            self.settings.model, self.device, self.dtype, call or self.call, self.cache, quantized(self.pipe)
+        )
 
     def generate(self, job: Job, hint: str = "", call: CallSettings | None = None) -> GeneratedCall:
         """Make ``job``'s images in one call with ``call`` (default: :attr:`call`); RunError for a
@@ -112,6 +114,7 @@ def check_model(settings: ModelSettings, device: Any, dtype: Any, resolutions: S
     """What can be checked before the model is built (CLIError): a local model's folder, and a
     built-in model's limits and step cache against its configs."""
     _check_embedded(settings.model, settings.size, device, dtype, resolutions, settings.warmup or [], frames)
+    check_quantize(settings, device, dtype)
     if settings.cache is not None:
         _check_embedded_cache(settings.cache, settings.model, settings.size)
 

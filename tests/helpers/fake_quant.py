@@ -59,7 +59,7 @@ class GridQuantizer(Quantizer):
         self.refuse = refuse
         self.calls: list[list[str]] = []
 
-    def check(self, module: torch.nn.Module, device: torch.device) -> None:
+    def check(self, module: torch.nn.Module | None, device: torch.device) -> None:
         if self.refuse:
             raise quantizers.QuantizeError(self.refuse)
 
