@@ -74,7 +74,8 @@ class Quantization:
         quantizer: the quantizer (None without ``value``).
         budget: ``fp8_budget``.
         roots: the denoisers it quantizes, by component name.
-        loaded: the denoisers quantized before the library saw them, and how.
+        loaded: the denoisers quantized before (when loaded, or by an earlier ``quantize=``),
+            and how, as a phrase.
         selection: what the first warm-up selected and measured (None before).
         where: the call that was measured (size, batch, steps).
     """
@@ -161,14 +162,14 @@ class Quantization:
                 f"{self.value} ({self.quantizer.name}): {len(s.quantized)} Linear layers in float8, {kept} in bf16; "
                 f"final latents {s.error:.2%} from bf16 (budget {s.budget:.2%})"
             )
-        loaded = "; ".join(f"{n} quantized when loaded ({how})" for n, how in self.loaded.items())
+        loaded = "; ".join(f"{n} {how}" for n, how in self.loaded.items())
         if self.pending:
             return f"{self.value} requested, not applied yet (no warm-up): bf16" + (f"; {loaded}" if loaded else "")
         return loaded or "none"
 
     def describe(self) -> list[str]:
         """The report's lines."""
-        lines = [f"  {n}: quantized when loaded ({how}): used as it is, not measured" for n, how in self.loaded.items()]
+        lines = [f"  {n}: {how}: used as it is, not measured" for n, how in self.loaded.items()]
         if self.quantizer is None:
             return lines
         head = f"  quantize {self.value} ({self.quantizer.name}: {self.quantizer.detail})"
@@ -199,19 +200,22 @@ def plan_quantization(pipe: Any, options: AcceleratorOptions, denoisers: Sequenc
     one line where it cannot (QuantizeError) before anything is installed; None where there is
     nothing to quantize or report."""
     modules = {n: m for n in denoisers if isinstance(m := getattr(pipe, n, None), torch.nn.Module)}
-    loaded = {n: how for n, m in modules.items() if (how := quantized_when_loaded(m)) is not None}
-    if options.quantize is None:
-        return Quantization(None, None, options.fp8_budget, {}, loaded) if loaded else None
-    quantizer = quantizer_for(options.quantize)
+    quantizer = quantizer_for(options.quantize) if options.quantize is not None else None
+    loaded: dict[str, str] = {}
     for name, module in modules.items():
-        if any(quantizer.is_quantized(m) for m in module.modules()):
-            loaded.setdefault(name, f"{quantizer.name}, by an earlier quantize={options.quantize!r}")
-    for name, how in loaded.items():
-        if not how.startswith("torchao") and not how.startswith(quantizer.name):
+        how = quantized_when_loaded(module)
+        if how is not None and "torchao" not in how and quantizer is not None:
             raise QuantizeError(
-                f"{name} was quantized when it was loaded ({how}): quantize={options.quantize!r} needs its bf16 "
-                "weights; pass quantize=None to run it as it is"
+                f"{name} was {how}: quantize={options.quantize!r} needs its bf16 weights; pass quantize=None "
+                "to run it as it is"
             )
+        earlier = quantizer is not None and (how is None or "when loaded" not in how)
+        if earlier and any(quantizer.is_quantized(m) for m in module.modules()):
+            how = f"quantized by an earlier quantize={options.quantize!r} ({quantizer.name})"
+        if how is not None:
+            loaded[name] = how
+    if quantizer is None:
+        return Quantization(None, None, options.fp8_budget, {}, loaded) if loaded else None
     roots = {n: m for n, m in modules.items() if n not in loaded}
     for module in roots.values():
         quantizer.check(module, _device(module))

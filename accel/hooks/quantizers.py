@@ -205,15 +205,16 @@ def check_quantize(value: str, device: torch.device) -> None:
 
 
 def quantized_when_loaded(module: torch.nn.Module) -> str | None:
-    """How ``module``'s weights were quantized before the library saw them (diffusers'
-    quantization config when loaded, or torchao tensors put in since), or None."""
+    """How ``module``'s weights are quantized already, as a phrase (``"quantized when loaded
+    (torchao, 37 layers with torchao weights)"``): through diffusers' quantization config when
+    it was loaded, or torchao tensors put in since; None for none."""
     hf = getattr(module, "hf_quantizer", None)
     method = getattr(getattr(hf, "quantization_config", None), "quant_method", None)
     layers = sum(1 for m in module.modules() if any(_is_torchao(p) for p in m._parameters.values() if p is not None))
-    if method is None and not layers:
-        return None
-    method = str(getattr(method, "value", method) or "torchao")
-    return f"{method}, {layers} layers with torchao weights" if layers else method
+    torchao = f", {layers} layers with torchao weights" if layers else ""
+    if method is not None:
+        return f"quantized when loaded ({getattr(method, 'value', method)}{torchao})"
+    return f"quantized already (torchao{torchao})" if layers else None
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

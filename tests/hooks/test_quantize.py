@@ -141,7 +141,7 @@ def test_weights_another_library_quantized_are_refused_and_reported_without_quan
     with pytest.raises(QuantizeError) as e:
         accelerate_pipeline(pipe, quantize="fp8")
     assert _one_line(e) == (
-        "transformer was quantized when it was loaded (bitsandbytes): quantize='fp8' needs its bf16 weights; "
+        "transformer was quantized when loaded (bitsandbytes): quantize='fp8' needs its bf16 weights; "
         "pass quantize=None to run it as it is"
     )
     accelerate_pipeline(pipe)
@@ -283,8 +283,7 @@ def test_restore_leaves_the_float8_layers_and_an_accelerator_after_it_uses_them_
     pipe.accel.warmup((64, 64), progress=False)
     assert len(made) == 2 and made[1].calls == []  # not measured, not quantized again
     assert (
-        "  transformer: quantized when loaded (stand-in grid, by an earlier quantize='fp8'): used as it is, "
-        "not measured"
+        "  transformer: quantized by an earlier quantize='fp8' (stand-in grid): used as it is, not measured"
     ) in pipe.accel.report()
 
 

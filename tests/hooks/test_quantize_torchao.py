@@ -136,7 +136,7 @@ def test_a_model_quantized_when_loaded_through_torchao_config_is_used_as_it_is(o
     )
     pipe = type(pipe)(**{**pipe.components, "transformer": loaded})
     pipe.set_progress_bar_config(disable=True)
-    assert quantized_when_loaded(loaded) == "torchao, 37 layers with torchao weights"
+    assert quantized_when_loaded(loaded) == "quantized when loaded (torchao, 37 layers with torchao weights)"
     want = generate(pipe, guidance=0.0)
     accelerate_pipeline(pipe, quantize="fp8")
     assert not pipe.accel.quantization.pending

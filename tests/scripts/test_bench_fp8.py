@@ -1,0 +1,44 @@
+"""scripts/bench_fp8.py on the CPU (a tiny model, the stand-in quantizer): every row runs, in the
+order quantizing allows, and its outputs have the promised shape. Speed is never asserted here;
+the GPU numbers come from running the script on the device."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.fake_quant import GridQuantizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_fp8_bench_runs_every_row_and_writes_its_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("bench_fp8_script", ROOT / "scripts" / "bench_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setitem(bench.BACKENDS, "torchao", lambda: GridQuantizer(levels=32))
+    out = tmp_path / "fp8"
+    argv = ["--only", "z-image", "--size", "tiny", "--steps", "2", "--resolution", "64", "--runs", "1"]
+    bench.main([*argv, "--out", str(out)])
+
+    result = json.loads((out / "results.json").read_text())
+    rows = result["rows"]
+    assert [r["variant"] for r in rows] == list(bench.VARIANTS)
+    assert all(r["status"] == "ok" for r in rows), [r.get("reason") for r in rows]
+    eager, compiled, fp8, cached = rows
+    assert eager["latents"] == {"max_abs": 0.0, "rel_l2": 0.0} and eager["image"]["psnr_db"] == float("inf")
+    assert compiled["latents"]["max_abs"] == 0.0 and compiled["vs_no_graphs"] == 0.0  # on the CPU: eager
+    assert fp8["latents"]["rel_l2"] > 0 and fp8["image"]["max_abs"] > 0 and fp8["vs_no_graphs"] == 0.0
+    sel = fp8["selection"]
+    assert sel["kept_by_recipe"] == 9 and sel["calibration_error"] <= result["args"]["fp8_budget"]
+    assert sel["quantized"] + sel["kept_by_recipe"] + len(sel["kept_measured"]) == 37
+    assert fp8["quantize"].startswith("fp8 (stand-in grid): ")
+    assert "by an earlier quantize='fp8'" in cached["quantize"]  # the float8 layers stayed; not measured again
+    assert cached["latents"] == fp8["latents"]  # tiny runs no cached step within 2 steps
+    for key in ("torch", "diffusers", "torchao", "device_name", "git_commit"):
+        assert key in result["env"]
+    md = (out / "results.md").read_text()
+    assert md.count("\n| z-image | ") == 4 and "| fp8-compiled-graphs | 64x64 |" in md
