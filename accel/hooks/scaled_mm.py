@@ -103,7 +103,7 @@ class Float8RowwiseLinear(torch.nn.Module):
 class ScaledMMFloat8(Quantizer):
     """Each layer replaced by a :class:`Float8RowwiseLinear` (see the module docstring)."""
 
-    name = "float8 (opaque scaled_mm op)"
+    name = "scaled_mm float8"
     detail = "dynamic float8 activations and float8 weights, per-row scales, one custom op per product"
 
     def check(self, module: torch.nn.Module | None, device: torch.device) -> None:

@@ -99,6 +99,9 @@ def torchao_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torchao")
     import torchao.quantization.quant_api as quant_api
 
-    monkeypatch.setattr(quantizers, "check_fp8_device", lambda device, what="": None)
+    from accel.hooks import scaled_mm
+
+    for module in (quantizers, scaled_mm):
+        monkeypatch.setattr(module, "check_fp8_device", lambda device, what="": None)
     monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
     monkeypatch.setattr(quant_api, "is_sm_at_least_89", lambda: True)
