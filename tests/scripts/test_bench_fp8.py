@@ -21,7 +21,7 @@ def test_the_fp8_bench_runs_every_row_and_writes_its_tables(tmp_path: Path, monk
     spec.loader.exec_module(bench)
     monkeypatch.setitem(bench.BACKENDS, "torchao", lambda: GridQuantizer(levels=32))
     out = tmp_path / "fp8"
-    argv = ["--only", "z-image", "--size", "tiny", "--steps", "2", "--resolution", "64", "--runs", "1"]
+    argv = ["--only", "z-image", "--size", "tiny", "--steps", "2", "--resolution", "32", "--runs", "1"]
     bench.main([*argv, "--out", str(out)])
 
     result = json.loads((out / "results.json").read_text())
@@ -41,4 +41,4 @@ def test_the_fp8_bench_runs_every_row_and_writes_its_tables(tmp_path: Path, monk
     for key in ("torch", "diffusers", "torchao", "device_name", "git_commit"):
         assert key in result["env"]
     md = (out / "results.md").read_text()
-    assert md.count("\n| z-image | ") == 4 and "| fp8-compiled-graphs | 64x64 |" in md
+    assert md.count("\n| z-image | ") == 4 and "| fp8-compiled-graphs | 32x32 |" in md
