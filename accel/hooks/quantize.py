@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 def _device(module: torch.nn.Module) -> torch.device:
+    # As graph_hook.module_device, which this file cannot import: install imports it, and
+    # graph_hook's imports lead back to install.
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
@@ -205,6 +207,7 @@ def plan_quantization(pipe: Any, options: AcceleratorOptions, denoisers: Sequenc
     loaded: dict[str, str] = {}
     for name, module in modules.items():
         how = quantized_when_loaded(module)
+        # torchao's tensors are what quantize= makes itself; another library's weights it cannot take.
         if how is not None and "torchao" not in how and quantizer is not None:
             raise QuantizeError(
                 f"{name} was {how}: quantize={options.quantize!r} needs its bf16 weights; pass quantize=None "

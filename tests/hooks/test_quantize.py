@@ -311,3 +311,33 @@ def test_a_step_cache_under_graphs_on_the_quantized_model_equals_it_run_eagerly(
     want = [generate(pipe, **kw, **case) for case in cases]
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"call {i}: max diff {(a - b).abs().max()}"
+
+
+def test_candidates_leave_out_the_recipes_layers_peft_and_what_the_quantizer_cannot_take() -> None:
+    from accel.hooks.layer_select import candidates
+
+    class LoraLinear(torch.nn.Module):  # PEFT's shape: the wrapped layer and the adapter's own
+        def __init__(self) -> None:
+            super().__init__()
+            self.base_layer = torch.nn.Linear(32, 32)
+            self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(32, 4)})
+            self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(4, 32)})
+
+    class Small(GridQuantizer):
+        def takes(self, linear: torch.nn.Linear) -> bool:
+            return linear.in_features % 16 == 0
+
+    model = torch.nn.ModuleDict(
+        {
+            "embed": torch.nn.Linear(8, 32),
+            "blocks": torch.nn.ModuleList(
+                [torch.nn.ModuleDict({"mod": torch.nn.Linear(32, 96), "ff": torch.nn.Linear(32, 32)})]
+            ),
+            "odd": torch.nn.Linear(24, 32),
+            "proj": LoraLinear(),
+        }
+    )
+    chosen, kept, not_taken = candidates(model, Small(), ("embed", "*.mod"))
+    assert kept == ["embed", "blocks.0.mod"]
+    assert chosen == ["blocks.0.ff"]
+    assert not_taken == ["odd", "proj.base_layer", "proj.lora_A.default", "proj.lora_B.default"]
