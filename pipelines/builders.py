@@ -14,6 +14,7 @@ Only widths and depths differ between the sizes; the structural choices the pipe
 guidance embedding, Wan's causal video VAE, the text encoder families) are those of the real
 checkpoints. Nothing is downloaded: the tokenizers are made in-process (see
 :mod:`pipelines.tokenizer` and :mod:`pipelines.tokenizers_t5_clip`).
+
 The models' classes and configs are data, one module per family in :mod:`pipelines.releases`;
 this module builds them (seeded random weights, created in place: :mod:`pipelines.construction`)
 and refuses full-size weights that cannot fit the device (:func:`pipelines.limits.check_weights`).
