@@ -106,7 +106,7 @@ def parse_lora(text: str) -> LoraSpec:
         name, text = head, rest
     path_text, scale = text, 1.0
     before, colon, after = text.rpartition(":")
-    if colon and before and "/" not in after and "\\" not in after and not after.lower().endswith(SUFFIX):
+    if colon and "/" not in after and "\\" not in after and not after.lower().endswith(SUFFIX):
         path_text = before
         try:
             scale = float(after)

@@ -34,7 +34,7 @@ errors      :class:`CLIError` (status 2) and :class:`RunError` (status 1)
 constants   the CLI's constants, accel's options loaded without torch, the package version
 values      each flag's value, checked as it is read
 model_flags ``add_model_arguments`` and ``model_settings``: the model flags (model, size, device,
-            dtype, mode, compile, step cache, graphs, warm-up), shared by every front end
+            dtype, mode, compile, step cache, graphs, warm-up, LoRA), shared by every front end
 arguments   ``build_parser``: the model flags, what to generate, output; the help's epilog
 jobs        :class:`Job`, ``plan_jobs``, ``shard`` and the image file names
 checks      checks that need no model: prompts file, device, ``--out``, existing images,

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..lora import LoraSpec, describe_loras
 from .constants import package_version
 from .errors import RunError, _one_line
 from .jobs import Job
@@ -26,9 +27,10 @@ if TYPE_CHECKING:
     from .prompts import TokenCount
 
 
-def run_text(model: str, device: Any, dtype: Any, call: CallSettings, cache: str | None = None) -> dict[str, str]:
+def run_text(model: str, device: Any, dtype: Any, call: CallSettings, cache: str | None = None,
+             loras: Sequence[LoraSpec] = ()) -> dict[str, str]:  # fmt: skip
     """The PNG text every image of a run shares: how the calls were made (``cache``: the step
-    cache applied, as described when it was)."""
+    cache applied, as described when it was; ``loras``: the adapters, by file name and scale)."""
     text = dict(
         negative_prompt=call.negative_prompt or "",
         steps=str(call.steps),
@@ -40,6 +42,8 @@ def run_text(model: str, device: Any, dtype: Any, call: CallSettings, cache: str
     )
     if cache is not None:
         text["cache"] = cache
+    if loras:
+        text["lora"] = describe_loras(loras)
     if call.frames is not None:
         text["frames"] = f"{call.frames} generated, the first written"
     return text

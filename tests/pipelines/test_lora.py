@@ -63,6 +63,7 @@ def test_parse_lora(text: str, path: str, scale: float, name: str | None) -> Non
         ("a.safetensors:strong", "the scale 'strong' is not a number"),
         ("a.safetensors:", "the scale '' is not a number"),
         ("style=", "names no file"),
+        (":0.5", "names no file"),
         ("", "names no file"),
     ],
 )
