@@ -29,7 +29,7 @@ def _pipe(name: str) -> Any:
 
 
 def _call(pipe: Any) -> torch.Tensor:
-    return generate(pipe, steps=2, seed=3)
+    return generate(pipe, size=(32, 32), steps=2, seed=3)
 
 
 # --------------------------------------------------------------------------------------------
