@@ -20,7 +20,7 @@ from typing import Any
 
 from ..lora import LoraError, LoraSpec, load_loras
 from .caches import CacheRequest, apply_cache, check_supported, denoiser_of
-from .calls import CallSettings, call_settings, generate_images, graph_replays, mode_ran
+from .calls import CallSettings, call_settings, generate_frames, graph_replays, mode_ran
 from .checks import _check_embedded, check_positions, largest_first, resolve_device
 from .errors import CLIError, RunError, _one_line
 from .images import run_text
@@ -57,11 +57,13 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class GeneratedCall:
-    """One call's images (PIL; a video's first frame), the mode that ran and its seconds."""
+    """One call's images (PIL; a video's first frame), the mode that ran and its seconds;
+    ``videos``: a video pipeline's every frame, one list of PIL frames a video (None: images)."""
 
     images: list[Any]
     mode: str
     seconds: float
+    videos: list[list[Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +97,11 @@ class PreparedPipeline:
         kwargs = (call or self.call).kwargs(job, self.device)
         before = graph_replays(self.pipe) if self.accelerated else None
         t0 = time.perf_counter()
-        images = generate_images(self.pipe, kwargs, job, hint, self.cache)
+        images, videos = generate_frames(self.pipe, kwargs, job, hint, self.cache)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        return GeneratedCall(images, mode_ran(self.pipe, self.settings.mode, before), seconds)
+        return GeneratedCall(images, mode_ran(self.pipe, self.settings.mode, before), seconds, videos)
 
 
 def resolve_device_and_dtype(settings: ModelSettings) -> tuple[Any, Any]:

@@ -124,8 +124,8 @@ def test_a_lora_for_another_model_is_one_line_after_the_build_before_any_image(
         raise AssertionError("a LoRA the model cannot take must be refused before anything is generated")
 
     monkeypatch.setattr(cli_prepare, "build_model", build)
-    monkeypatch.setattr(cli_prepare, "generate_images", no_generation)
-    monkeypatch.setattr(cli_calls, "generate_images", no_generation)
+    monkeypatch.setattr(cli_prepare, "generate_frames", no_generation)
+    monkeypatch.setattr(cli_calls, "generate_frames", no_generation)
     out = tmp_path / "out"
     rc = main(["--lora", str(tmp_path / "z.safetensors"), "--lora", str(files[which]), "--out", str(out), *FAST])
     err = capsys.readouterr().err
