@@ -227,12 +227,13 @@ def _fit_error(e: BaseException, adapter: str) -> str:
 
 
 @contextlib.contextmanager
-def _held_back(skip_unhandled_keys: bool) -> Iterator[None]:
+def _held_back(skip_unhandled_keys: bool, denoiser: str) -> Iterator[None]:
     """diffusers' logs and peft's warnings held back while a file loads, and shown only if it
     loads: a failure is told in one line, not in their words too. Left out even then: peft's note
-    that a model gets a second adapter (several are what was asked for), and, with
-    ``skip_unhandled_keys``, diffusers' list of the keys no module took (:func:`_check_matches`
-    said it in one line)."""
+    that a model gets a second adapter (several are what was asked for), diffusers' note that a
+    text encoder (any module but the ``denoiser`` class) found no keys of its own in a LoRA for
+    the denoiser, and, with ``skip_unhandled_keys``, diffusers' list of the keys no module took
+    (:func:`_check_matches` said it in one line)."""
     records: list[logging.LogRecord] = []
 
     class Hold(logging.Handler):
@@ -250,8 +251,12 @@ def _held_back(skip_unhandled_keys: bool) -> Iterator[None]:
         lg.handlers, lg.propagate = saved
     # Reached only when the load succeeded.
     for record in records:
-        if not (skip_unhandled_keys and record.name == "diffusers.utils.peft_utils"):
-            logging.getLogger(record.name).handle(record)
+        message = record.getMessage()
+        if skip_unhandled_keys and record.name == "diffusers.utils.peft_utils":
+            continue
+        if message.startswith("No LoRA keys associated to ") and f" {denoiser} " not in message:
+            continue
+        logging.getLogger(record.name).handle(record)
     for w in caught:
         if "Already found a `peft_config`" not in str(w.message):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -299,7 +304,7 @@ def load_loras(pipe: Any, specs: Sequence[LoraSpec], *, activate_all: bool = Tru
         for spec in named:
             name = spec.name or ""  # always set: named above
             try:
-                with _held_back(bool(missing[name])):
+                with _held_back(bool(missing[name]), type(denoiser).__name__):
                     pipe.load_lora_weights(str(spec.path), adapter_name=name)
             except RuntimeError as e:
                 if "size mismatch" in str(e):

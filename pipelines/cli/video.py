@@ -77,7 +77,8 @@ def check_mp4_extra() -> None:
 def plan_video_output(single: Path | None, video: bool | None, fps: float | None, model: str) -> VideoOutput | None:
     """What a run writes for ``model`` (``video``: it makes videos; None: not known before it is
     built), ``--out`` naming ``single`` (None: a folder); None where it writes images. CLIError
-    for ``--fps`` that has nothing to set, over GIF's limit, or ``.mp4`` without the extra."""
+    for ``--fps`` that has nothing to set or is beyond what the container stores, or ``.mp4``
+    without the extra."""
     if video is False:
         if fps is not None:
             raise CLIError(f"--fps {fps:g} sets a video's frame rate, but {model} makes images")
@@ -136,7 +137,7 @@ def default_fps(pipe_class: type) -> tuple[float, str]:
         if isinstance(default, (int, float)) and not isinstance(default, bool) and default > 0:
             return float(default), f"{pipe_class.__name__}'s {name} default"
     example = getattr(inspect.getmodule(pipe_class), "EXAMPLE_DOC_STRING", None)
-    match = re.search(r"export_to_video\([^)]*fps\s*=\s*([0-9.]+)", example) if isinstance(example, str) else None
+    match = re.search(r"export_to_video\([^)]*fps\s*=\s*(\d+(?:\.\d+)?)", example) if isinstance(example, str) else None
     if match is not None and float(match.group(1)) > 0:
         return float(match.group(1)), f"diffusers' example for {pipe_class.__name__}"
     return FALLBACK_FPS, f"no default known for {pipe_class.__name__}"
