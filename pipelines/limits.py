@@ -21,36 +21,34 @@ for a minute until the kernel kills the process.
   a side of ``t`` tokens reaches position ``t // 2``, and the text's positions follow the image's
   (up to 1024 text tokens, the pipeline's own cap), so ``t // 2 + 1024 <= 4096``: 6145 tokens,
   98320 pixels per side (memory stops far earlier).
-* **Resolution, by memory**: the activation peak of a pipeline call is estimated as
-  :data:`MEMORY_MARGIN` times the sum of (a) the VAE decode of the batch, simulated on the
-  ``meta`` device (shapes only, no storage) with fused attention, counting the bytes of every
-  live tensor, (b) the denoiser's activations, :data:`DENOISER_ELEMENTS_PER_TOKEN_WIDTH` elements
-  of its dtype per token and hidden unit, and (c) the graph memory of the first capture (about
-  twice the denoiser's activations) when graphs are captured. The margin and the denoiser factor
-  are calibrated on measured peaks: full-size Z-Image at 1024x1024 in bf16 on an H200 peaked
-  2738 MiB above its weights, against 2076 MiB estimated before the margin (3115 MiB with it);
-  Qwen-Image (true CFG, one image) 4537 MiB against 4084 (6126) (``samples/bench/results.json``,
-  ``e2e_peak_mb`` minus the weights); the tiny VAEs' decodes on a CPU in float32 took 1.31 to
-  1.33 times the simulated peak (peak RSS). CFG is counted as a doubled batch in the denoiser
-  (Z-Image batches it; Qwen-Image's two calls need less). The estimate is compared with the
-  memory the device has free after the weights are loaded.
+* **Resolution, by memory**: the activation peak of a call, estimated from the pipeline's VAE
+  and denoiser without running them (:mod:`pipelines.memory_estimate`: how, and its calibration
+  on measured peaks), must fit the memory the device has free after the weights are loaded.
 * **Weights**: ``--size full`` builds 10B (Z-Image), 29B (Qwen-Image), 17B (FLUX.1-dev), 20B
   (Wan2.1-14B) or 7B (Wan2.1-1.3B) parameters, every text encoder included; their bytes, counted
-  on the ``meta`` device, must fit the device's free memory.
+  on the ``meta`` device from the release data (:mod:`pipelines.releases`), must fit the device's
+  free memory.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import math
 import os
-import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from .memory_estimate import (
+    DENOISER_ELEMENTS_PER_TOKEN_WIDTH,
+    MEMORY_MARGIN,
+    MemoryEstimate,
+    denoiser_bytes,
+    estimate_activation_bytes,
+    format_bytes,
+    vae_decode_bytes,
+)
 
 __all__ = [
     "DEFAULT_MAX_STEPS",
@@ -66,6 +64,7 @@ __all__ = [
     "check_positions",
     "check_seeds",
     "check_steps",
+    "check_weights",
     "denoiser_bytes",
     "embedded_position_limit",
     "embedded_weight_bytes",
@@ -77,27 +76,15 @@ __all__ = [
     "vae_decode_bytes",
 ]
 
-logger = logging.getLogger(__name__)
 
 MAX_SEED = 2**63 - 1
 DEFAULT_MAX_STEPS = 1000  # num_train_timesteps of the schedulers of both embedded models
 MAX_TEXT_TOKENS = 1024  # QwenImagePipeline refuses max_sequence_length above this
 QWEN_ROPE_POSITIONS = 4096  # rows of diffusers' QwenEmbedRope tables (torch.arange(4096))
-MEMORY_MARGIN = 1.5
-DENOISER_ELEMENTS_PER_TOKEN_WIDTH = 16  # measured: 15.9 (Z-Image), 14.9 (Qwen-Image) at 1024x1024
-_DEFAULT_TEXT_TOKENS = 512  # both pipelines' default max_sequence_length
 
 
 class LimitError(ValueError):
     """A request beyond a limit; the message names the limit and where it comes from."""
-
-
-def format_bytes(n: float) -> str:
-    """``1.5 GiB``-style, for messages."""
-    for unit, size in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,8 +193,8 @@ def _first(value: Any, default: int) -> int:
 
 
 def embedded_position_limit(model: str, size: str) -> PositionLimit | None:
-    """The position limit of an embedded model, from its config alone (nothing is built)."""
-    from .builders import canonical_name, transformer_class, transformer_config
+    """The position limit of a built-in model, from its config alone (nothing is built)."""
+    from .releases import canonical_name, transformer_class, transformer_config
 
     name = canonical_name(model)
     if name is None:
@@ -236,7 +223,7 @@ def check_positions(limit: PositionLimit | None, resolutions: Iterable[tuple[int
 
 
 # --------------------------------------------------------------------------------------------
-# Memory
+# Memory the device has free
 # --------------------------------------------------------------------------------------------
 def host_available_memory() -> int | None:
     """Bytes this process can still allocate on the host: MemAvailable, capped by a cgroup limit."""
@@ -281,170 +268,49 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
+# --------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------
 def embedded_weight_bytes(model: str, size: str, dtype: torch.dtype) -> int:
-    """Bytes of an embedded model's weights and buffers in ``dtype``, counted on the meta device."""
-    from .builders import build_modules
+    """Bytes of a built-in model's weights and buffers in ``dtype``, every component with weights
+    constructed on the meta device (no storage) from its release data."""
+    from .construction import constructing_on
+    from .releases import components, constructor
 
     total = 0
-    for module in build_modules(model, size, device="meta", dtype=dtype).values():
-        for t in (*module.parameters(), *module.buffers()):
-            total += t.numel() * t.element_size()
+    for component in components(model):
+        make = constructor(model, component, size)
+        with constructing_on("meta", dtype):
+            module = make()
+        total += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
     return total
 
 
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-    """An estimated activation peak (margin included) and its parts (without the margin)."""
+def check_weights(model: str, size: str, device: str | torch.device, dtype: torch.dtype) -> None:
+    """LimitError when the weights of built-in ``model`` at ``size`` cannot fit ``device``'s free memory.
 
-    total: int
-    vae: int
-    denoiser: int
-    graphs: int
-
-    def describe(self) -> str:
-        parts = [f"VAE decode {format_bytes(self.vae)}", f"denoiser {format_bytes(self.denoiser)}"]
-        if self.graphs:
-            parts.append(f"graph capture {format_bytes(self.graphs)}")
-        return f"{', '.join(parts)}, times {MEMORY_MARGIN} margin"
-
-
-class _LiveBytes:
-    """Counts the bytes of tensors created under it and still alive (meta tensors included)."""
-
-    def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        counter = self
-        self.live = 0
-        self.peak = 0
-        self._seen: set[int] = set()
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor) and not t._is_view() and id(t) not in counter._seen:
-                        counter._add(t)
-                return out
-
-        self.mode = Mode()
-
-    def _add(self, t: torch.Tensor) -> None:
-        n = t.untyped_storage().nbytes()
-        key = id(t)
-        self._seen.add(key)
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(t, self._free, key, n)
-
-    def _free(self, key: int, n: int) -> None:
-        self.live -= n
-        self._seen.discard(key)
-
-
-@contextlib.contextmanager
-def _fused_attention() -> Iterator[None]:
-    """SDPA that allocates only its output, as the fused kernels do (the meta device would
-    otherwise model the math path, whose score matrix grows with the square of the tokens)."""
-    import torch.nn.functional as F
-
-    original = F.scaled_dot_product_attention
-
-    def fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return query.new_empty((*query.shape[:-1], value.shape[-1]))
-
-    F.scaled_dot_product_attention = fused
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
-
-
-def vae_decode_bytes(vae: Any, width: int, height: int, batch: int, scale: int = 8) -> int:
-    """Peak bytes of live tensors while ``vae`` decodes ``batch`` images, simulated on meta."""
-    config = dict(vae.config)
-    channels = int(config.get("latent_channels") or config.get("z_dim") or 16)
-    dtype = next(vae.parameters()).dtype
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in the VAE's dtype: a cast afterwards makes diffusers warn
-    try:
-        with torch.device("meta"):
-            meta_vae = type(vae).from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
-    h, w = max(height // scale, 1), max(width // scale, 1)
-    # Video-style VAEs (Qwen-Image's) take (batch, channels, frames, h, w).
-    shapes = [(batch, channels, h, w), (batch, channels, 1, h, w)]
-    if "temperal_downsample" in config or "temporal_downsample" in config:
-        shapes.reverse()
-    last: Exception | None = None
-    for shape in shapes:
-        counter = _LiveBytes()
-        try:
-            with torch.no_grad(), _fused_attention(), counter.mode:
-                latents = torch.empty(shape, device="meta", dtype=dtype)
-                out = meta_vae.decode(latents)
-                del out, latents
-            return counter.peak
-        except Exception as e:  # the wrong rank for this VAE: try the other one
-            last = e
-    raise RuntimeError(f"cannot simulate {type(vae).__name__}.decode: {last}")
-
-
-def _denoiser_width(config: Mapping[str, Any]) -> int | None:
-    if config.get("dim"):
-        return int(config["dim"])
-    heads, head_dim = config.get("num_attention_heads"), config.get("attention_head_dim")
-    if isinstance(heads, int) and isinstance(head_dim, int):
-        return heads * head_dim
-    for key in ("hidden_size", "inner_dim"):
-        if isinstance(config.get(key), int):
-            return int(config[key])
-    return None
-
-
-def _spatial_patch(value: Any) -> int:
-    # Video denoisers (Wan) give (frames, rows, columns); the image side is the last.
-    if isinstance(value, (list, tuple)) and value:
-        return int(value[-1])
-    return int(value or 2)
-
-
-def denoiser_bytes(transformer: Any, width: int, height: int, batch: int, scale: int = 8) -> int:
-    """Activation bytes of one denoiser forward over ``batch`` rows (CFG doubles the rows)."""
-    config = dict(getattr(transformer, "config", {}) or {})
-    hidden = _denoiser_width(config)
-    if hidden is None:
-        return 0
-    patch = _first(config.get("all_patch_size"), 0) or _spatial_patch(config.get("patch_size"))
-    tokens = (height // (scale * patch)) * (width // (scale * patch)) + _DEFAULT_TEXT_TOKENS
-    element = next(transformer.parameters()).element_size()
-    return DENOISER_ELEMENTS_PER_TOKEN_WIDTH * batch * tokens * hidden * element
-
-
-def estimate_activation_bytes(
-    pipe: Any, width: int, height: int, batch: int, cfg: bool, graphs: bool
-) -> MemoryEstimate:
-    """Estimated activation peak of one call of ``pipe`` at ``width`` x ``height``.
-
-    ``graphs``: CUDA graphs will be captured at this size (adds their pool).
+    Without it, the full-size models on a CPU (Z-Image 38 GiB in float32) fill the host until the
+    kernel kills the process: exit 137 and no message. The tiny models always fit, so their builds
+    never wait for a count.
     """
-    scale = int(getattr(pipe, "vae_scale_factor", 8) or 8)
-    vae = getattr(pipe, "vae", None)
-    vae_bytes = 0
-    if vae is not None:
-        try:
-            vae_bytes = vae_decode_bytes(vae, width, height, batch, scale)
-        except Exception as e:  # an unusual VAE: estimate without it rather than refuse
-            logger.debug("no VAE memory estimate: %s", e)
-    transformer = getattr(pipe, "transformer", None)
-    den = denoiser_bytes(transformer, width, height, batch * (2 if cfg else 1), scale) if transformer is not None else 0
-    graph = 2 * den if graphs else 0
-    total = int(MEMORY_MARGIN * (vae_bytes + den + graph))
-    return MemoryEstimate(total=total, vae=vae_bytes, denoiser=den, graphs=graph)
+    if size == "tiny":
+        return
+    target = torch.device(device)
+    free = available_memory(target)
+    if free is None:
+        return
+    need = embedded_weight_bytes(model, size, dtype)
+    if need > free:
+        raise LimitError(
+            f"{model} at size {size!r} has {format_bytes(need)} of weights in "
+            f"{str(dtype).removeprefix('torch.')} but {target} has {format_bytes(free)} free; "
+            "size='tiny' builds in seconds anywhere"
+        )
 
 
+# --------------------------------------------------------------------------------------------
+# Activations (estimated by pipelines.memory_estimate)
+# --------------------------------------------------------------------------------------------
 def check_memory(
     pipe: Any,
     device: torch.device,

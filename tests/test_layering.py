@@ -60,7 +60,6 @@ KNOWN_CIRCLES: frozenset[frozenset[str]] = frozenset(
                 "accel.hooks.recipe",
             }
         ),
-        frozenset({"pipelines.builders", "pipelines.limits"}),
     }
 )
 # ---------------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@
 
 The work is a list of jobs, one pipeline call each: every (prompt, resolution) pair, in that
 order, makes ``--batch-size`` images. Image ``i`` of a run (counted over the whole run) uses seed
-``--seed + i`` and is written as ``{i:04d}-{slug}-{W}x{H}-s{seed}.png``, so names and pixels do
-not depend on how many processes share the work. Under ``accelerate launch`` each process takes a
+``--seed + i`` and is written as ``{i:04d}-{slug}-{W}x{H}-s{seed}.png`` (a video model's videos:
+``.webp``, or the container ``--out`` names), so names and pixels do not depend on how many
+processes share the work. Under ``accelerate launch`` each process takes a
 contiguous share of the jobs (the split of ``PartialState.split_between_processes``), runs on its
 own device and captures its own graphs.
 
@@ -34,7 +35,7 @@ errors      :class:`CLIError` (status 2) and :class:`RunError` (status 1)
 constants   the CLI's constants, accel's options loaded without torch, the package version
 values      each flag's value, checked as it is read
 model_flags ``add_model_arguments`` and ``model_settings``: the model flags (model, size, device,
-            dtype, mode, compile, step cache, graphs, warm-up), shared by every front end
+            dtype, mode, compile, step cache, graphs, warm-up, LoRA), shared by every front end
 arguments   ``build_parser``: the model flags, what to generate, output; the help's epilog
 jobs        :class:`Job`, ``plan_jobs``, ``shard`` and the image file names
 checks      checks that need no model: prompts file, device, ``--out``, existing images,
@@ -49,6 +50,8 @@ calls       ``call_settings``: the run's flags against the model's defaults; one
 prepare     ``prepare_pipeline`` and ``load_pipeline``: checked, built, limits, step cache,
             accelerated, warmed up
 images      the PNG text of each image, its bytes (``call_pngs``), and a file that appears whole
+video       a video model's every frame: WebP, GIF or MP4 by --out's suffix, the text in each
+            container's metadata (``read_video_text``), the frame rate
 processes   one process or those of an accelerate launch
 summary     the run's closing line
 run         ``main``: checks, prepare, generation, summary; exit statuses and signals
@@ -78,6 +81,7 @@ __getattr__, __dir__, _ = lazy_exports(
         "model_flags": ("ModelSettings", "add_model_arguments", "model_settings"),
         "prepare": ("GeneratedCall", "PreparedPipeline", "Workload", "load_pipeline", "prepare_pipeline"),
         "processes": ("Processes", "detect_processes"),
+        "video": ("read_video_text", "save_video"),
     },
 )
 
@@ -114,6 +118,8 @@ __all__ = [
     "plan_jobs",
     "png_bytes",
     "prepare_pipeline",
+    "read_video_text",
+    "save_video",
     "shard",
     "slug",
 ]

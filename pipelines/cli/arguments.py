@@ -52,8 +52,11 @@ limits (checked before the model runs or anything is written; see pipelines/limi
               flux's CLIP encoder, whose pooled output it also reads, 77); a longer prompt is
               cut there, with a warning that gives the counts for z-image and qwen-image
 
-videos: a video model (wan) writes one PNG per video, its first frame; the others are generated
-  (they shape the first) but not written. The PNG's "frames" text says how many were made.
+videos: a video model (wan) writes every frame, as an animated WebP (lossless, Pillow) by default;
+  --out x.gif writes a GIF, --out x.mp4 an H.264 MP4 (pip install "bcg-diffusers[video]"),
+  --out x.png the first frame only. The frame rate is --fps, else the model's (wan: 16). The
+  text a PNG holds goes into the video's own metadata field, as JSON: WebP's EXIF
+  ImageDescription, GIF's comment, MP4's comment tag (pipelines.cli.video.read_video_text).
 
 files: an image that already exists is never replaced unless --overwrite is given (checked
   before the model is built); a file that appears while the run generates (another run writing
@@ -107,7 +110,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="video models: frames per video, 4k+1 (default for wan 33 at --size full, 5 tiny; another video "
-        "pipeline: its own); each video is written as one PNG, its first frame",
+        "pipeline: its own)",
     )
     p.add_argument(
         "--steps",
@@ -132,13 +135,20 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where the images go and what the run prints."""
+    """Where the images (and videos) go, at what frame rate, and what the run prints."""
     p = parser.add_argument_group("output")
     p.add_argument(
         "--out",
         type=values.out_path,
         default=Path("outputs"),
-        help="a .png file for a single image, else a folder (default outputs/)",
+        help="a .png file for a single image, else a folder (default outputs/); a video model's: a .webp "
+        "(default in a folder), .gif or .mp4 file, or .png for its first frame",
+    )
+    p.add_argument(
+        "--fps",
+        type=values.positive,
+        default=None,
+        help="video models: frames per second of the file written (default: the model's, 16 for wan)",
     )
     p.add_argument(
         "--overwrite",

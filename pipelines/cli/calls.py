@@ -125,12 +125,19 @@ def nan_hint(dtype: str | None, guidance: float | None) -> str:
 
 
 def generate_images(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None) -> list[Any]:
-    """One pipeline call -> PIL images; RunError for out-of-memory or non-finite pixels.
+    """One pipeline call -> PIL images (a video pipeline's: the first frame of each video); see
+    :func:`generate_frames`."""
+    return generate_frames(pipe, kwargs, job, hint, cache)[0]
 
-    A video pipeline's output (``frames``, not ``images``) gives the first frame of each video;
-    every frame is checked for non-finite pixels, since a NaN anywhere says the call went wrong.
-    ``cache``: the step cache applied (its description), if any: a cache hook that fails inside
-    the call is told in one line with the cache named, since it, not the pipeline, is the suspect.
+
+def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str,
+                    cache: str | None = None) -> tuple[list[Any], list[list[Any]] | None]:  # fmt: skip
+    """One pipeline call -> its PIL images, and for a video pipeline (output ``frames``, not
+    ``images``) every frame of each video (None for images; the images are then each video's
+    first frame). RunError for out-of-memory or non-finite pixels; every frame is checked, since
+    a NaN anywhere says the call went wrong. ``cache``: the step cache applied (its description),
+    if any: a cache hook that fails inside the call is told in one line with the cache named,
+    since it, not the pipeline, is the suspect.
     """
     import numpy as np
     import torch
@@ -156,7 +163,10 @@ def generate_images(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cach
     video = getattr(output, "images", None) is None and getattr(output, "frames", None) is not None
     pixels = output.frames if video else output.images
     if kwargs.get("output_type") != "np":
-        return [frames[0] for frames in pixels] if video else list(pixels)
+        if video:
+            videos = [list(frames) for frames in pixels]
+            return [frames[0] for frames in videos], videos
+        return list(pixels), None
     array = np.asarray(pixels)
     if not np.isfinite(array).all():
         raise RunError(
@@ -165,7 +175,10 @@ def generate_images(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cach
         )
     from diffusers.image_processor import VaeImageProcessor
 
-    return VaeImageProcessor.numpy_to_pil(array[:, 0] if video else array)
+    if not video:
+        return VaeImageProcessor.numpy_to_pil(array), None
+    videos = [VaeImageProcessor.numpy_to_pil(frames) for frames in array]  # (videos, frames, H, W, C)
+    return [frames[0] for frames in videos], videos
 
 
 def graph_replays(pipe: Any) -> int | None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .constants import VIDEO_SUFFIXES
 from .errors import CLIError, _one_line
 
 # Bytes per pixel of one decoded image on the host: the pipeline's float32 RGB array plus the
@@ -104,18 +105,27 @@ def _can_create_in(folder: Path) -> str | None:
     return None
 
 
-def check_out(out: Path, n_images: int) -> tuple[Path, Path | None]:
+def check_out(out: Path, n_images: int, video: bool | None = False) -> tuple[Path, Path | None]:
     """The folder to write into and the single file, if one; nothing is left behind here.
 
-    The folder is made only when the first image is written, so a run refused later leaves no
-    empty folder behind.
+    ``video``: the model makes videos (None: not known before it is built), whose files may
+    also be ``.webp``, ``.gif`` or ``.mp4`` (:mod:`pipelines.cli.video`). The folder is made only
+    when the first file is written, so a run refused later leaves no empty folder behind.
     """
     suffix = out.suffix.lower()
-    single = suffix == ".png" and not out.is_dir()
+    containers = (".png", *VIDEO_SUFFIXES) if video is not False else (".png",)
+    single = suffix in containers and not out.is_dir()
     if not single and suffix in _image_suffixes() and not out.is_dir():
+        if video is not False:
+            raise CLIError(f"--out {str(out)!r}: a video is written as .webp, .gif or .mp4 (or its first frame as "
+                           f".png); use {str(out.with_suffix('.webp'))!r} (or a folder)")  # fmt: skip
+        if suffix in VIDEO_SUFFIXES:
+            raise CLIError(f"--out {str(out)!r}: only PNG is written for images ({suffix} is for a video model's "
+                           f"frames); use {str(out.with_suffix('.png'))!r} (or a folder)")  # fmt: skip
         raise CLIError(f"--out {str(out)!r}: only PNG is written; use {str(out.with_suffix('.png'))!r} (or a folder)")
     if single and n_images != 1:
-        raise CLIError(f"--out {str(out)!r} names one file but this run makes {n_images} images; pass a folder")
+        what = "videos" if video else "images"
+        raise CLIError(f"--out {str(out)!r} names one file but this run makes {n_images} {what}; pass a folder")
     folder = out.parent if single else out
     if folder.exists() and not folder.is_dir():
         raise CLIError(f"--out {str(folder)!r} is an existing file, not a folder")
@@ -169,16 +179,18 @@ def largest_first(sizes: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return sorted(set(sizes), key=lambda wh: (wh[0] * wh[1], wh), reverse=True)
 
 
-def _check_host_floor(largest: tuple[int, int], batch_size: int) -> None:
-    """Refuse a call whose decoded images alone exceed the host's free memory (any model)."""
+def _check_host_floor(largest: tuple[int, int], batch_size: int, frames: int | None = None) -> None:
+    """Refuse a call whose decoded images (``frames`` of each video) alone exceed the host's free memory."""
     from .. import limits
 
     free = limits.host_available_memory()
     width, height = largest
-    need = batch_size * width * height * HOST_BYTES_PER_PIXEL
+    need = batch_size * (frames or 1) * width * height * HOST_BYTES_PER_PIXEL
     if free is not None and need > free:
+        with_frames = f" and --frames {frames}" if frames else ""
         raise CLIError(
-            f"--resolution {width}x{height} with --batch-size {batch_size}: the decoded images of one call alone take "
+            f"--resolution {width}x{height} with --batch-size {batch_size}{with_frames}: the decoded images of one "
+            "call alone take "
             f"{limits.format_bytes(need)} of host memory ({HOST_BYTES_PER_PIXEL} bytes a pixel) but "
             f"{limits.format_bytes(free)} is free"
         )
@@ -217,9 +229,10 @@ def check_frames(frames: int | None, pipeline: str, takes_frames: bool, temporal
         raise CLIError(f"--frames {frames}: {pipeline} makes images, not videos (--frames is for video models: wan)")
     if temporal and temporal > 1 and (frames - 1) % temporal:
         below = (frames - 1) // temporal * temporal + 1
+        counts = ", ".join(str(temporal * k + 1) for k in range(5))
         raise CLIError(
             f"--frames {frames}: {pipeline}'s VAE packs {temporal} frames into each latent frame after the first, "
-            f"so a video has {temporal}k+1 frames: use {below} or {below + temporal}"
+            f"so a video has {temporal}k+1 frames: use {below} or {below + temporal} (valid: {counts}, ...)"
         )
 
 

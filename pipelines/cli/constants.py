@@ -21,6 +21,8 @@ DEFAULT_RESOLUTION = (512, 512)
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}  # fmt: skip
 CACHES = ("fbc", "taylorseer", "magcache", "dbcache")
+# The files a video model's every frame goes into (pipelines.cli.video), by --out's suffix.
+VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
 
 # Mirrors of pipelines.limits (which imports torch); tests/pipelines/cli/test_startup.py keeps them equal.
 MAX_SEED = 2**63 - 1

@@ -58,6 +58,30 @@ def _is_builtin_video(model: str) -> bool:
     return name is not None and "num_frames" in inspect.signature(pipeline_class(name).__call__).parameters
 
 
+def is_video_model(model: str) -> bool | None:
+    """Whether ``model`` makes videos, known before it is built: a built-in model's pipeline, or a
+    local folder's (its ``model_index.json`` names the class); None for a hub id (or a folder
+    whose class diffusers does not know)."""
+    import json
+    from pathlib import Path
+
+    from ..builders import canonical_name
+
+    if canonical_name(model) is not None:
+        return _is_builtin_video(model)
+    index = Path(model).expanduser() / "model_index.json"
+    try:
+        name = json.loads(index.read_text(encoding="utf-8")).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    import diffusers
+
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if not isinstance(cls, type):
+        return None
+    return "num_frames" in inspect.signature(cls.__call__).parameters
+
+
 def default_resolution(model: str, size: str) -> tuple[int, int]:
     """The resolution of a run that names none: the built-in video model's own, else 512x512."""
     if size in _VIDEO_DEFAULTS and _is_builtin_video(model):

@@ -13,10 +13,11 @@ import io
 import itertools
 import os
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..lora import LoraSpec, describe_loras
 from .constants import package_version
 from .errors import RunError, _one_line
 from .jobs import Job
@@ -27,9 +28,10 @@ if TYPE_CHECKING:
 
 
 def run_text(model: str, device: Any, dtype: Any, call: CallSettings, cache: str | None = None,
-             quantize: str | None = None) -> dict[str, str]:  # fmt: skip
+             loras: Sequence[LoraSpec] = (), quantize: str | None = None) -> dict[str, str]:  # fmt: skip
     """The PNG text every image of a run shares: how the calls were made (``cache``: the step
-    cache applied, as described when it was; ``quantize``: what quantization ran, :func:`quantized`)."""
+    cache applied, as described when it was; ``loras``: the adapters, by file name and scale;
+    ``quantize``: what quantization ran, :func:`quantized`)."""
     text = dict(
         negative_prompt=call.negative_prompt or "",
         steps=str(call.steps),
@@ -41,6 +43,8 @@ def run_text(model: str, device: Any, dtype: Any, call: CallSettings, cache: str
     )
     if cache is not None:
         text["cache"] = cache
+    if loras:
+        text["lora"] = describe_loras(loras)
     if quantize is not None:
         text["quantize"] = quantize
     if call.frames is not None:
@@ -121,7 +125,7 @@ def _candidates(path: Path) -> Iterator[Path]:
 
 
 def _claim(part: Path, path: Path) -> Path:
-    """Give the complete file ``part`` the name ``path``, or the first free ``{stem}-N.png``.
+    """Give the complete file ``part`` the name ``path``, or the first free ``{stem}-N{suffix}``.
 
     ``os.link`` fails if the name exists, atomically, so two runs writing into one folder never
     replace each other's images (``os.replace`` would, silently). Where hard links are not
@@ -146,22 +150,22 @@ def _claim(part: Path, path: Path) -> Path:
     raise AssertionError("unreachable")  # itertools.count never ends
 
 
-def save_png(image: Any, path: Path, info: dict[str, str], overwrite: bool = False) -> Path:
-    """Write ``image`` with ``info`` as PNG text chunks; returns the path written.
+def write_whole(path: Path, write: Callable[[Path], None], overwrite: bool = False, part_suffix: str = "") -> Path:
+    """Make the file ``path`` with ``write`` (given the file to fill); returns the path written.
 
-    The file appears only once complete: it is written under a hidden name of its own (unique,
-    so concurrent runs never share one) and then renamed. An existing file is replaced only
-    with ``overwrite``; otherwise one that appeared since the run checked (another run writing
-    the same name) is kept, and the image takes the first free name ``{stem}-N.png`` instead.
+    The file appears only once complete: ``write`` fills a hidden file of its own (unique, so
+    concurrent runs never share one; its name ends in ``part_suffix``), which is then renamed.
+    An existing file is replaced only with ``overwrite``; otherwise one that appeared since the
+    run checked (another run writing the same name) is kept, and the new file takes the first
+    free name ``{stem}-N{suffix}`` instead. RunError for a file system that refuses.
     """
-    meta = _png_info(info)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
-        # Created here, exclusively and with the umask's permissions; Pillow then writes into it.
+        part = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part{part_suffix}")
+        # Created here, exclusively and with the umask's permissions; the writer then fills it.
         os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         with _removed_on_failure(part):
-            image.save(part, format="PNG", pnginfo=meta)
+            write(part)
             if overwrite:
                 os.replace(part, path)
                 return path
@@ -171,3 +175,10 @@ def save_png(image: Any, path: Path, info: dict[str, str], overwrite: bool = Fal
         return written
     except OSError as e:
         raise RunError(f"cannot write {str(path)!r}: {e.strerror or _one_line(e)}") from None
+
+
+def save_png(image: Any, path: Path, info: dict[str, str], overwrite: bool = False) -> Path:
+    """Write ``image`` with ``info`` as PNG text chunks, whole and never over another file
+    (:func:`write_whole`); returns the path written."""
+    meta = _png_info(info)
+    return write_whole(path, lambda part: image.save(part, format="PNG", pnginfo=meta), overwrite)

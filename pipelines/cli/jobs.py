@@ -22,7 +22,13 @@ class Job:
 
     @property
     def filenames(self) -> list[str]:
-        return [image_filename(i, self.prompt, self.width, self.height, s) for i, s in zip(self.indices, self.seeds)]
+        """The PNG file name of each image."""
+        return self.file_names()
+
+    def file_names(self, suffix: str = ".png") -> list[str]:
+        """The file name of each image (or video), ending in ``suffix``."""
+        return [image_filename(i, self.prompt, self.width, self.height, s, suffix)
+                for i, s in zip(self.indices, self.seeds)]  # fmt: skip
 
 
 def plan_jobs(prompts: Sequence[str], resolutions: Sequence[tuple[int, int]], batch_size: int, seed: int) -> list[Job]:
@@ -62,5 +68,5 @@ def slug(text: str) -> str:
     return s or "image"
 
 
-def image_filename(index: int, prompt: str, width: int, height: int, seed: int) -> str:
-    return f"{index:04d}-{slug(prompt)[:40].rstrip('-')}-{width}x{height}-s{seed}.png"
+def image_filename(index: int, prompt: str, width: int, height: int, seed: int, suffix: str = ".png") -> str:
+    return f"{index:04d}-{slug(prompt)[:40].rstrip('-')}-{width}x{height}-s{seed}{suffix}"

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..lora import LoraError, LoraSpec, check_lora_file
 from . import values
 from .caches import CacheRequest, cache_request
 from .checks import check_compile_cache
@@ -147,6 +148,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         help="magcache (required): the model's calibrated magnitude ratios, one per step (resampled to --steps)",
     )
     p.add_argument(
+        "--lora",
+        type=values.lora,
+        action="append",
+        default=[],
+        metavar="FILE[:SCALE]",
+        help="a LoRA .safetensors file for the denoiser, at SCALE (default 1.0; repeat for several, which run "
+        "together): diffusers' load_lora_weights, then set_adapters; loaded before the step cache and the "
+        "accelerator, and recorded in each image's text",
+    )
+    p.add_argument(
         "--device", default=None, help="torch device: cpu, cuda, cuda:N (default cuda if available, else cpu)"
     )
     p.add_argument(
@@ -189,7 +200,8 @@ class ModelSettings:
 
     ``mode_flag``, ``device`` and ``dtype`` are the flags as given (None: not given), so that
     errors can say what was asked; :attr:`mode` is what runs. ``warmup``: the sizes to capture
-    before the first call; None: those the calls use; empty: none.
+    before the first call; None: those the calls use; empty: none. ``loras``: the adapters
+    loaded into the denoiser after the build (their files checked), run together at their scales.
     """
 
     model: str = DEFAULT_MODEL
@@ -206,6 +218,7 @@ class ModelSettings:
     vae_graphs: bool = True
     cfg_batch: bool = True
     auto_breaks: bool = True
+    loras: tuple[LoraSpec, ...] = ()
     quantize: str | None = None
 
     @property
@@ -268,6 +281,12 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         options = accel_options()
         if os.environ.get(options.COMPILE_CACHE_ENV):  # the default folder is checked where it comes from a user
             check_compile_cache(options.default_compile_cache_dir(), f"${options.COMPILE_CACHE_ENV}")
+    loras = tuple(getattr(args, "lora", None) or ())
+    for spec in loras:  # the cheap part, each file's header, before anything is built; the rest needs the model
+        try:
+            check_lora_file(spec)
+        except LoraError as e:
+            raise CLIError(f"--lora {e}") from None
     return ModelSettings(
         model=args.model,
         size=args.size,
@@ -283,6 +302,7 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         vae_graphs=args.vae_graphs,
         cfg_batch=args.cfg_batch,
         auto_breaks=args.auto_breaks,
+        loras=loras,
         quantize=args.quantize,
     )
 

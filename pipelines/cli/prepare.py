@@ -18,8 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..lora import LoraError, LoraSpec, load_loras
 from .caches import CacheRequest, apply_cache, check_supported, denoiser_of
-from .calls import CallSettings, call_settings, generate_images, graph_replays, mode_ran
+from .calls import CallSettings, call_settings, generate_frames, graph_replays, mode_ran
 from .checks import _check_embedded, check_positions, largest_first, resolve_device
 from .errors import CLIError, RunError, _one_line
 from .images import quantized, run_text
@@ -56,17 +57,20 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class GeneratedCall:
-    """One call's images (PIL; a video's first frame), the mode that ran and its seconds."""
+    """One call's images (PIL; a video's first frame), the mode that ran and its seconds;
+    ``videos``: a video pipeline's every frame, one list of PIL frames a video (None: images)."""
 
     images: list[Any]
     mode: str
     seconds: float
+    videos: list[list[Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class PreparedPipeline:
     """A pipeline ready for calls. ``cache``: the step cache applied, as described in the PNG
-    text (None: none); ``warmup_seconds``: the time the warm-up took."""
+    text (None: none); ``warmup_seconds``: the time the warm-up took; ``loras``: the adapters
+    loaded (:func:`pipelines.lora.load_loras`, so named), all active."""
 
     pipe: Any
     settings: ModelSettings
@@ -75,6 +79,7 @@ class PreparedPipeline:
     call: CallSettings
     cache: str | None = None
     warmup_seconds: float = 0.0
+    loras: tuple[LoraSpec, ...] = ()
 
     @property
     def accelerated(self) -> bool:
@@ -83,7 +88,8 @@ class PreparedPipeline:
     def text(self, call: CallSettings | None = None) -> dict[str, str]:
         """The PNG text every image of ``call`` (default: :attr:`call`) shares."""
         return run_text(
-            self.settings.model, self.device, self.dtype, call or self.call, self.cache, quantized(self.pipe)
+            self.settings.model, self.device, self.dtype, call or self.call, self.cache, self.loras,
+            quantized(self.pipe),
         )
 
     def generate(self, job: Job, hint: str = "", call: CallSettings | None = None) -> GeneratedCall:
@@ -94,11 +100,11 @@ class PreparedPipeline:
         kwargs = (call or self.call).kwargs(job, self.device)
         before = graph_replays(self.pipe) if self.accelerated else None
         t0 = time.perf_counter()
-        images = generate_images(self.pipe, kwargs, job, hint, self.cache)
+        images, videos = generate_frames(self.pipe, kwargs, job, hint, self.cache)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        return GeneratedCall(images, mode_ran(self.pipe, self.settings.mode, before), seconds)
+        return GeneratedCall(images, mode_ran(self.pipe, self.settings.mode, before), seconds, videos)
 
 
 def resolve_device_and_dtype(settings: ModelSettings) -> tuple[Any, Any]:
@@ -112,11 +118,21 @@ def resolve_device_and_dtype(settings: ModelSettings) -> tuple[Any, Any]:
 def check_model(settings: ModelSettings, device: Any, dtype: Any, resolutions: Sequence[Size],
                 frames: int | None = None) -> None:  # fmt: skip
     """What can be checked before the model is built (CLIError): a local model's folder, and a
-    built-in model's limits and step cache against its configs."""
+    built-in model's limits, step cache and LoRA loader against its configs."""
     _check_embedded(settings.model, settings.size, device, dtype, resolutions, settings.warmup or [], frames)
     check_quantize(settings, device, dtype)
     if settings.cache is not None:
         _check_embedded_cache(settings.cache, settings.model, settings.size)
+    if settings.loras:
+        _check_embedded_lora_loader(settings.model)
+
+
+def _check_embedded_lora_loader(model: str) -> None:
+    from ..builders import canonical_name, pipeline_class
+
+    name = canonical_name(model)
+    if name is not None and not hasattr(pipeline_class(name), "load_lora_weights"):
+        raise CLIError(f"--lora: {pipeline_class(name).__name__} cannot load LoRAs (diffusers gives it no LoRA loader)")
 
 
 def _check_embedded_cache(cache: CacheRequest, model: str, size: str) -> None:
@@ -154,6 +170,7 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
     pipe.set_progress_bar_config(disable=True)
     # Whatever changes the weights belongs here: the limits below read them, and the step cache
     # and the accelerator hook the denoiser as it then is.
+    loras = _load_loras(pipe, settings.loras)
     call = call_settings(pipe, settings.model, settings.size, workload.steps, workload.guidance,
                          workload.negative_prompt, workload.frames)  # fmt: skip
 
@@ -193,7 +210,24 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
                 raise RunError(
                     f"out of memory capturing graphs for {sizes}: use smaller sizes or --warmup none"
                 ) from None
-    return PreparedPipeline(pipe, settings, device, dtype, call, cache, warmup_seconds)
+    return PreparedPipeline(pipe, settings, device, dtype, call, cache, warmup_seconds, loras)
+
+
+def _load_loras(pipe: Any, specs: Sequence[LoraSpec]) -> tuple[LoraSpec, ...]:
+    """``--lora``'s adapters loaded and active: CLIError for a LoRA the model cannot take (another
+    model's, say), RunError for a load that fails otherwise."""
+    if not specs:
+        return ()
+    import torch
+
+    try:
+        return tuple(load_loras(pipe, specs))
+    except LoraError as e:
+        raise CLIError(f"--lora {e}") from None
+    except torch.OutOfMemoryError:
+        raise RunError("out of memory loading --lora's adapters") from None
+    except Exception as e:  # diffusers and peft raise many kinds; each ends as one line
+        raise RunError(f"could not load --lora: {type(e).__name__}: {_one_line(e)[:300]}") from None
 
 
 def _accelerate(pipe: Any, settings: ModelSettings) -> None:

@@ -22,8 +22,8 @@ from .arguments import build_parser
 from .calls import nan_hint
 from .checks import _check_host_floor, check_existing, check_out, largest_first, read_prompts_file
 from .constants import DEFAULT_PROMPT, PROG
-from .defaults import default_resolution
-from .errors import CLIError
+from .defaults import default_resolution, is_video_model
+from .errors import CLIError, RunError
 from .images import image_texts, save_png
 from .jobs import plan_jobs, shard
 from .model_flags import model_settings
@@ -31,6 +31,7 @@ from .prepare import Workload, check_model, prepare_pipeline, resolve_device_and
 from .processes import Processes, detect_processes
 from .prompts import TruncationWarnings
 from .summary import shown, summary_line, where_written
+from .video import VideoOutput, plan_video_output, resolve_fps, save_video, settle_video_output, video_text
 
 logger = logging.getLogger("bcg-generate")
 
@@ -120,12 +121,16 @@ def _run(args: argparse.Namespace) -> int:
     except limits.LimitError as e:
         raise CLIError(str(e)) from None
     check_model(settings, device, dtype, resolutions, args.frames)
-    _check_host_floor(largest_first([*resolutions, *(settings.warmup or [])])[0], args.batch_size)
-    folder, single = check_out(args.out, n_images)
+    _check_host_floor(largest_first([*resolutions, *(settings.warmup or [])])[0], args.batch_size, args.frames)
+    video = is_video_model(args.model)  # None: a hub model, known once built
+    folder, single = check_out(args.out, n_images, video)
+    media = plan_video_output(single, video, args.fps, args.model)
 
     procs = detect_processes(cpu=device.type != "cuda")
     _setup_logging(args.quiet, procs)
     warn_unused_warmup(settings, device)
+    if video and media is not None and not media.every_frame:
+        _say_first_frame(single)
     if procs.count > 1 and procs.device is not None and device.type != "cpu" and procs.device.type == device.type:
         device = procs.device  # each process on its own GPU
     jobs = plan_jobs(prompts, resolutions, args.batch_size, args.seed)
@@ -141,13 +146,17 @@ def _run(args: argparse.Namespace) -> int:
     def target(name: str) -> Path:
         return single if single is not None else folder / name
 
-    if not args.overwrite:
-        # Each process checks the files of its own jobs only: another's may already be appearing.
-        # With --parallel every process checks all of rank 0's, so all refuse alike.
-        check_existing(folder, single, (name for job in mine for name in job.filenames))
+    def check_names(media: VideoOutput | None) -> None:
+        if not args.overwrite:
+            # Each process checks the files of its own jobs only: another's may already be appearing.
+            # With --parallel every process checks all of rank 0's, so all refuse alike.
+            suffix = _suffix(media)
+            check_existing(folder, single, (name for job in mine for name in job.file_names(suffix)))
+
+    check_names(media)
     # Said before the build, so a prompts file far longer than meant is noticed at once.
-    logger.info("%d image(s) to make: %d prompt(s) x %d resolution(s) x batch size %d",
-                n_images, len(prompts), len(resolutions), args.batch_size)  # fmt: skip
+    logger.info("%d %s(s) to make: %d prompt(s) x %d resolution(s) x batch size %d", n_images,
+                "video" if video else "image", len(prompts), len(resolutions), args.batch_size)  # fmt: skip
     if procs.count > 1:
         logger.info("%d of %d jobs on %s", len(mine), len(jobs), device)
 
@@ -155,6 +164,15 @@ def _run(args: argparse.Namespace) -> int:
                         prompts=[j.prompt for j in mine], warm_sizes=[(j.width, j.height) for j in mine])  # fmt: skip
     prepared = prepare_pipeline(settings, workload, device, dtype, progress=not args.quiet)
     call, common = prepared.call, prepared.text()
+    if video is None:  # now known: a video model keeps the plan, an image model writes PNGs
+        settled = settle_video_output(media, prepared.pipe, single, args.fps)
+        if _suffix(settled) != _suffix(media):
+            check_names(settled)
+        if settled is not None and not settled.every_frame:
+            _say_first_frame(single)
+        media = settled
+    every_frame = media is not None and media.every_frame
+    fps = resolve_fps(media, prepared.pipe) if every_frame else None
 
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
@@ -177,11 +195,18 @@ def _run(args: argparse.Namespace) -> int:
             gen_seconds += result.seconds
             modes_ran.add(result.mode)
             texts = image_texts(job, common, result.mode, settings.mode, count)
-            for image, text, name in zip(result.images, texts, job.filenames):
+            if every_frame and result.videos is None:
+                raise RunError(f"{type(prepared.pipe).__name__} returned images, not a video's frames: "
+                               "write them with --out x.png or a folder of PNGs")  # fmt: skip
+            items = result.videos if every_frame and result.videos is not None else result.images
+            for item, text, name in zip(items, texts, job.file_names(_suffix(media))):
                 path = target(name)
                 made += 1
                 if writes:
-                    done = save_png(image, path, text, overwrite=args.overwrite)
+                    if fps is not None:  # every frame, in a video file
+                        done = save_video(item, path, video_text(text, len(item), fps), fps, args.overwrite)
+                    else:
+                        done = save_png(item, path, text, overwrite=args.overwrite)
                     if done != path:
                         renamed += 1
                         logger.warning("%s appeared while this run was generating (another run writing there?): "
@@ -192,7 +217,8 @@ def _run(args: argparse.Namespace) -> int:
                 bar.update()
 
     where = where_written(written, folder, single, renamed, writes)
-    print(summary_line(prepared, procs.tag, made, len(mine), gen_seconds, modes_ran, where, tokens.truncated))
+    unit = "video" if every_frame else "image"
+    print(summary_line(prepared, procs.tag, made, len(mine), gen_seconds, modes_ran, where, tokens.truncated, unit))
     if args.report:
         print(prepared.pipe.accel.report() if prepared.accelerated else
               f"{procs.tag}mode eager: the pipeline was not accelerated")  # fmt: skip
@@ -201,3 +227,13 @@ def _run(args: argparse.Namespace) -> int:
         # working collective backend for no benefit.
         procs.state.destroy_process_group()
     return 0
+
+
+def _suffix(media: VideoOutput | None) -> str:
+    """The suffix of the run's files: the video container's, else PNG's."""
+    return media.suffix if media is not None else ".png"
+
+
+def _say_first_frame(single: Path | None) -> None:
+    logger.warning("--out %s holds one image: each video's first frame is written (name a .webp, .gif or .mp4 "
+                   "file, or a folder, for every frame)", shown(single) if single else "")  # fmt: skip

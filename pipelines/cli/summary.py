@@ -39,9 +39,10 @@ def where_written(written: Sequence[Path], folder: Path, single: Path | None, re
 
 
 def summary_line(prepared: PreparedPipeline, tag: str, made: int, calls: int, seconds: float, ran: set[str],
-                 where: str, truncated: int) -> str:  # fmt: skip
-    """The closing line of a run that made ``made`` images in ``calls`` calls taking ``seconds``
-    (``ran``: the modes they ran in; ``truncated``: distinct prompts the text encoder cut)."""
+                 where: str, truncated: int, unit: str = "image") -> str:  # fmt: skip
+    """The closing line of a run that made ``made`` images (or videos: ``unit``) in ``calls``
+    calls taking ``seconds`` (``ran``: the modes they ran in; ``truncated``: distinct prompts the
+    text encoder cut)."""
     pipe, device = prepared.pipe, prepared.device
     what = [type(pipe).__name__, mode_phrase(prepared.settings.mode, ran, device)]
     if prepared.cache is not None:
@@ -49,8 +50,8 @@ def summary_line(prepared: PreparedPipeline, tag: str, made: int, calls: int, se
     what.append(str(device))
     graph_mib = pipe.accel.graph_memory_bytes() / 2**20 if prepared.accelerated else 0.0
     line = (
-        f"{tag}{made} image(s) in {seconds:.2f} s: warmup {prepared.warmup_seconds:.2f} s, "
-        f"{seconds / made if made else 0.0:.3f} s/image, "
+        f"{tag}{made} {unit}(s) in {seconds:.2f} s: warmup {prepared.warmup_seconds:.2f} s, "
+        f"{seconds / made if made else 0.0:.3f} s/{unit}, "
         f"{calls * prepared.call.steps / seconds if seconds else 0.0:.1f} denoising steps/s, "
         f"graph memory {graph_mib:.1f} MiB ({', '.join(what)}); " + where
     )

@@ -12,6 +12,7 @@ import math
 import os
 from pathlib import Path
 
+from ..lora import LoraError, LoraSpec, parse_lora
 from .constants import MAX_SEED, MAX_STEPS, accel_options
 
 
@@ -124,6 +125,15 @@ def out_path(text: str) -> Path:
     if text.strip() == "-":
         raise argparse.ArgumentTypeError("'-': images are not written to stdout; name a .png file or a folder")
     return path(text)
+
+
+def lora(text: str) -> LoraSpec:
+    """``FILE[:SCALE]`` (``NAME=FILE[:SCALE]`` also reads), the scale a finite number; the file is
+    checked with the other model flags (:func:`pipelines.cli.model_flags.model_settings`)."""
+    try:
+        return parse_lora(user_path(text))
+    except LoraError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_utf8(text: str) -> str:

@@ -16,8 +16,7 @@ The modules, one job each:
 
 names     :data:`NAMES` (imports nothing)
 spec      :class:`Family`, :class:`Geometry`, :class:`Embedding`: what the zoo knows of one family
-images    the text-to-image and edit families' configs
-videos    the text-to-video families' configs
+families  the families' configs, geometry and inputs as data: one module per family
 registry  :data:`FAMILIES`, :func:`family`
 construct the pipeline, its denoiser, VAE and scheduler, parameter counts
 inputs    random, seeded embeddings and call keywords

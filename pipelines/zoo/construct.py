@@ -1,7 +1,7 @@
 """Construct a zoo family's pipeline with random weights and no text encoders.
 
-Weights are created in place on the target device and dtype (``builders.seeded``), so
-a 32B denoiser on a GPU builds in seconds; on the ``meta`` device nothing is allocated,
+Weights are created in place on the target device and dtype (:func:`pipelines.construction.seeded`),
+so a 32B denoiser on a GPU builds in seconds; on the ``meta`` device nothing is allocated,
 which is how parameter counts are taken. As ``from_pretrained`` does, modules a denoiser class
 names in ``_keep_in_fp32_modules`` stay in float32 under a half-precision dtype.
 """
@@ -18,7 +18,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from ..builders import as_dtype, seeded
+from ..construction import as_dtype, seeded
 from .registry import family
 from .spec import Family, check_size
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..builders import as_dtype
+from ..construction import as_dtype
 from .registry import family
 from .spec import Embedding, check_size
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from .images import IMAGE_FAMILIES
+from .families import ALL
 from .names import NAMES
 from .spec import Family
-from .videos import VIDEO_FAMILIES
 
 __all__ = ["FAMILIES", "family"]
 
-_BY_NAME = {f.name: f for f in (*IMAGE_FAMILIES, *VIDEO_FAMILIES)}
+_BY_NAME = {f.name: f for f in ALL}
 if set(_BY_NAME) != set(NAMES):  # a family added in one place only
     raise ImportError(f"zoo families and NAMES differ: {sorted(set(_BY_NAME) ^ set(NAMES))}")
 FAMILIES: dict[str, Family] = {name: _BY_NAME[name] for name in NAMES}

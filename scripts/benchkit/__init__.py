@@ -1,4 +1,4 @@
-"""The pieces of scripts/bench.py, one module per responsibility.
+"""The pieces of scripts/bench.py (and the table of scripts/bench_breadth.py), one module per responsibility.
 
 settings      constants, resolutions, how each model is run, progress lines
 cli           the command line (``build_parser``, ``resolve_config``) and the compile-cache folder
@@ -16,6 +16,7 @@ run           the measuring loop over models, and ``save`` (results.json, result
 report        results.md
 plots         step_time.png, graph_memory.png
 merge         one report from several runs (``--merge``)
+breadth_table breadth.md, the table of scripts/bench_breadth.py
 
 Nested call arguments and outputs are walked with ``accel.graphs.tree`` (``tensors``, ``clone``), the
 library's one traversal. Nothing here imports diffusers at import time, so the compile-cache

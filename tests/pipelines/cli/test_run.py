@@ -250,6 +250,19 @@ BEFORE_BUILD: list[tuple[str, list[str], str, int]] = [
     ("ratio zero", ["--cache", "magcache", "--cache-ratios", "1.0,0"], "each ratio must be a finite number above 0", 2),
     ("ratios empty", ["--cache", "magcache", "--cache-ratios", " , "], "--cache-ratios: is empty", 2),
     ("unknown cache", ["--cache", "teacache"], "invalid choice: 'teacache'", 2),
+    ("lora missing", ["--lora", "{tmp}/missing.safetensors"], "--lora '{tmp}/missing.safetensors' does not exist", 2),
+    ("lora is a folder", ["--lora", "{tmp}"], "--lora '{tmp}' is a folder; a LoRA is one .safetensors file", 2),
+    ("lora not safetensors", ["--lora", "{tmp}/a-file"], "--lora '{tmp}/a-file' is not a safetensors file", 2),
+    ("lora pickled", ["--lora", "{tmp}/lora.bin"], "is a pickled checkpoint; only .safetensors files", 2),
+    (
+        "lora scale nan",
+        ["--lora", "{tmp}/a-file:nan"],
+        "argument --lora: '{tmp}/a-file:nan': the scale 'nan' is not a finite number",
+        2,
+    ),
+    ("lora scale inf", ["--lora", "{tmp}/a-file:-inf"], "the scale '-inf' is not a finite number", 2),
+    ("lora scale not a number", ["--lora", "{tmp}/a-file:strong"], "the scale 'strong' is not a number", 2),
+    ("lora without a file", ["--lora", ":0.5"], "names no file", 2),
     ("short option that is not one", ["-x"], "unrecognized arguments: -x", 2),
 ]
 if Path("/proc/self").is_dir():  # permission bits say root may write there; the file system says no
@@ -271,6 +284,7 @@ def _bad_input_folder(tmp: Path) -> None:
     (tmp / "utf16.txt").write_bytes("a fox\n".encode("utf-16-le"))  # no byte-order mark: decodes as UTF-8
     (tmp / "not-a-pipeline").mkdir()
     (tmp / "taken.png").write_bytes(b"an image made earlier")
+    (tmp / "lora.bin").write_bytes(b"a pickled checkpoint")
     (tmp / "taken").mkdir()
     for seed in (0, 2):
         (tmp / "taken" / f"000{seed}-a-red-fox-in-the-snow-golden-hour-64x64-s{seed}.png").write_bytes(b"earlier")

@@ -1,0 +1,64 @@
+"""The built-in models' released configs, as data: what :mod:`pipelines.builders` builds and what
+:mod:`pipelines.limits` reads before anything is built.
+
+Z-Image, Qwen-Image, FLUX.1-dev and Wan2.1 (14B and 1.3B), each at two sizes: ``"full"`` is the
+release (the ``config.json`` of each component of its hub repository, written as constructor
+arguments, or diffusers' constructor defaults where those are the release); ``"tiny"`` keeps every
+structural choice at a few layers and narrow widths.
+
+The modules, one job each:
+
+spec        :class:`Part` (a component's class and configs), :class:`Release` (one model)
+encoders    the CLIP and T5 text encoders FLUX.1 and Wan2.1 share
+z_image, qwen_image, flux1, wan21   one model family each
+catalog     the models by name and alias; their classes, configs and tokenizers
+"""
+
+from __future__ import annotations
+
+from .catalog import (
+    ALIASES,
+    MODEL_NAMES,
+    RELEASES,
+    SIZES,
+    build_tokenizers,
+    canonical_name,
+    check_size,
+    components,
+    constructor,
+    full_transformer_config,
+    pipeline_class,
+    release,
+    require_model,
+    scheduler_config,
+    text_encoder_2_config,
+    text_encoder_config,
+    transformer_class,
+    transformer_config,
+    vae_config,
+)
+from .spec import Part, Release
+
+__all__ = [
+    "ALIASES",
+    "MODEL_NAMES",
+    "RELEASES",
+    "SIZES",
+    "Part",
+    "Release",
+    "build_tokenizers",
+    "canonical_name",
+    "check_size",
+    "components",
+    "constructor",
+    "full_transformer_config",
+    "pipeline_class",
+    "release",
+    "require_model",
+    "scheduler_config",
+    "text_encoder_2_config",
+    "text_encoder_config",
+    "transformer_class",
+    "transformer_config",
+    "vae_config",
+]

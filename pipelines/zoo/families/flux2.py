@@ -1,0 +1,57 @@
+"""FLUX.2-dev: 8 double-stream and 48 single-stream blocks, 48 heads x 128 = 6144 wide, the text
+three Mistral-Small-3.1 hidden layers stacked (3 x 5120 = 15360). diffusers' defaults."""
+
+from __future__ import annotations
+
+from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+from ...construction import init_defaults
+from ..spec import Family
+from .common import GEOMETRY, TINY_TEXT, TINY_TEXT_LEN, e, text_length
+
+__all__ = ["FAMILY"]
+
+_FULL = init_defaults(Flux2Transformer2DModel)
+_TINY = {
+    **_FULL,
+    "num_layers": 1,
+    "num_single_layers": 1,
+    "attention_head_dim": 16,  # must equal sum(axes_dims_rope)
+    "num_attention_heads": 2,
+    "joint_attention_dim": 3 * TINY_TEXT,
+    "timestep_guidance_channels": 32,
+    "axes_dims_rope": (4, 4, 4, 4),
+}
+_VAE_FULL = init_defaults(AutoencoderKLFlux2)  # 32 latent channels, 2x2 patchified
+_VAE_TINY = {**_VAE_FULL, "block_out_channels": (16, 16, 32, 32), "layers_per_block": 1, "norm_num_groups": 8}
+
+FAMILY = Family(
+    name="flux2",
+    pipeline="Flux2Pipeline",
+    released="black-forest-labs/FLUX.2-dev",
+    denoiser="transformer",
+    denoiser_class="Flux2Transformer2DModel",
+    vae_class="AutoencoderKLFlux2",
+    scheduler_class="FlowMatchEulerDiscreteScheduler",
+    denoiser_configs={"full": _FULL, "tiny": _TINY},
+    vae_configs={"full": _VAE_FULL, "tiny": _VAE_TINY},
+    scheduler=dict(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+        time_shift_type="exponential",
+    ),
+    geometry=GEOMETRY,
+    embeddings={
+        "full": {"prompt_embeds": e(1, 512, 15360)},
+        "tiny": {"prompt_embeds": e(1, TINY_TEXT_LEN, 3 * TINY_TEXT)},
+    },
+    extras=text_length(512),
+    steps=50,
+    guidance={"guidance_scale": 4.0},  # distilled guidance
+    cfg=False,
+)
