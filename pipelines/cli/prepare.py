@@ -88,7 +88,12 @@ class PreparedPipeline:
     def text(self, call: CallSettings | None = None) -> dict[str, str]:
         """The PNG text every image of ``call`` (default: :attr:`call`) shares."""
         return run_text(
-            self.settings.model, self.device, self.dtype, call or self.call, self.cache, self.loras,
+            self.settings.model,
+            self.device,
+            self.dtype,
+            call or self.call,
+            self.cache,
+            self.loras,
             quantized(self.pipe),
         )
 
