@@ -74,11 +74,13 @@ def _server_class() -> Any:
             return await super().on_tick(counter)
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            serving = self.service.phase == "ready"
             self.service.stop()
             await super().shutdown(sockets)
-            # The running batch ended with its requests' answers, unless all of them gave up:
-            # give it the same time a request has.
-            await asyncio.to_thread(self.service.worker.join, self.service.timeout)
+            if serving:  # a model still loading is not waited for (the worker is a daemon thread)
+                # The running batch ended with its requests' answers, unless all of them gave
+                # up: give it the time a request has.
+                await asyncio.to_thread(self.service.worker.join, self.service.timeout)
 
     return Server
 
@@ -86,6 +88,7 @@ def _server_class() -> Any:
 def serve(config: ServeConfig, start: Callable[[], Any], sock: socket.socket | None = None) -> int:
     """Run the server until stopped; ``start`` builds the engine on the device worker's thread.
     Returns the exit status. The caller has set up logging."""
+    import prometheus_client
     import uvicorn
 
     from .app import create_app
@@ -93,6 +96,7 @@ def serve(config: ServeConfig, start: Callable[[], Any], sock: socket.socket | N
     from .schema import Served
     from .service import Service
 
+    prometheus_client.disable_created_metrics()  # a *_created series per counter is noise here
     sock = sock if sock is not None else _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     served = Served(model=config.args.model, sizes=config.resolutions, max_n=config.max_batch,

@@ -41,7 +41,14 @@ def starter(config: ServeConfig) -> Callable[[], Engine]:
         pipe = build_model(a.model, a.size, device, dtype)
         pipe.set_progress_bar_config(disable=True)
         accelerate_pipeline(pipe)
-        meta = dict(model=a.model, device=str(device), dtype=str(dtype).removeprefix("torch."))
+        from pipelines.cli.arguments import package_version
+
+        meta = dict(
+            model=a.model,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            Software=f"bcg-diffusers {package_version()}",
+        )
         engine = Engine(pipe, device, meta, _png)
         engine.warmup(config.resolutions, range(1, config.max_batch + 1), _cfg_cases(engine.defaults))
         return engine
