@@ -2,8 +2,8 @@
 
 Requests wait here between the route that checked them and the device worker. The worker asks
 for a batch; the batcher takes the oldest request and every later one with the same
-:class:`BatchKey` (same size, steps, guidance, negative prompt or not, adapter), in arrival
-order, while their images fit in ``max_batch``. It waits for more only until the oldest has
+:class:`BatchKey` (same size, steps, guidance, negative prompt or not, adapter, text length),
+in arrival order, while their images fit in ``max_batch``. It waits for more only until the oldest has
 waited ``max_wait`` seconds, so joining never delays a request by more than that; a request
 that waited longer while the device was busy leaves with whatever can join it at once.
 
@@ -40,7 +40,10 @@ class BatchKey:
     """What requests must share to be computed by one pipeline call.
 
     ``negative``: whether the call passes negative prompts (a pipeline takes them for all its
-    images or for none); ``lora``: the adapter active for the call (None: none).
+    images or for none); ``lora``: the adapter active for the call (None: none); ``text`` and
+    ``negative_text``: the text length the model's recipe pads the prompt and the negative
+    prompt to (None where it cannot tell). Prompts padded alike have the same shapes in the
+    call: it replays the graph warmed up for them, and no prompt is padded for another's sake.
     """
 
     width: int
@@ -49,6 +52,8 @@ class BatchKey:
     guidance: float | None
     negative: bool = False
     lora: str | None = None
+    text: int | None = None
+    negative_text: int | None = None
 
 
 @dataclasses.dataclass(eq=False)

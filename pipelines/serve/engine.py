@@ -10,6 +10,7 @@ own seed only, whichever requests share its call.
 from __future__ import annotations
 
 import base64
+import copy
 import dataclasses
 import inspect
 import logging
@@ -23,7 +24,7 @@ from .batcher import BatchKey
 from .errors import ServeError
 from .schema import MAX_SEED, ImageRequest
 
-__all__ = ["Engine", "Generated", "Plan"]
+__all__ = ["Engine", "Generated", "Plan", "TextCases"]
 
 logger = logging.getLogger("bcg-serve")
 
@@ -46,10 +47,52 @@ class Plan:
     negative_prompt: str | None
     seeds: tuple[int, ...]
 
+    text: int | None = None
+    negative_text: int | None = None
+
     @property
     def key(self) -> BatchKey:
         r = self.request
-        return BatchKey(r.width, r.height, self.steps, self.guidance, self.negative_prompt is not None, r.lora)
+        return BatchKey(r.width, r.height, self.steps, self.guidance, self.negative_prompt is not None, r.lora,
+                        self.text, self.negative_text)  # fmt: skip
+
+
+class TextCases:
+    """The text length the denoiser's recipe pads a prompt to at a size (what a graph is
+    captured for), measured with tokenizers of its own.
+
+    A fast tokenizer's padding and truncation settings are state it changes per call; two
+    threads sharing one (the routes planning, the worker generating) can fail with "Already
+    borrowed". So the routes' thread measures with copies. None where the recipe cannot measure.
+    """
+
+    def __init__(self, pipe: Any) -> None:
+        recipes = getattr(getattr(pipe, "accel", None), "recipes", None) or {}
+        self._recipe = next(iter(recipes.values()), None)
+        self._view = _OwnTokenizers(pipe)
+
+    def __call__(self, prompt: str, width: int, height: int) -> int | None:
+        if self._recipe is None:
+            return None
+        try:
+            (length,) = self._recipe.prompt_lengths(self._view, [prompt])
+        except NotImplementedError:
+            return None
+        return self._recipe.warmup_length(length, width, height)
+
+
+class _OwnTokenizers:
+    """``pipe`` with copies of its tokenizers in their places; everything else is the pipe's."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+        for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+            tokenizer = getattr(pipe, name, None)
+            if tokenizer is not None:
+                setattr(self, name, copy.deepcopy(tokenizer))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
 
 
 class Engine:
@@ -74,6 +117,7 @@ class Engine:
             self._per_prompt = "num_videos_per_prompt"
         self._output_type = "output_type" in params
         self._scheduler_config = getattr(getattr(pipe, "scheduler", None), "config", None)
+        self._text_cases = TextCases(pipe)
         self._active_lora: str | None = None
 
     # -- planning (any thread) -----------------------------------------------------------------
@@ -97,7 +141,10 @@ class Engine:
         if cfg and negative is None:
             negative = d.default_negative
         seed = request.seed if request.seed is not None else secrets.randbelow(MAX_SEED - request.n + 2)
-        return Plan(request, steps, guidance, negative, tuple(range(seed, seed + request.n)))
+        w, h = request.width, request.height
+        text = self._text_cases(request.prompt, w, h)
+        negative_text = self._text_cases(negative, w, h) if negative is not None else None
+        return Plan(request, steps, guidance, negative, tuple(range(seed, seed + request.n)), text, negative_text)
 
     # -- the device (the worker's thread only) --------------------------------------------------
 
