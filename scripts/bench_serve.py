@@ -198,12 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     from benchkit.environment import collect_env
 
     from pipelines.serve.config import parse_args
-    from pipelines.serve.startup import starter
+    from pipelines.serve.startup import check, starter
 
     w, h = args.resolution
     config = parse_args([*model_flags, "--resolutions", f"{w}x{h}", "--max-batch", str(args.max_batch)])
     say(f"building and warming up ({' '.join(model_flags) or 'the defaults'}), {w}x{h}, batch sizes 1-{args.max_batch}")
-    engine = starter(config)()
+    engine = starter(config, *check(config))()
     env = collect_env(engine.device if isinstance(engine.device, torch.device) else torch.device("cpu"))
     settle(engine, (w, h), args.steps, args.max_batch)
     runs: list[dict[str, Any]] = []

@@ -1,7 +1,8 @@
-"""``bcg-serve``'s flags: the model's (as ``bcg-generate`` takes them) and the server's.
+"""``bcg-serve``'s flags: the model flags ``bcg-generate`` takes (from :mod:`pipelines.cli`) and
+the server's own.
 
-Each value is checked as it is read; a bad one is one line and exit status 2, before torch is
-imported or anything is bound or built.
+Each value is checked as it is read; a bad one is one line and exit status 2, before anything is
+bound or built. Importing this module imports no torch.
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from typing import Any
+
+from pipelines.cli import CLIError, ModelSettings, add_model_arguments, model_settings
+from pipelines.cli.model_flags import model_epilog
+from pipelines.cli.values import resolution
 
 __all__ = ["PROG", "ServeConfig", "UsageError", "build_parser", "parse_args"]
 
@@ -23,15 +28,6 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line instead of usage + error
         raise UsageError(f"{message} (see {PROG} --help)")
-
-
-def _resolution(text: str) -> tuple[int, int]:
-    from pipelines.cli.arguments import accel_options
-
-    try:
-        return accel_options().parse_resolution(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _int_at_least(low: int) -> Any:
@@ -52,7 +48,7 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text}")
     return value
 
@@ -64,24 +60,51 @@ def _port(text: str) -> int:
     return value
 
 
+def _lora(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=FILE (for example --lora style=style.safetensors)")
+    return name.strip(), path.strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``bcg-serve`` argument parser."""
+    """The ``bcg-serve`` argument parser: the model flags, then the server's."""
     p = _Parser(
         prog=PROG,
         description="Serve images over HTTP (OpenAI's POST /v1/images/generations) from a pipeline whose "
         "graphs stay warm, joining compatible requests into one pipeline call.",
-        epilog="One server owns one device: for several GPUs, start one server per GPU (--device cuda:N, "
-        "--port) behind your load balancer. SIGTERM stops accepting, finishes the running batch, answers "
-        "the waiting requests 503 and exits 0.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"""\
+{model_epilog()}
+
+--warmup: the sizes captured before the server is ready (default: --resolutions; 'none': none),
+  each at every batch size up to --max-batch, with and without guidance where the model has it.
+
+One server owns one device: for several GPUs, start one server per GPU (--device cuda:N, --port)
+behind your load balancer. SIGTERM stops accepting, finishes the running batch, answers the
+waiting requests 503 and exits 0.
+exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 interrupted.""",
     )
-    _add_model_flags(p)
+    add_model_arguments(p)
     s = p.add_argument_group("server")
-    s.add_argument("--resolutions", type=_resolution, nargs="+", default=None, metavar="WxH",
-                   help=f"the sizes served, each warmed up before the server is ready; the first is the default "
-                   f"(default {DEFAULT_RESOLUTION})")  # fmt: skip
-    s.add_argument("--max-batch", type=_int_at_least(1), default=4, metavar="N",
-                   help="images per pipeline call at most, and per request (n); every batch size up to N is "
-                   "warmed up (default 4; 1 turns batching off)")  # fmt: skip
+    s.add_argument("--resolutions", type=resolution, nargs="+", default=None, metavar="WxH",
+                   help=f"the sizes served, WIDTHxHEIGHT; the first is a request's default (default "
+                   f"{DEFAULT_RESOLUTION})")  # fmt: skip
+    s.add_argument(
+        "--lora",
+        type=_lora,
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="a LoRA adapter loaded at start, picked per request by its name (repeatable)",
+    )
+    s.add_argument(
+        "--max-batch",
+        type=_int_at_least(1),
+        default=4,
+        metavar="N",
+        help="images per pipeline call at most, and per request (n) (default 4; 1: no batching)",
+    )
     s.add_argument(
         "--max-wait-ms",
         type=_int_at_least(0),
@@ -105,33 +128,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    m = p.add_argument_group("model")
-    m.add_argument("--model", default="z-image", help="a built-in model, a pipeline folder or a hub id")
-    m.add_argument("--size", choices=("tiny", "full"), default="tiny", help="size of the built-in models")
-    m.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
-    m.add_argument("--dtype", default=None, help="weights dtype (default bfloat16 on cuda, float32 on cpu)")
-
-
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """The parsed flags: ``args`` (the model's, for the model builder) and the server's."""
+    """The parsed flags: the model's (:class:`pipelines.cli.ModelSettings`) and the server's."""
 
-    args: argparse.Namespace
+    settings: ModelSettings
     resolutions: tuple[tuple[int, int], ...]
-    max_batch: int
-    max_wait: float
-    queue: int
-    timeout: float
-    host: str
-    port: int
-    quiet: bool
+    loras: tuple[tuple[str, str], ...] = ()
+    max_batch: int = 4
+    max_wait: float = 0.02
+    queue: int = 64
+    timeout: float = 300.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    quiet: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> ServeConfig:
     """``argv`` -> :class:`ServeConfig`, or :class:`UsageError` (``--help`` exits as argparse does)."""
     args = build_parser().parse_args(argv)
-    sizes = tuple(dict.fromkeys(args.resolutions or [_resolution(DEFAULT_RESOLUTION)]))
-    return ServeConfig(args=args, resolutions=sizes, max_batch=args.max_batch, max_wait=args.max_wait_ms / 1000,
-                       queue=args.queue, timeout=args.timeout, host=args.host, port=args.port,
-                       quiet=args.quiet)  # fmt: skip
+    try:
+        settings = model_settings(args)
+    except CLIError as e:
+        raise UsageError(str(e)) from None
+    if settings.parallel is not None:
+        raise UsageError(f"--parallel {settings.parallel} computes each image on several processes; bcg-serve "
+                         "serves from one device: start one server per GPU instead")  # fmt: skip
+    names = [name for name, _ in args.lora]
+    if len(set(names)) != len(names):
+        raise UsageError(f"--lora: each adapter needs a name of its own, got {', '.join(names)}")
+    sizes = tuple(dict.fromkeys(args.resolutions or [resolution(DEFAULT_RESOLUTION)]))
+    return ServeConfig(settings=settings, resolutions=sizes, loras=tuple(args.lora), max_batch=args.max_batch,
+                       max_wait=args.max_wait_ms / 1000, queue=args.queue, timeout=args.timeout, host=args.host,
+                       port=args.port, quiet=args.quiet)  # fmt: skip

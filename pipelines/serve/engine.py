@@ -1,24 +1,33 @@
 """The pipeline side of the server: a request planned against the model's defaults, and a
-batch of planned requests made into images by one pipeline call.
+batch of planned requests made into PNGs by one pipeline call.
+
+The model's knowledge is the CLI's (:mod:`pipelines.cli`): a request's steps, guidance and
+negative prompt are resolved by :func:`~pipelines.cli.call_settings`, the call's arguments by
+its :class:`~pipelines.cli.CallSettings`, the call itself (errors in one line, non-finite pixels
+refused) by the CLI's call, and each image's PNG text by :func:`~pipelines.cli.call_pngs`, so a
+served image records what ``bcg-generate``'s would. What the server adds: several requests in one
+call, each image with its own generator (diffusers takes a list), so an image's noise depends on
+its own seed only, whichever requests share its call.
 
 Only the device worker's thread calls :meth:`Engine.run` and :meth:`Engine.warmup`;
 :meth:`Engine.plan` reads only what is fixed once the engine exists, so the routes call it.
-Each image has its own generator (diffusers takes a list), so an image's noise depends on its
-own seed only, whichever requests share its call.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import dataclasses
-import inspect
 import logging
 import math
 import secrets
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+from pipelines.cli import CallSettings, Job, PreparedPipeline, call_pngs, call_settings
+from pipelines.cli.calls import generate_images, graph_replays, mode_ran, nan_hint
+from pipelines.cli.prompts import count_tokens
 
 from .batcher import BatchKey
 from .errors import ServeError
@@ -39,22 +48,19 @@ class Generated:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A request with every default resolved: what one request adds to a pipeline call."""
+    """A request with every default resolved (``call``) and its seeds: what it adds to a call."""
 
     request: ImageRequest
-    steps: int
-    guidance: float | None
-    negative_prompt: str | None
+    call: CallSettings
     seeds: tuple[int, ...]
-
     text: int | None = None
     negative_text: int | None = None
 
     @property
     def key(self) -> BatchKey:
-        r = self.request
-        return BatchKey(r.width, r.height, self.steps, self.guidance, self.negative_prompt is not None, r.lora,
-                        self.text, self.negative_text)  # fmt: skip
+        r, c = self.request, self.call
+        return BatchKey(r.width, r.height, c.steps, c.guidance, c.negative_prompt is not None, r.lora, self.text,
+                        self.negative_text)  # fmt: skip
 
 
 class TextCases:
@@ -95,56 +101,59 @@ class _OwnTokenizers:
         return getattr(self._pipe, name)
 
 
+class _Quiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _cli_advice_held() -> Iterator[None]:
+    # call_settings advises the CLI's user on flags it drops ("--negative-prompt is ignored"):
+    # per request that is noise naming flags a client never gave; what ran is in the PNG text.
+    cli, quiet = logging.getLogger("bcg-generate"), _Quiet()
+    cli.addFilter(quiet)
+    try:
+        yield
+    finally:
+        cli.removeFilter(quiet)
+
+
 class Engine:
-    """A built, accelerated pipeline and what its calls need.
+    """A prepared pipeline (:func:`pipelines.cli.prepare_pipeline`) and what its calls need."""
 
-    ``png`` turns one output image and its text metadata into PNG bytes; ``meta`` is the text
-    every image of this server records (model, device, dtype, cache, software).
-    """
-
-    def __init__(self, pipe: Any, device: Any, meta: dict[str, str], png: Any, frames: int | None = None) -> None:
-        from pipelines.cli import generation_defaults
-
-        self.pipe = pipe
-        self.device = device
-        self.meta = dict(meta)
-        self.frames = frames
-        self._png = png
-        self.defaults = generation_defaults(pipe)
-        params = inspect.signature(pipe.__call__).parameters
-        self._per_prompt = "num_images_per_prompt"
-        if self._per_prompt not in params and "num_videos_per_prompt" in params:
-            self._per_prompt = "num_videos_per_prompt"
-        self._output_type = "output_type" in params
-        self._scheduler_config = getattr(getattr(pipe, "scheduler", None), "config", None)
-        self._text_cases = TextCases(pipe)
+    def __init__(self, prepared: PreparedPipeline) -> None:
+        self.prepared = prepared
+        self.pipe = prepared.pipe
+        self.device = prepared.device
+        self._text_cases = TextCases(self.pipe)
+        self._scheduler_config = getattr(getattr(self.pipe, "scheduler", None), "config", None)
         self._active_lora: str | None = None
+
+    @property
+    def defaults(self) -> CallSettings:
+        """How a request that names no steps, guidance or negative prompt is made."""
+        return self.prepared.call
 
     # -- planning (any thread) -----------------------------------------------------------------
 
     def plan(self, request: ImageRequest) -> Plan:
-        """Resolve ``request``'s defaults; :class:`ServeError` 422 where the model refuses a value."""
+        """Resolve ``request``'s defaults (a request without a seed gets a random one);
+        :class:`ServeError` 422 where the model refuses a value."""
         from pipelines import limits
 
-        d = self.defaults
-        steps = request.steps or d.steps
+        p = self.prepared
+        with _cli_advice_held():
+            call = call_settings(self.pipe, p.settings.model, p.settings.size, request.steps, request.guidance,
+                                 request.negative_prompt, p.call.frames)  # fmt: skip
         try:
-            limits.check_steps(steps, self._scheduler_config)
+            limits.check_steps(call.steps, self._scheduler_config)
         except limits.LimitError as e:
             raise ServeError(422, f"steps: {e}", param="steps", code="invalid_value") from None
-        guidance = request.guidance if request.guidance is not None else d.guidance
-        if d.guidance_kwarg is None:
-            guidance = None  # the pipeline takes no scale: it must not split batches either
-        cfg = guidance is not None and guidance > d.cfg_above
-        # As the CLI: a negative prompt counts only where classifier-free guidance runs.
-        negative = request.negative_prompt if cfg else None
-        if cfg and negative is None:
-            negative = d.default_negative
-        seed = request.seed if request.seed is not None else secrets.randbelow(MAX_SEED - request.n + 2)
+        first = request.seed if request.seed is not None else secrets.randbelow(MAX_SEED - request.n + 2)
         w, h = request.width, request.height
         text = self._text_cases(request.prompt, w, h)
-        negative_text = self._text_cases(negative, w, h) if negative is not None else None
-        return Plan(request, steps, guidance, negative, tuple(range(seed, seed + request.n)), text, negative_text)
+        negative = self._text_cases(call.negative_prompt, w, h) if call.negative_prompt is not None else None
+        return Plan(request, call, tuple(range(first, first + request.n)), text, negative)
 
     # -- the device (the worker's thread only) --------------------------------------------------
 
@@ -160,57 +169,39 @@ class Engine:
         """One pipeline call for ``plans`` (one :class:`BatchKey`); per plan, its images."""
         import torch
 
-        first = plans[0]
+        first, p = plans[0], self.prepared
         key, r = first.key, first.request
-        assert all(p.key == key for p in plans), "a batch mixes keys"
-        prompts = [p.request.prompt for p in plans for _ in p.seeds]  # a fresh list: pipelines edit it
-        kwargs: dict[str, Any] = dict(
-            prompt=prompts,
-            height=r.height,
-            width=r.width,
-            num_inference_steps=first.steps,
-            generator=[torch.Generator(self.device).manual_seed(s) for p in plans for s in p.seeds],
-        )
-        kwargs[self._per_prompt] = 1
-        if self.frames is not None:
-            kwargs["num_frames"] = self.frames
-        if self._output_type:
-            kwargs["output_type"] = "np"  # floats: NaN pixels are told from black ones
-        if key.negative:
-            kwargs["negative_prompt"] = [p.negative_prompt for p in plans for _ in p.seeds]
-        if first.guidance is not None and self.defaults.guidance_kwarg is not None:
-            kwargs[self.defaults.guidance_kwarg] = first.guidance
+        assert all(q.key == key for q in plans), "a batch mixes keys"
+        seeds = tuple(s for q in plans for s in q.seeds)
+        job = Job(r.prompt, r.width, r.height, tuple(range(len(seeds))), seeds)
+        kwargs = first.call.kwargs(job, self.device)  # a generator per seed, the model's arguments
+        kwargs["prompt"] = [q.request.prompt for q in plans for _ in q.seeds]  # one prompt per image
+        kwargs[first.call.count_kwarg] = 1
+        if first.call.negative_prompt is not None:
+            kwargs["negative_prompt"] = [q.call.negative_prompt for q in plans for _ in q.seeds]
         self._select_lora(key.lora)
-        before = self.denoiser_counts()[0]
-        images = _images(self.pipe(**kwargs))
+        before = graph_replays(self.pipe) if p.accelerated else None
+        images = generate_images(self.pipe, kwargs, job, nan_hint(p.settings.dtype, r.guidance), p.cache)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        ran = "bcg" if self.denoiser_counts()[0] > before else "eager"
-        out: list[list[Generated]] = []
-        i = 0
-        for p in plans:
-            mine = []
-            for index, seed in enumerate(p.seeds):
-                info = self._info(p, index, seed, ran)
-                mine.append(Generated(base64.b64encode(self._png(images[i], info)).decode("ascii"), seed))
-                i += 1
-            out.append(mine)
+        ran = mode_ran(self.pipe, p.settings.mode, before)
+        out, start = [], 0
+        for q in plans:
+            n = len(q.seeds)
+            mine = Job(q.request.prompt, r.width, r.height, tuple(range(n)), q.seeds)
+            common = p.text(q.call)
+            if q.request.lora is not None:
+                common["lora"] = q.request.lora
+            pngs = call_pngs(images[start : start + n], mine, common, ran, p.settings.mode, self._tokens(q))
+            out.append([Generated(base64.b64encode(png).decode("ascii"), s) for png, s in zip(pngs, q.seeds)])
+            start += n
         return out
 
-    def _info(self, p: Plan, index: int, seed: int, ran: str) -> dict[str, str]:
-        r = p.request
-        info = dict(prompt=r.prompt, seed=str(seed), resolution=f"{r.width}x{r.height}", index=str(index), mode=ran)
-        if ran != "bcg":
-            info["requested_mode"] = "bcg"
-        info.update(
-            negative_prompt=p.negative_prompt or "",
-            steps=str(p.steps),
-            guidance="default" if p.guidance is None else f"{p.guidance:g}",
-        )
-        if r.lora is not None:
-            info["lora"] = r.lora
-        info.update(self.meta)
-        return info
+    def _tokens(self, plan: Plan) -> Any:
+        try:
+            return count_tokens(self.pipe, plan.request.prompt)
+        except Exception:  # a tokenizer without a chat template, say: not counted, as the CLI does
+            return None
 
     def _select_lora(self, name: str | None) -> None:
         if name == self._active_lora:
@@ -223,35 +214,25 @@ class Engine:
             self.pipe.set_adapters([name])
         self._active_lora = name
 
-    def warmup(self, sizes: Sequence[tuple[int, int]], batch_sizes: Sequence[int], cfg: Sequence[bool]) -> float:
-        """Capture every size at every batch size, largest first, one log line per size; seconds."""
-        ordered = sorted(dict.fromkeys(sizes), key=lambda wh: (wh[0] * wh[1], wh), reverse=True)
-        total = 0.0
-        for i, (w, h) in enumerate(ordered, 1):
-            t0 = time.perf_counter()
-            report = self.pipe.accel.warmup([(w, h)], batch_sizes=list(batch_sizes), cfg=list(cfg), progress=False)
-            seconds = time.perf_counter() - t0
-            total += seconds
-            what = report.skipped or f"{report.total_captures} graph(s), {report.total_resident_bytes / 2**20:.1f} MiB"
-            logger.info("warm-up %d/%d: %dx%d, batch sizes %s: %.2f s (%s)", i, len(ordered), w, h,
-                        ",".join(map(str, batch_sizes)), seconds, what)  # fmt: skip
-        return total
+    def warmup(self, sizes: Sequence[tuple[int, int]], max_batch: int) -> None:
+        """Capture every size at every batch size up to ``max_batch``, with and without guidance
+        where the model has it, in one warm-up (so compiled kernels are compiled once for all);
+        one log line per size."""
+        d, batch_sizes = self.prepared.call, list(range(1, max_batch + 1))
+        cfg = [True, False] if d.guidance_kwarg is not None and not math.isinf(_cfg_above(self.pipe)) else [False]
+        logger.info("warming up %s at batch sizes 1-%d%s", ", ".join(f"{w}x{h}" for w, h in sizes), max_batch,
+                    ", with and without guidance" if len(cfg) == 2 else "")  # fmt: skip
+        kwargs: dict[str, Any] = dict(batch_sizes=batch_sizes, cfg=cfg, progress=False)
+        if d.frames is not None:
+            kwargs["num_frames"] = d.frames
+        report = self.pipe.accel.warmup(list(sizes), **kwargs)
+        for i, row in enumerate(report.rows, 1):
+            what = report.skipped or f"{row.captures} graph(s), {row.resident_bytes / 2**20:.1f} MiB"
+            compiled = f", compile {row.compile_seconds:.2f} s" if row.compile_seconds else ""
+            logger.info("warm-up %d/%d: %s: %.2f s%s (%s)", i, len(report.rows), row.size, row.seconds, compiled, what)
 
 
-def _images(output: Any) -> list[Any]:
-    """A pipeline output -> one float HxWxC array per image (a video's first frame); a NaN or
-    infinite pixel anywhere is an error, never an image."""
-    import numpy as np
+def _cfg_above(pipe: Any) -> float:
+    from pipelines.cli import generation_defaults
 
-    video = getattr(output, "images", None) is None and getattr(output, "frames", None) is not None
-    array = np.asarray(output.frames if video else output.images)
-    if not np.isfinite(array).all():
-        raise FloatingPointError("the pipeline produced NaN or infinite pixels")
-    return list(array[:, 0] if video else array)
-
-
-def _cfg_cases(defaults: Any) -> list[bool]:
-    """Guidance settings requests may take: both where the model runs classifier-free guidance."""
-    if defaults.guidance_kwarg is None or math.isinf(defaults.cfg_above):
-        return [False]
-    return [True, False]
+    return generation_defaults(pipe).cfg_above

@@ -99,8 +99,8 @@ def serve(config: ServeConfig, start: Callable[[], Any], sock: socket.socket | N
     prometheus_client.disable_created_metrics()  # a *_created series per counter is noise here
     sock = sock if sock is not None else _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
-    served = Served(model=config.args.model, sizes=config.resolutions, max_n=config.max_batch,
-                    loras=tuple(getattr(config.args, "lora_names", ()) or ()))  # fmt: skip
+    served = Served(model=config.settings.model, sizes=config.resolutions, max_n=config.max_batch,
+                    loras=tuple(name for name, _ in config.loras))  # fmt: skip
     service = Service(served, Batcher(config.queue, config.max_batch, config.max_wait), start, config.timeout)
     uv = uvicorn.Config(create_app(service), log_config=None, access_log=False, lifespan="off",
                         timeout_graceful_shutdown=int(config.timeout) + 1)  # fmt: skip
@@ -129,15 +129,21 @@ def _setup_logging(quiet: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run ``bcg-serve``; returns the exit status (0 stopped, 1 failed to start, 2 bad input,
     130 interrupted)."""
+    from pipelines.cli import CLIError
+
     try:
         config = parse_args(argv)
+        _setup_logging(config.quiet)
+        from .startup import check, starter
+
+        device, dtype = check(config)
         sock = _bind(config.host, config.port)
-    except UsageError as e:
+    except (UsageError, CLIError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return BAD_INPUT
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
-    _setup_logging(config.quiet)
-    from .startup import starter
-
-    return serve(config, starter(config), sock)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted\n")
+        return INTERRUPTED
+    return serve(config, starter(config, device, dtype), sock)

@@ -15,13 +15,15 @@ import math
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pipelines.cli.constants import MAX_SEED, MAX_STEPS
+
 from .errors import ServeError
 
 __all__ = ["MAX_BODY_BYTES", "MAX_SEED", "MAX_STEPS", "ImageRequest", "Served", "parse_request"]
 
 MAX_BODY_BYTES = 1 << 20  # a prompt is text: a megabyte is far beyond any text encoder's reach
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range; image i of a request uses seed + i
-MAX_STEPS = 1000  # the built-in schedulers' num_train_timesteps; the engine checks the real one
+# torch.Generator.manual_seed's range (image i of a request uses seed + i), and the built-in
+# schedulers' num_train_timesteps (the engine checks the model's own): the CLI's limits.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,56 +1,52 @@
-"""The engine's start, on the device worker's thread: build, accelerate, warm up."""
+"""The engine's start: the model flags checked before the socket is bound (in the main thread),
+then, on the device worker's thread, the pipeline built, accelerated and warmed up, and the
+adapters loaded.
+
+Both are the CLI's steps (:mod:`pipelines.cli.prepare`): the same checks, the same pipeline. The
+server warms up itself, after its adapters are loaded: every served size at every batch size a
+call may have, with and without guidance.
+"""
 
 from __future__ import annotations
 
-import io
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from .config import ServeConfig
-from .engine import Engine, _cfg_cases
+from .engine import Engine
 
-__all__ = ["starter"]
+__all__ = ["check", "starter"]
 
 logger = logging.getLogger("bcg-serve")
 
 
-def _png(image: Any, info: dict[str, str]) -> bytes:
-    from diffusers.image_processor import VaeImageProcessor
-    from PIL.PngImagePlugin import PngInfo
+def check(config: ServeConfig) -> tuple[Any, Any]:
+    """The checks that need no model built (CLIError): device, dtype, a built-in model's limits
+    at the served sizes. Returns the torch device and dtype."""
+    from pipelines.cli.prepare import check_model, resolve_device_and_dtype
 
-    meta = PngInfo()
-    for k, v in info.items():
-        meta.add_text(k, v)
-    buf = io.BytesIO()
-    VaeImageProcessor.numpy_to_pil(image[None])[0].save(buf, format="PNG", pnginfo=meta)
-    return buf.getvalue()
+    device, dtype = resolve_device_and_dtype(config.settings)
+    check_model(config.settings, device, dtype, config.resolutions)
+    return device, dtype
 
 
-def starter(config: ServeConfig) -> Callable[[], Engine]:
+def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine]:
+    """What the device worker runs first: returns the warm engine."""
+
     def start() -> Engine:
-        import torch
+        from pipelines.cli import DEFAULT_PROMPT, Workload, prepare_pipeline
 
-        from accel import accelerate_pipeline
-        from pipelines.cli import build_model
-
-        a = config.args
-        device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        logger.info("building %s (%s) on %s", a.model, a.size, device)
-        pipe = build_model(a.model, a.size, device, dtype)
-        pipe.set_progress_bar_config(disable=True)
-        accelerate_pipeline(pipe)
-        from pipelines.cli.arguments import package_version
-
-        meta = dict(
-            model=a.model,
-            device=str(device),
-            dtype=str(dtype).removeprefix("torch."),
-            Software=f"bcg-diffusers {package_version()}",
-        )
-        engine = Engine(pipe, device, meta, _png)
-        engine.warmup(config.resolutions, range(1, config.max_batch + 1), _cfg_cases(engine.defaults))
+        settings = config.settings
+        logger.info("building %s (%s) on %s", settings.model, settings.size, device)
+        # The limits are checked for the largest call served; the server's own warm-up follows.
+        workload = Workload(resolutions=config.resolutions, batch_size=config.max_batch, prompts=(DEFAULT_PROMPT,))
+        prepared = prepare_pipeline(dataclasses.replace(settings, warmup=()), workload, device, dtype, progress=False)
+        engine = Engine(prepared)
+        sizes = config.resolutions if settings.warmup is None else settings.warmup
+        if prepared.accelerated and sizes:
+            engine.warmup(sizes, config.max_batch)
         return engine
 
     return start

@@ -76,7 +76,9 @@ class DeviceWorker(threading.Thread):
             results = self.engine.run([w.plan for w in batch])
         except Exception as e:  # one batch's failure is that batch's alone
             m.pipeline_calls.labels("failed").inc()
-            message = f"generation failed: {type(e).__name__}: {one_line(e)[:300]}"
+            # The CLI's errors are told for users already (out of memory, NaN pixels, a refused call).
+            told = one_line(e) if getattr(e, "status", None) == 1 else f"{type(e).__name__}: {one_line(e)}"
+            message = f"generation failed: {told[:300]}"
             logger.error("a batch of %d request(s), %d image(s), %s", len(batch), images, message)
             for w in batch:
                 w.future.set_exception(BatchFailed(message))

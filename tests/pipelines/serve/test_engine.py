@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 
+from pipelines.cli import ModelSettings, PreparedPipeline, RunError, call_settings
 from pipelines.serve.batcher import Batcher, Work
 from pipelines.serve.engine import Engine, Plan
 from pipelines.serve.errors import ServeError
 from pipelines.serve.metrics import Metrics
 from pipelines.serve.schema import ImageRequest
 from pipelines.serve.worker import BatchFailed, DeviceWorker
+from tests.pipelines.serve.server import decode
 
 
 @dataclasses.dataclass
@@ -51,12 +53,10 @@ class FakePipeline:
         return Output(images)
 
 
-def png(image: np.ndarray, info: dict[str, str]) -> bytes:
-    return image.tobytes() + repr(sorted(info.items())).encode()
-
-
 def engine(pipe: FakePipeline) -> Engine:
-    return Engine(pipe, torch.device("cpu"), {"model": "fake"}, png)
+    call = call_settings(pipe, "fake", "tiny")  # the CLI's defaults for a pipeline without a recipe
+    settings = ModelSettings(model="fake", mode_flag="eager")
+    return Engine(PreparedPipeline(pipe, settings, torch.device("cpu"), torch.float32, call))
 
 
 def request(prompt: str, n: int = 1, seed: int | None = 0, **kw: Any) -> ImageRequest:
@@ -64,9 +64,7 @@ def request(prompt: str, n: int = 1, seed: int | None = 0, **kw: Any) -> ImageRe
 
 
 def pixels(e: Engine, plans: list[Plan]) -> list[list[bytes]]:
-    import base64
-
-    return [[base64.b64decode(g.b64_json)[: 16 * 8 * 3 * 4] for g in images] for images in e.run(plans)]
+    return [[decode(g.b64_json).tobytes() for g in images] for images in e.run(plans)]
 
 
 def test_a_batch_is_one_call_with_a_generator_per_image_and_each_image_its_own() -> None:
@@ -87,11 +85,11 @@ def test_a_batch_is_one_call_with_a_generator_per_image_and_each_image_its_own()
 def test_plans_take_the_models_defaults_and_a_negative_prompt_only_where_guidance_runs() -> None:
     e = engine(FakePipeline())  # no recipe: guidance_scale, CFG above 1, no default steps but 30
     p = e.plan(request("a", seed=None, n=3))
-    assert (p.steps, p.guidance, p.negative_prompt) == (30, None, None)
+    assert (p.call.steps, p.call.guidance, p.call.negative_prompt) == (30, None, None)
     assert len(p.seeds) == 3 and p.seeds == tuple(range(p.seeds[0], p.seeds[0] + 3))
-    assert e.plan(request("a", negative_prompt="blur", guidance=1.0)).negative_prompt is None  # no CFG at 1.0
+    assert e.plan(request("a", negative_prompt="blur", guidance=1.0)).call.negative_prompt is None  # no CFG at 1
     strong = e.plan(request("a", negative_prompt="blur", guidance=4.0))
-    assert strong.negative_prompt == "blur"
+    assert strong.call.negative_prompt == "blur"
     assert strong.key != e.plan(request("a", guidance=4.0)).key  # with and without negatives never share a call
     e.run([strong])
     assert e.pipe.calls[-1]["negative"] == ["blur"]
@@ -101,7 +99,7 @@ def test_plans_take_the_models_defaults_and_a_negative_prompt_only_where_guidanc
 def test_non_finite_pixels_are_an_error_not_an_image() -> None:
     pipe = FakePipeline()
     pipe.nan = True
-    with pytest.raises(FloatingPointError, match="NaN or infinite"):
+    with pytest.raises(RunError, match="NaN or infinite pixels for 16x8 seed 0"):
         engine(pipe).run([engine(pipe).plan(request("a"))])
 
 
