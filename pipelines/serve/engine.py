@@ -31,6 +31,7 @@ from pipelines.cli.prompts import count_tokens
 
 from .batcher import BatchKey
 from .errors import ServeError
+from .lora import Adapters
 from .schema import MAX_SEED, ImageRequest
 
 __all__ = ["Engine", "Generated", "Plan", "TextCases"]
@@ -121,13 +122,13 @@ def _cli_advice_held() -> Iterator[None]:
 class Engine:
     """A prepared pipeline (:func:`pipelines.cli.prepare_pipeline`) and what its calls need."""
 
-    def __init__(self, prepared: PreparedPipeline) -> None:
+    def __init__(self, prepared: PreparedPipeline, adapters: Adapters | None = None) -> None:
         self.prepared = prepared
         self.pipe = prepared.pipe
         self.device = prepared.device
+        self.adapters = adapters or Adapters(self.pipe)
         self._text_cases = TextCases(self.pipe)
         self._scheduler_config = getattr(getattr(self.pipe, "scheduler", None), "config", None)
-        self._active_lora: str | None = None
 
     @property
     def defaults(self) -> CallSettings:
@@ -179,7 +180,7 @@ class Engine:
         kwargs[first.call.count_kwarg] = 1
         if first.call.negative_prompt is not None:
             kwargs["negative_prompt"] = [q.call.negative_prompt for q in plans for _ in q.seeds]
-        self._select_lora(key.lora)
+        self.adapters.select(key.lora)
         before = graph_replays(self.pipe) if p.accelerated else None
         images = generate_images(self.pipe, kwargs, job, nan_hint(p.settings.dtype, r.guidance), p.cache)
         if self.device.type == "cuda":
@@ -203,33 +204,27 @@ class Engine:
         except Exception:  # a tokenizer without a chat template, say: not counted, as the CLI does
             return None
 
-    def _select_lora(self, name: str | None) -> None:
-        if name == self._active_lora:
-            return
-        if name is None:
-            self.pipe.disable_lora()
-        else:
-            if self._active_lora is None:
-                self.pipe.enable_lora()
-            self.pipe.set_adapters([name])
-        self._active_lora = name
-
     def warmup(self, sizes: Sequence[tuple[int, int]], max_batch: int) -> None:
         """Capture every size at every batch size up to ``max_batch``, with and without guidance
-        where the model has it, in one warm-up (so compiled kernels are compiled once for all);
-        one log line per size."""
+        where the model has it, for every adapter state (none, then each adapter); one warm-up
+        per state (compiled kernels are compiled once for all its sizes), a log line per size."""
         d, batch_sizes = self.prepared.call, list(range(1, max_batch + 1))
         cfg = [True, False] if d.guidance_kwarg is not None and not math.isinf(_cfg_above(self.pipe)) else [False]
-        logger.info("warming up %s at batch sizes 1-%d%s", ", ".join(f"{w}x{h}" for w, h in sizes), max_batch,
-                    ", with and without guidance" if len(cfg) == 2 else "")  # fmt: skip
         kwargs: dict[str, Any] = dict(batch_sizes=batch_sizes, cfg=cfg, progress=False)
         if d.frames is not None:
             kwargs["num_frames"] = d.frames
-        report = self.pipe.accel.warmup(list(sizes), **kwargs)
-        for i, row in enumerate(report.rows, 1):
-            what = report.skipped or f"{row.captures} graph(s), {row.resident_bytes / 2**20:.1f} MiB"
-            compiled = f", compile {row.compile_seconds:.2f} s" if row.compile_seconds else ""
-            logger.info("warm-up %d/%d: %s: %.2f s%s (%s)", i, len(report.rows), row.size, row.seconds, compiled, what)
+        for lora in (None, *self.adapters.names):
+            self.adapters.select(lora)
+            logger.info("warming up %s at batch sizes 1-%d%s%s", ", ".join(f"{w}x{h}" for w, h in sizes), max_batch,
+                        ", with and without guidance" if len(cfg) == 2 else "",
+                        f", adapter {lora!r}" if lora else "")  # fmt: skip
+            report = self.pipe.accel.warmup(list(sizes), **kwargs)
+            for i, row in enumerate(report.rows, 1):
+                what = report.skipped or f"{row.captures} graph(s), {row.resident_bytes / 2**20:.1f} MiB"
+                compiled = f", compile {row.compile_seconds:.2f} s" if row.compile_seconds else ""
+                logger.info("warm-up %d/%d: %s: %.2f s%s (%s)", i, len(report.rows), row.size, row.seconds, compiled,
+                            what)  # fmt: skip
+        self.adapters.select(None)
 
 
 def _cfg_above(pipe: Any) -> float:

@@ -1,10 +1,10 @@
 """The engine's start: the model flags checked before the socket is bound (in the main thread),
-then, on the device worker's thread, the pipeline built, accelerated and warmed up, and the
-adapters loaded.
+then, on the device worker's thread, the pipeline built and accelerated, the adapters loaded,
+and everything warmed up.
 
 Both are the CLI's steps (:mod:`pipelines.cli.prepare`): the same checks, the same pipeline. The
 server warms up itself, after its adapters are loaded: every served size at every batch size a
-call may have, with and without guidance.
+call may have, with and without guidance, for every adapter state.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from .config import ServeConfig
 from .engine import Engine
+from .lora import Adapters, check_files
 
 __all__ = ["check", "starter"]
 
@@ -27,6 +28,7 @@ def check(config: ServeConfig) -> tuple[Any, Any]:
     at the served sizes. Returns the torch device and dtype."""
     from pipelines.cli.prepare import check_model, resolve_device_and_dtype
 
+    check_files(config.loras)
     device, dtype = resolve_device_and_dtype(config.settings)
     check_model(config.settings, device, dtype, config.resolutions)
     return device, dtype
@@ -43,7 +45,7 @@ def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine
         # The limits are checked for the largest call served; the server's own warm-up follows.
         workload = Workload(resolutions=config.resolutions, batch_size=config.max_batch, prompts=(DEFAULT_PROMPT,))
         prepared = prepare_pipeline(dataclasses.replace(settings, warmup=()), workload, device, dtype, progress=False)
-        engine = Engine(prepared)
+        engine = Engine(prepared, Adapters(prepared.pipe, config.loras))
         sizes = config.resolutions if settings.warmup is None else settings.warmup
         if prepared.accelerated and sizes:
             engine.warmup(sizes, config.max_batch)

@@ -99,3 +99,21 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def make_lora(folder: Path, model: str = "z-image", name: str = "style.safetensors") -> Path:
+    """A LoRA file for the tiny ``model``'s transformer (its attention projections, random
+    weights, so it visibly changes the images), written as diffusers' ``save_lora_weights`` does."""
+    import torch
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from pipelines.builders import build_pipeline
+
+    pipe = build_pipeline(model, size="tiny", seed=0)
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
+    pipe.transformer.add_adapter(config)
+    type(pipe).save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(pipe.transformer),
+                                 weight_name=name)  # fmt: skip
+    return folder / name

@@ -18,14 +18,15 @@ import numpy as np
 import pytest
 
 from pipelines.cli import main as generate
-from tests.pipelines.serve.server import TINY, ServerProcess, bcg_serve, decode
+from tests.pipelines.serve.server import TINY, ServerProcess, bcg_serve, decode, make_lora
 
 FLAGS = [*TINY, "--max-batch", "4", "--max-wait-ms", "20", "--queue", "64"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    s = ServerProcess(FLAGS, tmp_path_factory.mktemp("serve") / "server.log")
+    folder = tmp_path_factory.mktemp("serve")
+    s = ServerProcess([*FLAGS, "--lora", f"style={make_lora(folder)}"], folder / "server.log")
     try:
         s.wait_ready()
         yield s
@@ -39,10 +40,19 @@ def test_bad_flags_are_one_line_and_status_2_before_anything_starts(tmp_path: Pa
         (["--resolutions", "65x64"], "--resolutions"),
         (["--timeout", "inf"], "--timeout"),
         (["--port", "70000"], "--port: must be 0 to 65535"),
+        (["--lora", "style"], "is not NAME=FILE"),
+        (["--lora", f"style={tmp_path / 'none.safetensors'}"], "none.safetensors: no such file"),
+        (["--lora", "a=x", "--lora", "a=y"], "each adapter needs a name of its own"),
+        (["--parallel", "cfg"], "start one server per GPU"),
     ]:
         run = subprocess.run([*bcg_serve(), *argv], capture_output=True, text=True, timeout=120)
         assert run.returncode == 2, (argv, run.stderr)
         assert run.stderr.count("\n") == 1 and says in run.stderr, run.stderr
+    # A model name the builders do not know is found when the build starts: status 2 all the same.
+    run = subprocess.run([*bcg_serve(), "--model", "no-such-model", "--port", "0"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 2
+    assert "ERROR bcg-serve: could not start: unknown model 'no-such-model'" in run.stderr
 
 
 def test_a_port_in_use_is_refused_in_one_line(server: ServerProcess) -> None:
@@ -57,7 +67,12 @@ def test_every_endpoint(server: ServerProcess) -> None:
     assert c.get("/health").json() == {"status": "ok", "phase": "ready"}
     assert c.get("/ready").json() == {"status": "ready"}
     (model,) = c.get("/v1/models").json()["data"]
-    assert (model["id"], model["sizes"], model["max_n"], model["loras"]) == ("z-image", ["64x64", "32x32"], 4, [])
+    assert (model["id"], model["sizes"], model["max_n"], model["loras"]) == (
+        "z-image",
+        ["64x64", "32x32"],
+        4,
+        ["style"],
+    )
     assert model["steps"] == 9  # the recipe's default, which a request without steps gets
     metrics = c.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
@@ -98,6 +113,22 @@ def test_images_equal_the_clis_for_the_same_seed(server: ServerProcess, tmp_path
     assert served.text == cli.text  # the same record of how it was made, field for field
 
 
+def test_a_request_picks_its_adapter_and_one_without_gets_the_base_model(server: ServerProcess) -> None:
+    def pixels(**extra: object) -> tuple[np.ndarray, dict[str, str]]:
+        r = server.generate(prompt="a red fox", seed=3, steps=2, size="32x32", **extra)
+        assert r.status_code == 200, r.text
+        image = decode(r.json()["data"][0]["b64_json"])
+        return np.asarray(image), image.text
+
+    base, base_text = pixels()
+    styled, styled_text = pixels(lora="style")
+    again, _ = pixels()
+    assert not np.array_equal(base, styled)  # the adapter changes the image
+    assert np.array_equal(base, again)  # and switching it off gives the base model's back, exactly
+    assert np.array_equal(styled, pixels(lora="style")[0])
+    assert styled_text["lora"] == "style" and "lora" not in base_text
+
+
 BAD = [
     (b"not json", 400, "not JSON"),
     (b"\xc3\x28", 400, "not UTF-8"),
@@ -107,7 +138,7 @@ BAD = [
     (b'{"prompt": "x", "size": "48x48"}', 422, "not served (served: 64x64, 32x32)"),
     (b'{"prompt": "x", "n": 5}', 422, "n must be 1 to 4"),
     (b'{"prompt": "x", "n": 0}', 422, "n must be 1 to 4"),
-    (b'{"prompt": "x", "lora": "anime"}', 422, "lora 'anime' is not loaded"),
+    (b'{"prompt": "x", "lora": "anime"}', 422, "lora 'anime' is not loaded (loaded: style)"),
     (b'{"prompt": "x", "steps": 1001}', 422, "steps must be 1 to 1000"),
 ]
 
