@@ -10,22 +10,24 @@ guidance, negative prompt or not, adapter) are joined, up to ``--max-batch`` ima
 at most ``--max-wait-ms``; each image keeps its own seed. One worker thread owns the device;
 requests wait in a bounded queue (``--queue``; beyond, 429).
 
-It lives in ``pipelines`` beside the CLI, a front end like it: it builds models the CLI's way
-and reaches ``accel`` through its public API only. FastAPI, uvicorn and prometheus-client are
+It lives in ``pipelines`` beside the CLI, a front end like it: it takes the CLI's model flags,
+builds and accelerates the pipeline with the CLI's steps, writes the CLI's PNG text, and reaches
+``accel`` through its public API only. FastAPI, uvicorn and prometheus-client are
 the optional extra ``[serve]``; importing this package imports none of them, nor torch.
 
 The modules, one job each:
 
-config      the flags (the model's, the server's), checked as read
+config      the flags (the CLI's model flags, the server's), checked as read
 schema      the request body, checked: 400/422 in one line, nothing queued
 errors      the one-line JSON error every non-200 answer is
 batcher     the bounded queue, and compatible requests joined into one call
 engine      a request planned against the model's defaults; a batch made into PNGs
+lora        adapters loaded at start, one picked per call
 worker      the device worker: the one thread that calls the pipeline
 service     phases, and one request's way through the queue (timeout, disconnect)
 metrics     Prometheus counters, gauges and histograms
 app         the routes, on FastAPI
-startup     build, accelerate and warm up the engine
+startup     checks before the socket is bound; build, adapters and warm-up on the worker
 lifecycle   socket, uvicorn, signals and exit status
 """
 

@@ -71,11 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``bcg-serve`` argument parser: the model flags, then the server's."""
     p = _Parser(
         prog=PROG,
-        description="Serve images over HTTP (OpenAI's POST /v1/images/generations) from a pipeline whose "
+        description="Serve images over HTTP (OpenAI's POST /v1/images/generations) from a pipeline whose\n"
         "graphs stay warm, joining compatible requests into one pipeline call.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"""\
 {model_epilog()}
+
+POST /v1/images/generations takes JSON: prompt (required), n (1 to --max-batch), size (one of
+  --resolutions, default the first), response_format (b64_json), and the extensions seed (image i
+  uses seed + i; default random), steps, guidance, negative_prompt, lora (a --lora NAME).
+  Also: GET /v1/models, /health, /ready (200 once warmed up), /metrics (Prometheus).
 
 --warmup: the sizes captured before the server is ready (default: --resolutions; 'none': none),
   each at every batch size up to --max-batch, with and without guidance where the model has it.
