@@ -91,6 +91,7 @@ def test_plans_take_the_models_defaults_and_a_negative_prompt_only_where_guidanc
     strong = e.plan(request("a", negative_prompt="blur", guidance=4.0))
     assert strong.call.negative_prompt == "blur"
     assert strong.key != e.plan(request("a", guidance=4.0)).key  # with and without negatives never share a call
+    assert e.plan(request("a", lora="style")).key != e.plan(request("a")).key  # nor two adapter states
     e.run([strong])
     assert e.pipe.calls[-1]["negative"] == ["blur"]
     assert e.pipe.calls[-1]["guidance"] == 4.0
