@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(config.quiet)
         from .startup import check, starter
 
+        sock = _bind(config.host, config.port)  # first: a port in use is said before torch is imported
         device, dtype = check(config)
-        sock = _bind(config.host, config.port)
     except (UsageError, CLIError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return BAD_INPUT

@@ -1,6 +1,6 @@
-"""The engine's start: the model flags checked before the socket is bound (in the main thread),
-then, on the device worker's thread, the pipeline built and accelerated, the adapters loaded,
-and everything warmed up.
+"""The engine's start: the model flags checked in the main thread before anything is built (and
+before the server answers), then, on the device worker's thread, the pipeline built and
+accelerated, the adapters loaded, and everything warmed up.
 
 Both are the CLI's steps (:mod:`pipelines.cli.prepare`): the same checks, the same pipeline. The
 server warms up itself, after its adapters are loaded: every served size at every batch size a
@@ -26,9 +26,9 @@ logger = logging.getLogger("bcg-serve")
 def check(config: ServeConfig) -> tuple[Any, Any]:
     """The checks that need no model built (CLIError): device, dtype, a built-in model's limits
     at the served sizes. Returns the torch device and dtype."""
+    check_files(config.loras)
     from pipelines.cli.prepare import check_model, resolve_device_and_dtype
 
-    check_files(config.loras)
     device, dtype = resolve_device_and_dtype(config.settings)
     check_model(config.settings, device, dtype, config.resolutions)
     return device, dtype
