@@ -118,8 +118,8 @@ def test_a_client_that_leaves_has_its_queued_work_dropped(server: ServerProcess,
     before = server.metrics()
     release = tmp_path / "go"
     held = hold(server, pool, release)
-    with pytest.raises(httpx.ReadTimeout):
-        post(server.url, timeout=0.5, prompt="impatient")  # httpx closes the connection as it gives up
+    with pytest.raises(httpx.ReadTimeout):  # sent, then no answer while the device is held
+        post(server.url, timeout=1.0, prompt="impatient")  # httpx closes the connection as it gives up
     wait_for(lambda: server.metrics()['bcg_serve_dropped_total{reason="disconnected"}'] > before[
         'bcg_serve_dropped_total{reason="disconnected"}'], "the request is dropped")  # fmt: skip
     assert server.metrics()["bcg_serve_queue_depth"] == 0
