@@ -21,8 +21,8 @@ config      the flags (the CLI's model flags, the server's), checked as read
 schema      the request body, checked: 400/422 in one line, nothing queued
 errors      the one-line JSON error every non-200 answer is
 batcher     the bounded queue, and compatible requests joined into one call
-engine      a request planned against the model's defaults; a batch made into PNGs
-lora        adapters loaded at start, one picked per call
+engine      a request planned against the model's defaults; a batch made into PNGs, its
+            adapter picked
 worker      the device worker: the one thread that calls the pipeline
 service     phases, and one request's way through the queue (timeout, disconnect)
 metrics     Prometheus counters, gauges and histograms

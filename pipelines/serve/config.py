@@ -60,13 +60,6 @@ def _port(text: str) -> int:
     return value
 
 
-def _lora(text: str) -> tuple[str, str]:
-    name, sep, path = text.partition("=")
-    if not sep or not name.strip() or not path.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=FILE (for example --lora style=style.safetensors)")
-    return name.strip(), path.strip()
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``bcg-serve`` argument parser: the model flags, then the server's."""
     p = _Parser(
@@ -76,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"""\
 {model_epilog()}
+
+--lora NAME=FILE[:SCALE]: each adapter is loaded at start (before the accelerator) and none is
+  active until a request names one ("lora": NAME); a request without one gets the base model.
 
 POST /v1/images/generations takes JSON: prompt (required), n (1 to --max-batch), size (one of
   --resolutions, default the first), response_format (b64_json), and the extensions seed (image i
@@ -95,14 +91,6 @@ exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 
     s.add_argument("--resolutions", type=resolution, nargs="+", default=None, metavar="WxH",
                    help=f"the sizes served, WIDTHxHEIGHT; the first is a request's default (default "
                    f"{DEFAULT_RESOLUTION})")  # fmt: skip
-    s.add_argument(
-        "--lora",
-        type=_lora,
-        action="append",
-        default=[],
-        metavar="NAME=FILE",
-        help="a LoRA adapter loaded at start, picked per request by its name (repeatable)",
-    )
     s.add_argument(
         "--max-batch",
         type=_int_at_least(1),
@@ -139,7 +127,6 @@ class ServeConfig:
 
     settings: ModelSettings
     resolutions: tuple[tuple[int, int], ...]
-    loras: tuple[tuple[str, str], ...] = ()
     max_batch: int = 4
     max_wait: float = 0.02
     queue: int = 64
@@ -159,10 +146,12 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     if settings.parallel is not None:
         raise UsageError(f"--parallel {settings.parallel} computes each image on several processes; bcg-serve "
                          "serves from one device: start one server per GPU instead")  # fmt: skip
-    names = [name for name, _ in args.lora]
+    names = [spec.name for spec in settings.loras]
+    if None in names:
+        raise UsageError("--lora takes NAME=FILE[:SCALE] here: a request picks its adapter by that name")
     if len(set(names)) != len(names):
-        raise UsageError(f"--lora: each adapter needs a name of its own, got {', '.join(names)}")
+        raise UsageError(f"--lora: each adapter needs a name of its own, got {', '.join(map(str, names))}")
     sizes = tuple(dict.fromkeys(args.resolutions or [resolution(DEFAULT_RESOLUTION)]))
-    return ServeConfig(settings=settings, resolutions=sizes, loras=tuple(args.lora), max_batch=args.max_batch,
+    return ServeConfig(settings=settings, resolutions=sizes, max_batch=args.max_batch,
                        max_wait=args.max_wait_ms / 1000, queue=args.queue, timeout=args.timeout, host=args.host,
                        port=args.port, quiet=args.quiet)  # fmt: skip

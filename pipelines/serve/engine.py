@@ -25,13 +25,13 @@ import secrets
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pipelines.cli import CallSettings, Job, PreparedPipeline, call_pngs, call_settings
+from pipelines.cli import CallSettings, Job, PreparedPipeline, call_pngs, call_settings, run_text
 from pipelines.cli.calls import generate_images, graph_replays, mode_ran, nan_hint
 from pipelines.cli.prompts import count_tokens
+from pipelines.lora import LoraSpec, activate
 
 from .batcher import BatchKey
 from .errors import ServeError
-from .lora import Adapters
 from .schema import MAX_SEED, ImageRequest
 
 __all__ = ["Engine", "Generated", "Plan", "TextCases"]
@@ -119,14 +119,41 @@ def _cli_advice_held() -> Iterator[None]:
         cli.removeFilter(quiet)
 
 
+class Adapters:
+    """The LoRA adapters the pipeline loaded (``--lora NAME=FILE[:SCALE]``), and which runs.
+
+    :func:`pipelines.lora.load_loras` leaves them all active; a server runs one per call, by the
+    request's name, or none (``disable_lora``: the base model, bit for bit). Requests with
+    different adapters never share a call (the adapter is part of the batch key).
+    """
+
+    def __init__(self, pipe: Any, loaded: Sequence[LoraSpec]) -> None:
+        self.pipe = pipe
+        self._by_name = {spec.name: spec for spec in loaded}
+        self.active: str | None = "" if loaded else None  # "": all, as loaded; forces the first select
+        self.select(None)
+
+    def names(self) -> list[str]:
+        return [name for name in self._by_name if name is not None]
+
+    def specs(self, name: str | None) -> list[LoraSpec]:
+        return [] if name is None else [self._by_name[name]]
+
+    def select(self, name: str | None) -> None:
+        """Run adapter ``name`` alone (None: none) in the calls that follow."""
+        if name != self.active:
+            activate(self.pipe, self.specs(name))
+            self.active = name
+
+
 class Engine:
     """A prepared pipeline (:func:`pipelines.cli.prepare_pipeline`) and what its calls need."""
 
-    def __init__(self, prepared: PreparedPipeline, adapters: Adapters | None = None) -> None:
+    def __init__(self, prepared: PreparedPipeline) -> None:
         self.prepared = prepared
         self.pipe = prepared.pipe
         self.device = prepared.device
-        self.adapters = adapters or Adapters(self.pipe)
+        self.adapters = Adapters(self.pipe, prepared.loras)
         self._text_cases = TextCases(self.pipe)
         self._scheduler_config = getattr(getattr(self.pipe, "scheduler", None), "config", None)
 
@@ -190,9 +217,7 @@ class Engine:
         for q in plans:
             n = len(q.seeds)
             mine = Job(q.request.prompt, r.width, r.height, tuple(range(n)), q.seeds)
-            common = p.text(q.call)
-            if q.request.lora is not None:
-                common["lora"] = q.request.lora
+            common = run_text(p.settings.model, self.device, p.dtype, q.call, p.cache, self.adapters.specs(key.lora))
             pngs = call_pngs(images[start : start + n], mine, common, ran, p.settings.mode, self._tokens(q))
             out.append([Generated(base64.b64encode(png).decode("ascii"), s) for png, s in zip(pngs, q.seeds)])
             start += n
@@ -213,7 +238,7 @@ class Engine:
         kwargs: dict[str, Any] = dict(batch_sizes=batch_sizes, cfg=cfg, progress=False)
         if d.frames is not None:
             kwargs["num_frames"] = d.frames
-        for lora in (None, *self.adapters.names):
+        for lora in (None, *self.adapters.names()):
             self.adapters.select(lora)
             logger.info("warming up %s at batch sizes 1-%d%s%s", ", ".join(f"{w}x{h}" for w, h in sizes), max_batch,
                         ", with and without guidance" if len(cfg) == 2 else "",

@@ -1,10 +1,11 @@
 """The engine's start: the model flags checked in the main thread before anything is built (and
-before the server answers), then, on the device worker's thread, the pipeline built and
-accelerated, the adapters loaded, and everything warmed up.
+before the server answers), then, on the device worker's thread, the pipeline built, its
+adapters loaded, accelerated, and everything warmed up.
 
-Both are the CLI's steps (:mod:`pipelines.cli.prepare`): the same checks, the same pipeline. The
-server warms up itself, after its adapters are loaded: every served size at every batch size a
-call may have, with and without guidance, for every adapter state.
+Both are the CLI's steps (:mod:`pipelines.cli.prepare`): the same checks, the same pipeline, the
+adapters loaded by :func:`pipelines.lora.load_loras` before the accelerator. The server warms up
+itself: every served size at every batch size a call may have, with and without guidance, for
+every adapter state.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 
 from .config import ServeConfig
 from .engine import Engine
-from .lora import Adapters, check_files
 
 __all__ = ["check", "starter"]
 
@@ -26,7 +26,6 @@ logger = logging.getLogger("bcg-serve")
 def check(config: ServeConfig) -> tuple[Any, Any]:
     """The checks that need no model built (CLIError): device, dtype, a built-in model's limits
     at the served sizes. Returns the torch device and dtype."""
-    check_files(config.loras)
     from pipelines.cli.prepare import check_model, resolve_device_and_dtype
 
     device, dtype = resolve_device_and_dtype(config.settings)
@@ -45,7 +44,7 @@ def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine
         # The limits are checked for the largest call served; the server's own warm-up follows.
         workload = Workload(resolutions=config.resolutions, batch_size=config.max_batch, prompts=(DEFAULT_PROMPT,))
         prepared = prepare_pipeline(dataclasses.replace(settings, warmup=()), workload, device, dtype, progress=False)
-        engine = Engine(prepared, Adapters(prepared.pipe, config.loras))
+        engine = Engine(prepared)
         sizes = config.resolutions if settings.warmup is None else settings.warmup
         if prepared.accelerated and sizes:
             engine.warmup(sizes, config.max_batch)

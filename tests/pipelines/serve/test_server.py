@@ -24,9 +24,13 @@ FLAGS = [*TINY, "--max-batch", "4", "--max-wait-ms", "20", "--queue", "64"]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    folder = tmp_path_factory.mktemp("serve")
-    s = ServerProcess([*FLAGS, "--lora", f"style={make_lora(folder)}"], folder / "server.log")
+def lora(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_lora(tmp_path_factory.mktemp("lora"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, lora: Path) -> Iterator[ServerProcess]:
+    s = ServerProcess([*FLAGS, "--lora", f"style={lora}"], tmp_path_factory.mktemp("serve") / "server.log")
     try:
         s.wait_ready()
         yield s
@@ -34,15 +38,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         assert s.stop() == 0, s.text()
 
 
-def test_bad_flags_are_one_line_and_status_2_before_anything_starts(tmp_path: Path) -> None:
+def test_bad_flags_are_one_line_and_status_2_before_anything_starts(tmp_path: Path, lora: Path) -> None:
     for argv, says in [
         (["--max-batch", "0"], "--max-batch: must be at least 1, got 0"),
         (["--resolutions", "65x64"], "--resolutions"),
         (["--timeout", "inf"], "--timeout"),
         (["--port", "70000"], "--port: must be 0 to 65535"),
-        (["--lora", "style"], "is not NAME=FILE"),
-        (["--lora", f"style={tmp_path / 'none.safetensors'}"], "none.safetensors: no such file"),
-        (["--lora", "a=x", "--lora", "a=y"], "each adapter needs a name of its own"),
+        (["--lora", str(lora)], "--lora takes NAME=FILE[:SCALE] here"),
+        (["--lora", f"style={tmp_path / 'none.safetensors'}"], "none.safetensors' does not exist"),
+        (["--lora", f"a={lora}", "--lora", f"a={lora}:0.5"], "each adapter needs a name of its own"),
         (["--parallel", "cfg"], "start one server per GPU"),
     ]:
         run = subprocess.run([*bcg_serve(), *argv], capture_output=True, text=True, timeout=120)
@@ -126,7 +130,7 @@ def test_a_request_picks_its_adapter_and_one_without_gets_the_base_model(server:
     assert not np.array_equal(base, styled)  # the adapter changes the image
     assert np.array_equal(base, again)  # and switching it off gives the base model's back, exactly
     assert np.array_equal(styled, pixels(lora="style")[0])
-    assert styled_text["lora"] == "style" and "lora" not in base_text
+    assert styled_text["lora"] == "style.safetensors:1" and "lora" not in base_text  # the CLI's record: file, scale
 
 
 BAD = [
