@@ -19,9 +19,13 @@ from pipelines.cli.constants import MAX_SEED, MAX_STEPS
 
 from .errors import ServeError
 
-__all__ = ["MAX_BODY_BYTES", "MAX_SEED", "MAX_STEPS", "ImageRequest", "Served", "parse_request"]
+__all__ = ["MAX_BODY_BYTES", "MAX_PROMPT_CHARS", "MAX_SEED", "MAX_STEPS", "ImageRequest", "Served", "parse_request"]
 
 MAX_BODY_BYTES = 1 << 20  # a prompt is text: a megabyte is far beyond any text encoder's reach
+# Characters of a prompt or negative prompt. The text encoders read 512 tokens at most (the CLI
+# cuts longer prompts there); the routes measure every prompt's length, and a longer text would
+# only hold up the event loop in the tokenizer.
+MAX_PROMPT_CHARS = 16384
 # torch.Generator.manual_seed's range (image i of a request uses seed + i), and the built-in
 # schedulers' num_train_timesteps (the engine checks the model's own): the CLI's limits.
 
@@ -95,8 +99,12 @@ def _decode(body: bytes) -> object:
 
 
 def _text(name: str, value: str) -> str:
-    """``value`` if it is valid Unicode text; JSON can escape lone surrogates (``"\\ud800"``),
-    which no tokenizer takes and no PNG text chunk can hold."""
+    """``value`` if it is valid Unicode text of at most :data:`MAX_PROMPT_CHARS` characters; JSON
+    can escape lone surrogates (``"\\ud800"``), which no tokenizer takes and no PNG text chunk
+    can hold."""
+    if len(value) > MAX_PROMPT_CHARS:
+        raise ServeError(422, f"{name} is {len(value)} characters; at most {MAX_PROMPT_CHARS} (the text encoder "
+                         "reads 512 tokens)", param=name, code="text_too_long")  # fmt: skip
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:

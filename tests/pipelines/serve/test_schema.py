@@ -55,6 +55,8 @@ def test_a_good_request_keeps_its_values_and_takes_the_defaults() -> None:
         (b'{"prompt": "x", "negative_prompt": "\\udcff"}', 422, "negative_prompt", "not valid UTF-8"),
         ({"prompt": "x", "lora": "other"}, 422, "lora", "'other' is not loaded (loaded: style)"),
         ({"prompt": "x", "quality": "hd"}, 422, "quality", "Extra inputs are not permitted"),
+        ({"prompt": "x" * 16385}, 422, "prompt", "prompt is 16385 characters; at most 16384"),
+        ({"prompt": "x", "negative_prompt": "y" * 20000}, 422, "negative_prompt", "at most 16384"),
     ],
 )
 def test_bad_input_is_refused_in_one_line_naming_the_field(body: object, status: int, param: str | None,
