@@ -15,6 +15,8 @@ import math
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+# The CLI's limits: torch.Generator.manual_seed's range (image i of a request uses seed + i), and
+# the built-in schedulers' num_train_timesteps (the engine checks the model's own).
 from pipelines.cli.constants import MAX_SEED, MAX_STEPS
 
 from .errors import ServeError
@@ -26,8 +28,6 @@ MAX_BODY_BYTES = 1 << 20  # a prompt is text: a megabyte is far beyond any text 
 # cuts longer prompts there); the routes measure every prompt's length, and a longer text would
 # only hold up the event loop in the tokenizer.
 MAX_PROMPT_CHARS = 16384
-# torch.Generator.manual_seed's range (image i of a request uses seed + i), and the built-in
-# schedulers' num_train_timesteps (the engine checks the model's own): the CLI's limits.
 
 
 @dataclasses.dataclass(frozen=True)
