@@ -1,0 +1,43 @@
+"""bcg-serve: an HTTP server whose pipeline keeps its graphs warm for as long as it lives.
+
+    bcg-serve --model z-image --resolutions 512x512 1024x1024 --max-batch 4
+    curl -s localhost:8000/v1/images/generations -d '{"prompt": "a red fox", "size": "512x512"}'
+
+OpenAI's ``POST /v1/images/generations`` (PNGs as ``b64_json``, with ``seed``, ``steps``,
+``guidance``, ``negative_prompt`` and ``lora`` as extensions), ``GET /v1/models``, ``/health``,
+``/ready`` and ``/metrics``. Requests that can share one pipeline call (same size, steps,
+guidance, negative prompt or not, adapter) are joined, up to ``--max-batch`` images, waiting
+at most ``--max-wait-ms``; each image keeps its own seed. One worker thread owns the device;
+requests wait in a bounded queue (``--queue``; beyond, 429).
+
+It lives in ``pipelines`` beside the CLI, a front end like it: it takes the CLI's model flags,
+builds and accelerates the pipeline with the CLI's steps, writes the CLI's PNG text, and reaches
+``accel`` through its public API only. FastAPI, uvicorn and prometheus-client are
+the optional extra ``[serve]``; importing this package imports none of them, nor torch.
+
+The modules, one job each:
+
+config      the flags (the CLI's model flags, the server's), checked as read
+schema      the request body, checked: 400/422 in one line, nothing queued
+errors      the one-line JSON error every non-200 answer is
+batcher     the bounded queue, and compatible requests joined into one call
+engine      a request planned against the model's defaults; a batch made into PNGs, its
+            adapter picked
+worker      the device worker: the one thread that calls the pipeline
+service     phases, and one request's way through the queue (timeout, disconnect)
+metrics     Prometheus counters, gauges and histograms
+app         the routes, on FastAPI
+startup     checks before the socket is bound; build, adapters and warm-up on the worker
+lifecycle   socket, uvicorn, signals and exit status
+"""
+
+from __future__ import annotations
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``bcg-serve``; returns the exit status (see :func:`pipelines.serve.lifecycle.main`)."""
+    from .lifecycle import main as run
+
+    return run(argv)

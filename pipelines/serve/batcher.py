@@ -1,0 +1,177 @@
+"""The bounded queue of requests and the joining of compatible ones into one pipeline call.
+
+Requests wait here between the route that checked them and the device worker. The worker asks
+for a batch; the batcher takes the oldest request and every later one with the same
+:class:`BatchKey` (same size, steps, guidance, negative prompt or not, adapter, text length),
+in arrival order, while their images fit in ``max_batch``. It waits for more only until the oldest has
+waited ``max_wait`` seconds, so joining never delays a request by more than that; a request
+that waited longer while the device was busy leaves with whatever can join it at once.
+
+Each request carries a :class:`concurrent.futures.Future`. Taking it into a batch marks it
+running (``set_running_or_notify_cancel``); a request cancelled before that (its client left,
+or its time ran out) is dropped and never computed. Requests of other keys keep their places.
+
+Only the standard library is used: the batcher knows nothing of pipelines, so it is tested
+with plain items.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Any
+
+__all__ = ["BatchKey", "Batcher", "Closed", "QueueFull", "Work"]
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queue`` requests already (answered 429)."""
+
+
+class Closed(Exception):
+    """The server is stopping: nothing more is queued (answered 503)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchKey:
+    """What requests must share to be computed by one pipeline call.
+
+    ``negative``: whether the call passes negative prompts (a pipeline takes them for all its
+    images or for none); ``lora``: the adapter active for the call (None: none); ``text`` and
+    ``negative_text``: the text length the model's recipe pads the prompt and the negative
+    prompt to (None where it cannot tell). Prompts padded alike have the same shapes in the
+    call: it replays the graph warmed up for them, and no prompt is padded for another's sake.
+    """
+
+    width: int
+    height: int
+    steps: int
+    guidance: float | None
+    negative: bool = False
+    lora: str | None = None
+    text: int | None = None
+    negative_text: int | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Work:
+    """One request in the queue: its key, how many images it makes, what the engine needs to
+    make them (``plan``), and the future its route waits on."""
+
+    key: BatchKey
+    images: int
+    plan: Any
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+class Batcher:
+    """A FIFO of at most ``max_queue`` waiting requests, taken out in batches of at most
+    ``max_batch`` images of one key, waiting at most ``max_wait`` seconds to fill one.
+
+    ``submit`` and ``cancel`` are called from the server's event loop, ``next_batch`` from the
+    device worker's thread; one lock guards the queue. Times are ``time.monotonic`` seconds.
+    """
+
+    def __init__(self, max_queue: int, max_batch: int, max_wait: float) -> None:
+        if max_queue < 1 or max_batch < 1 or max_wait < 0:
+            raise ValueError(f"max_queue and max_batch must be >= 1 and max_wait >= 0, got "
+                             f"{max_queue}, {max_batch}, {max_wait}")  # fmt: skip
+        self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.max_wait = max_wait
+        self._queue: collections.deque[Work] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting (not running)."""
+        with self._cond:
+            return len(self._queue)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, work: Work) -> None:
+        """Queue ``work``; :class:`QueueFull` or :class:`Closed` if it cannot be, and then
+        nothing is queued. ``work.images`` above ``max_batch`` is a ValueError (the route checks
+        ``n`` against it first)."""
+        if not 1 <= work.images <= self.max_batch:
+            raise ValueError(f"a request of {work.images} images cannot fit a batch of {self.max_batch}")
+        with self._cond:
+            if self._closed:
+                raise Closed
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull
+            self._queue.append(work)
+            self._cond.notify_all()
+
+    def cancel(self, work: Work) -> bool:
+        """Drop ``work`` if it is still waiting: True if it was (it will never run), False if it
+        is running or done already (its result is then thrown away by whoever waits on it)."""
+        with self._cond:
+            try:
+                self._queue.remove(work)
+            except ValueError:
+                return False
+            work.future.cancel()
+            self._cond.notify_all()
+            return True
+
+    def close(self) -> list[Work]:
+        """Stop accepting; returns the requests that were waiting, which will never run (the
+        caller answers them). A batch already taken runs to its end."""
+        with self._cond:
+            self._closed = True
+            waiting = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+            return waiting
+
+    def next_batch(self, timeout: float | None = None) -> list[Work] | None:
+        """The next batch, its futures marked running; blocks until there is one. None once
+        the batcher is closed, or when ``timeout`` seconds pass with nothing queued."""
+        give_up = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                self._drop_cancelled()
+                if not self._queue:
+                    left = None if give_up is None else give_up - time.monotonic()
+                    if left is not None and left <= 0:
+                        return None
+                    self._cond.wait(left)
+                    continue
+                head = self._queue[0]
+                batch = self._joinable(head)
+                now = time.monotonic()
+                deadline = head.arrived + self.max_wait
+                if sum(w.images for w in batch) < self.max_batch and now < deadline:
+                    self._cond.wait(deadline - now)  # more may arrive; woken by each submit
+                    continue
+                for w in batch:
+                    self._queue.remove(w)
+                running = [w for w in batch if w.future.set_running_or_notify_cancel()]
+                if running:
+                    return running
+
+    def _joinable(self, head: Work) -> list[Work]:
+        batch, room = [], self.max_batch
+        for w in self._queue:
+            if w.key == head.key and w.images <= room:
+                batch.append(w)
+                room -= w.images
+                if not room:
+                    break
+        return batch
+
+    def _drop_cancelled(self) -> None:
+        # A future cancelled outside cancel() (asyncio cancels a wrapped future with its task).
+        if any(w.future.cancelled() for w in self._queue):
+            self._queue = collections.deque(w for w in self._queue if not w.future.cancelled())

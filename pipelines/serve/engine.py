@@ -1,0 +1,258 @@
+"""The pipeline side of the server: a request planned against the model's defaults, and a
+batch of planned requests made into PNGs by one pipeline call.
+
+The model's knowledge is the CLI's (:mod:`pipelines.cli`): a request's steps, guidance and
+negative prompt are resolved by :func:`~pipelines.cli.call_settings`, the call's arguments by
+its :class:`~pipelines.cli.CallSettings`, the call itself (errors in one line, non-finite pixels
+refused) by the CLI's call, and each image's PNG text by :func:`~pipelines.cli.call_pngs`, so a
+served image records what ``bcg-generate``'s would. What the server adds: several requests in one
+call, each image with its own generator (diffusers takes a list), so an image's noise depends on
+its own seed only, whichever requests share its call.
+
+Only the device worker's thread calls :meth:`Engine.run` and :meth:`Engine.warmup`;
+:meth:`Engine.plan` reads only what is fixed once the engine exists, so the routes call it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import dataclasses
+import logging
+import math
+import secrets
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pipelines.cli import CallSettings, Job, PreparedPipeline, call_pngs, call_settings, run_text
+from pipelines.cli.calls import generate_images, graph_replays, mode_ran, nan_hint
+from pipelines.cli.prompts import count_tokens
+from pipelines.lora import LoraSpec, activate
+
+from .batcher import BatchKey
+from .errors import ServeError
+from .schema import MAX_SEED, ImageRequest
+
+__all__ = ["Engine", "Generated", "Plan", "TextCases"]
+
+logger = logging.getLogger("bcg-serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """One image as the response carries it: a base64 PNG and the seed it was made with."""
+
+    b64_json: str
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A request with every default resolved (``call``) and its seeds: what it adds to a call."""
+
+    request: ImageRequest
+    call: CallSettings
+    seeds: tuple[int, ...]
+    text: int | None = None
+    negative_text: int | None = None
+
+    @property
+    def key(self) -> BatchKey:
+        r, c = self.request, self.call
+        return BatchKey(r.width, r.height, c.steps, c.guidance, c.negative_prompt is not None, r.lora, self.text,
+                        self.negative_text)  # fmt: skip
+
+
+class TextCases:
+    """The text length the denoiser's recipe pads a prompt to at a size (what a graph is
+    captured for), measured with tokenizers of its own.
+
+    A fast tokenizer's padding and truncation settings are state it changes per call; two
+    threads sharing one (the routes planning, the worker generating) can fail with "Already
+    borrowed". So the routes' thread measures with copies. None where the recipe cannot measure.
+    """
+
+    def __init__(self, pipe: Any) -> None:
+        recipes = getattr(getattr(pipe, "accel", None), "recipes", None) or {}
+        self._recipe = next(iter(recipes.values()), None)
+        self._view = _OwnTokenizers(pipe)
+
+    def __call__(self, prompt: str, width: int, height: int) -> int | None:
+        if self._recipe is None:
+            return None
+        try:
+            (length,) = self._recipe.prompt_lengths(self._view, [prompt])
+        except NotImplementedError:
+            return None
+        return self._recipe.warmup_length(length, width, height)
+
+
+class _OwnTokenizers:
+    """``pipe`` with copies of its tokenizers in their places; everything else is the pipe's."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+        for name in ("tokenizer", "tokenizer_2", "tokenizer_3"):
+            tokenizer = getattr(pipe, name, None)
+            if tokenizer is not None:
+                setattr(self, name, copy.deepcopy(tokenizer))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+
+class _Quiet(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def _cli_advice_held() -> Iterator[None]:
+    # call_settings advises the CLI's user on flags it drops ("--negative-prompt is ignored"):
+    # per request that is noise naming flags a client never gave; what ran is in the PNG text.
+    cli, quiet = logging.getLogger("bcg-generate"), _Quiet()
+    cli.addFilter(quiet)
+    try:
+        yield
+    finally:
+        cli.removeFilter(quiet)
+
+
+class Adapters:
+    """The LoRA adapters the pipeline loaded (``--lora NAME=FILE[:SCALE]``), and which runs.
+
+    :func:`pipelines.lora.load_loras` leaves them all active; a server runs one per call, by the
+    request's name, or none (``disable_lora``: the base model, bit for bit). Requests with
+    different adapters never share a call (the adapter is part of the batch key).
+    """
+
+    def __init__(self, pipe: Any, loaded: Sequence[LoraSpec]) -> None:
+        self.pipe = pipe
+        self._by_name = {spec.name: spec for spec in loaded}
+        self.active: str | None = "" if loaded else None  # "": all, as loaded; forces the first select
+        self.select(None)
+
+    def names(self) -> list[str]:
+        return [name for name in self._by_name if name is not None]
+
+    def specs(self, name: str | None) -> list[LoraSpec]:
+        return [] if name is None else [self._by_name[name]]
+
+    def select(self, name: str | None) -> None:
+        """Run adapter ``name`` alone (None: none) in the calls that follow."""
+        if name != self.active:
+            activate(self.pipe, self.specs(name))
+            self.active = name
+
+
+class Engine:
+    """A prepared pipeline (:func:`pipelines.cli.prepare_pipeline`) and what its calls need."""
+
+    def __init__(self, prepared: PreparedPipeline) -> None:
+        self.prepared = prepared
+        self.pipe = prepared.pipe
+        self.device = prepared.device
+        self.adapters = Adapters(self.pipe, prepared.loras)
+        self._text_cases = TextCases(self.pipe)
+        self._scheduler_config = getattr(getattr(self.pipe, "scheduler", None), "config", None)
+
+    @property
+    def defaults(self) -> CallSettings:
+        """How a request that names no steps, guidance or negative prompt is made."""
+        return self.prepared.call
+
+    # -- planning (any thread) -----------------------------------------------------------------
+
+    def plan(self, request: ImageRequest) -> Plan:
+        """Resolve ``request``'s defaults (a request without a seed gets a random one);
+        :class:`ServeError` 422 where the model refuses a value."""
+        from pipelines import limits
+
+        p = self.prepared
+        with _cli_advice_held():
+            call = call_settings(self.pipe, p.settings.model, p.settings.size, request.steps, request.guidance,
+                                 request.negative_prompt, p.call.frames)  # fmt: skip
+        try:
+            limits.check_steps(call.steps, self._scheduler_config)
+        except limits.LimitError as e:
+            raise ServeError(422, f"steps: {e}", param="steps", code="invalid_value") from None
+        first = request.seed if request.seed is not None else secrets.randbelow(MAX_SEED - request.n + 2)
+        w, h = request.width, request.height
+        text = self._text_cases(request.prompt, w, h)
+        negative = self._text_cases(call.negative_prompt, w, h) if call.negative_prompt is not None else None
+        return Plan(request, call, tuple(range(first, first + request.n)), text, negative)
+
+    # -- the device (the worker's thread only) --------------------------------------------------
+
+    def denoiser_counts(self) -> tuple[int, int]:
+        """(graph replays, eager calls) of the denoisers so far; zeros where nothing is counted."""
+        try:
+            stats = self.pipe.accel.stats().values()
+        except AttributeError:
+            return 0, 0
+        return sum(s.replays for s in stats), sum(s.eager_calls for s in stats)
+
+    def run(self, plans: Sequence[Plan]) -> list[list[Generated]]:
+        """One pipeline call for ``plans`` (one :class:`BatchKey`); per plan, its images."""
+        import torch
+
+        first, p = plans[0], self.prepared
+        key, r = first.key, first.request
+        assert all(q.key == key for q in plans), "a batch mixes keys"
+        seeds = tuple(s for q in plans for s in q.seeds)
+        job = Job(r.prompt, r.width, r.height, tuple(range(len(seeds))), seeds)
+        kwargs = first.call.kwargs(job, self.device)  # a generator per seed, the model's arguments
+        kwargs["prompt"] = [q.request.prompt for q in plans for _ in q.seeds]  # one prompt per image
+        kwargs[first.call.count_kwarg] = 1
+        if first.call.negative_prompt is not None:
+            kwargs["negative_prompt"] = [q.call.negative_prompt for q in plans for _ in q.seeds]
+        self.adapters.select(key.lora)
+        before = graph_replays(self.pipe) if p.accelerated else None
+        images = generate_images(self.pipe, kwargs, job, nan_hint(p.settings.dtype, r.guidance), p.cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        ran = mode_ran(self.pipe, p.settings.mode, before)
+        out, start = [], 0
+        for q in plans:
+            n = len(q.seeds)
+            mine = Job(q.request.prompt, r.width, r.height, tuple(range(n)), q.seeds)
+            common = run_text(p.settings.model, self.device, p.dtype, q.call, p.cache, self.adapters.specs(key.lora))
+            pngs = call_pngs(images[start : start + n], mine, common, ran, p.settings.mode, self._tokens(q))
+            out.append([Generated(base64.b64encode(png).decode("ascii"), s) for png, s in zip(pngs, q.seeds)])
+            start += n
+        return out
+
+    def _tokens(self, plan: Plan) -> Any:
+        try:
+            return count_tokens(self.pipe, plan.request.prompt)
+        except Exception:  # a tokenizer without a chat template, say: not counted, as the CLI does
+            return None
+
+    def warmup(self, sizes: Sequence[tuple[int, int]], max_batch: int) -> None:
+        """Capture every size at every batch size up to ``max_batch``, with and without guidance
+        where the model has it, for every adapter state (none, then each adapter); one warm-up
+        per state (compiled kernels are compiled once for all its sizes), a log line per size."""
+        d, batch_sizes = self.prepared.call, list(range(1, max_batch + 1))
+        cfg = [True, False] if d.guidance_kwarg is not None and not math.isinf(_cfg_above(self.pipe)) else [False]
+        kwargs: dict[str, Any] = dict(batch_sizes=batch_sizes, cfg=cfg, progress=False)
+        if d.frames is not None:
+            kwargs["num_frames"] = d.frames
+        for lora in (None, *self.adapters.names()):
+            self.adapters.select(lora)
+            logger.info("warming up %s at batch sizes 1-%d%s%s", ", ".join(f"{w}x{h}" for w, h in sizes), max_batch,
+                        ", with and without guidance" if len(cfg) == 2 else "",
+                        f", adapter {lora!r}" if lora else "")  # fmt: skip
+            report = self.pipe.accel.warmup(list(sizes), **kwargs)
+            for i, row in enumerate(report.rows, 1):
+                what = report.skipped or f"{row.captures} graph(s), {row.resident_bytes / 2**20:.1f} MiB"
+                compiled = f", compile {row.compile_seconds:.2f} s" if row.compile_seconds else ""
+                logger.info("warm-up %d/%d: %s: %.2f s%s (%s)", i, len(report.rows), row.size, row.seconds, compiled,
+                            what)  # fmt: skip
+        self.adapters.select(None)
+
+
+def _cfg_above(pipe: Any) -> float:
+    from pipelines.cli import generation_defaults
+
+    return generation_defaults(pipe).cfg_above

@@ -1,0 +1,81 @@
+"""The server's Prometheus metrics, in a registry of its own (``GET /metrics``).
+
+Counters: requests by answer status, images generated, requests dropped before they ran (by
+reason), pipeline calls by what ran (``graphs`` where a denoiser graph replayed, ``eager``
+where none did, ``failed``) and denoiser forwards by kind (``replay``, ``eager``, from the
+accelerator's counters). Histograms: images and requests per pipeline call (the batching),
+seconds per request (arrival to answer), in the queue and per pipeline call. Gauges: queue
+depth and readiness.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# An image takes from milliseconds (a tiny model on a CPU) to minutes (a large one, many steps).
+_SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_SMOOTHING = 0.2  # weight of the newest pipeline call in the running mean behind Retry-After
+
+
+class Metrics:
+    """Every metric the server keeps; ``depth`` reads the queue's length when scraped."""
+
+    def __init__(self, max_batch: int, depth: Callable[[], int]) -> None:
+        r = self.registry = CollectorRegistry()
+        counts = tuple(float(b) for b in range(1, max_batch + 1))
+        self.requests = Counter("bcg_serve_requests", "Requests answered, by HTTP status", ["status"], registry=r)
+        self.images = Counter(
+            "bcg_serve_images", "Images generated (a request dropped while its batch ran counts too)", registry=r
+        )
+        self.dropped = Counter("bcg_serve_dropped", "Requests dropped before their images were computed, by "
+                               "reason (disconnected, timeout, shutdown)", ["reason"], registry=r)  # fmt: skip
+        self.pipeline_calls = Counter("bcg_serve_pipeline_calls", "Pipeline calls, by what ran: graphs (a denoiser "
+                                      "graph replayed), eager, failed", ["ran"], registry=r)  # fmt: skip
+        self.denoiser_calls = Counter("bcg_serve_denoiser_calls", "Denoiser forwards by kind: replay (a CUDA graph) "
+                                      "or eager", ["kind"], registry=r)  # fmt: skip
+        self.batch_images = Histogram("bcg_serve_batch_images", "Images per pipeline call", buckets=counts, registry=r)
+        self.batch_requests = Histogram("bcg_serve_batch_requests", "Requests joined into one pipeline call",
+                                        buckets=counts, registry=r)  # fmt: skip
+        self.request_seconds = Histogram("bcg_serve_request_seconds", "Seconds from a generation request's arrival "
+                                         "to its answer (200 only)", buckets=_SECONDS, registry=r)  # fmt: skip
+        self.queue_seconds = Histogram("bcg_serve_queue_seconds", "Seconds a request waited before its pipeline call",
+                                       buckets=_SECONDS, registry=r)  # fmt: skip
+        self.batch_seconds = Histogram("bcg_serve_batch_seconds", "Seconds per pipeline call, PNG encoding included",
+                                       buckets=_SECONDS, registry=r)  # fmt: skip
+        self.queue_depth = Gauge("bcg_serve_queue_depth", "Requests waiting for the device", registry=r)
+        self.queue_depth.set_function(lambda: float(depth()))
+        self.ready = Gauge("bcg_serve_ready", "1 once the warm-up is done and until the server stops", registry=r)
+        for status in ("200", "400", "422", "429", "500", "503", "504"):
+            self.requests.labels(status)  # present at 0, so a scrape sees the whole set from the start
+        for reason in ("disconnected", "timeout", "shutdown"):
+            self.dropped.labels(reason)
+        for ran in ("graphs", "eager", "failed"):
+            self.pipeline_calls.labels(ran)
+        for kind in ("replay", "eager"):
+            self.denoiser_calls.labels(kind)
+        self._lock = threading.Lock()
+        self._mean_batch_seconds = math.nan
+
+    def observe_batch(self, seconds: float) -> None:
+        """One pipeline call took ``seconds``."""
+        self.batch_seconds.observe(seconds)
+        with self._lock:
+            m = self._mean_batch_seconds
+            self._mean_batch_seconds = seconds if math.isnan(m) else (1 - _SMOOTHING) * m + _SMOOTHING * seconds
+
+    @property
+    def mean_batch_seconds(self) -> float:
+        """A running mean of the recent pipeline calls' seconds (NaN before the first)."""
+        with self._lock:
+            return self._mean_batch_seconds
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)

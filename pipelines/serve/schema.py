@@ -1,0 +1,166 @@
+"""The request body of ``POST /v1/images/generations``, checked before anything is queued.
+
+OpenAI's fields (``prompt``, ``n``, ``size``, ``response_format``, ``model``, ``user``) and this
+server's extensions (``seed``, ``steps``, ``guidance``, ``negative_prompt``, ``lora``). A body
+that is not UTF-8, not JSON or not an object is a 400; a field of the wrong type, out of range,
+or naming what this server does not serve (a size, an adapter, a model) is a 422. Either way
+the answer is one line naming the field, and nothing reaches the queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+# The CLI's limits: torch.Generator.manual_seed's range (image i of a request uses seed + i), and
+# the built-in schedulers' num_train_timesteps (the engine checks the model's own).
+from pipelines.cli.constants import MAX_SEED, MAX_STEPS
+
+from .errors import ServeError
+
+__all__ = ["MAX_BODY_BYTES", "MAX_PROMPT_CHARS", "MAX_SEED", "MAX_STEPS", "ImageRequest", "Served", "parse_request"]
+
+MAX_BODY_BYTES = 1 << 20  # a prompt is text: a megabyte is far beyond any text encoder's reach
+# Characters of a prompt or negative prompt. The text encoders read 512 tokens at most (the CLI
+# cuts longer prompts there); the routes measure every prompt's length, and a longer text would
+# only hold up the event loop in the tokenizer.
+MAX_PROMPT_CHARS = 16384
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What this server serves, which a request is checked against.
+
+    ``sizes``: ``(width, height)`` pairs, the first the default; ``max_n``: images per request
+    (``--max-batch``: one request's images always share one pipeline call); ``loras``: adapter
+    names loaded at start.
+    """
+
+    model: str
+    sizes: tuple[tuple[int, int], ...]
+    max_n: int
+    loras: tuple[str, ...] = ()
+
+    @property
+    def size_names(self) -> list[str]:
+        return [f"{w}x{h}" for w, h in self.sizes]
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRequest:
+    """A checked request. None: the model's default (steps, guidance), no negative prompt, no
+    adapter, or a random seed (drawn when the request is planned)."""
+
+    prompt: str
+    n: int
+    width: int
+    height: int
+    seed: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    negative_prompt: str | None = None
+    lora: str | None = None
+
+
+class _Body(BaseModel):
+    # strict: "n": "2" or "n": true is a mistake to name, not a value to coerce.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str
+    n: int = 1
+    size: str | None = None
+    response_format: str = "b64_json"
+    model: str | None = None
+    user: str | None = None  # OpenAI's end-user id, for abuse tracking; accepted and unused
+    seed: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    negative_prompt: str | None = None
+    lora: str | None = None
+
+
+def _decode(body: bytes) -> object:
+    if len(body) > MAX_BODY_BYTES:
+        raise ServeError(413, f"the body is {len(body)} bytes; at most {MAX_BODY_BYTES}", code="body_too_large")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ServeError(
+            400, f"the body is not UTF-8 text (byte 0x{body[e.start]:02x} at offset {e.start})", code="invalid_body"
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ServeError(400, f"the body is not JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                         code="invalid_json") from None  # fmt: skip
+
+
+def _text(name: str, value: str) -> str:
+    """``value`` if it is valid Unicode text of at most :data:`MAX_PROMPT_CHARS` characters; JSON
+    can escape lone surrogates (``"\\ud800"``), which no tokenizer takes and no PNG text chunk
+    can hold."""
+    if len(value) > MAX_PROMPT_CHARS:
+        raise ServeError(422, f"{name} is {len(value)} characters; at most {MAX_PROMPT_CHARS} (the text encoder "
+                         "reads 512 tokens)", param=name, code="text_too_long")  # fmt: skip
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ServeError(422, f"{name} is not valid UTF-8 text (U+{ord(value[e.start]):04X} at character {e.start})",
+                         param=name, code="invalid_text") from None  # fmt: skip
+    return value
+
+
+def _size(text: str | None, served: Served) -> tuple[int, int]:
+    if text is None:
+        return served.sizes[0]
+    parts = text.lower().split("x")
+    size = tuple(int(p) for p in parts) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
+    if size not in served.sizes:
+        what = "is not served" if size is not None else "is not WIDTHxHEIGHT"
+        raise ServeError(422, f"size {text!r} {what} (served: {', '.join(served.size_names)})",
+                         param="size", code="unknown_size")  # fmt: skip
+    return size  # type: ignore[return-value]
+
+
+def parse_request(body: bytes, served: Served) -> ImageRequest:
+    """The raw body -> an :class:`ImageRequest`, or :class:`ServeError` (400, 413 or 422)."""
+    data = _decode(body)
+    if not isinstance(data, dict):
+        raise ServeError(400, f"the body must be a JSON object, not {type(data).__name__}", code="invalid_body")
+    try:
+        b = _Body.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise ServeError(422, f"{param}: {first['msg']}{more}", param=param, code="invalid_value") from None
+    prompt = _text("prompt", b.prompt)
+    if not prompt.strip():
+        raise ServeError(422, "prompt is empty", param="prompt", code="empty_prompt")
+    if not 1 <= b.n <= served.max_n:
+        raise ServeError(422, f"n must be 1 to {served.max_n} (this server's --max-batch), got {b.n}",
+                         param="n", code="n_out_of_range")  # fmt: skip
+    width, height = _size(b.size, served)
+    if b.response_format != "b64_json":
+        raise ServeError(422, f"response_format {b.response_format!r} is not served: only 'b64_json' (no image "
+                         "store to link to)", param="response_format", code="unsupported_response_format")  # fmt: skip
+    if b.model is not None and b.model != served.model:
+        raise ServeError(422, f"model {b.model!r} is not served; this server serves {served.model!r}",
+                         param="model", code="unknown_model")  # fmt: skip
+    if b.seed is not None and not 0 <= b.seed <= MAX_SEED - (b.n - 1):
+        raise ServeError(422, f"seed must be 0 to {MAX_SEED - (b.n - 1)} (image i uses seed + i), got {b.seed}",
+                         param="seed", code="invalid_value")  # fmt: skip
+    if b.steps is not None and not 1 <= b.steps <= MAX_STEPS:
+        raise ServeError(422, f"steps must be 1 to {MAX_STEPS}, got {b.steps}", param="steps", code="invalid_value")
+    if b.guidance is not None and not (math.isfinite(b.guidance) and b.guidance >= 0):
+        raise ServeError(422, f"guidance must be a finite number, 0 or more, got {b.guidance}",
+                         param="guidance", code="invalid_value")  # fmt: skip
+    negative = _text("negative_prompt", b.negative_prompt) if b.negative_prompt is not None else None
+    if b.lora is not None and b.lora not in served.loras:
+        known = ", ".join(served.loras) if served.loras else "none are loaded (bcg-serve --lora NAME=FILE)"
+        raise ServeError(422, f"lora {b.lora!r} is not loaded (loaded: {known})", param="lora", code="unknown_adapter")
+    return ImageRequest(prompt=prompt, n=b.n, width=width, height=height, seed=b.seed, steps=b.steps,
+                        guidance=b.guidance, negative_prompt=negative, lora=b.lora)  # fmt: skip

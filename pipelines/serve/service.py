@@ -1,0 +1,147 @@
+"""The service behind the routes: its phase, and one request's way through the queue.
+
+A generation request is planned by the engine, queued, and waited on until the first of: its
+images, its client leaving, or ``timeout`` seconds since it arrived. A request that gives up
+while still queued is taken out and never computed; one whose batch already runs is left to
+finish and its images are thrown away.
+
+Phases: ``starting`` (model loading and warm-up; generation answers 503), ``ready``,
+``stopping`` (after SIGTERM: nothing new is queued, what waited is answered 503, the running
+batch finishes), ``failed`` (the start failed; the server exits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .batcher import Batcher, Closed, QueueFull, Work
+from .engine import Generated
+from .errors import ServeError, one_line
+from .metrics import Metrics
+from .schema import ImageRequest, Served
+from .worker import BatchFailed, DeviceWorker
+
+__all__ = ["Service"]
+
+logger = logging.getLogger("bcg-serve")
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class Service:
+    """What the routes ask: ``phase``, ``served``, ``metrics``, ``engine`` and :meth:`generate`.
+
+    ``start`` builds the engine on the device worker's thread (see :class:`DeviceWorker`).
+    """
+
+    def __init__(self, served: Served, batcher: Batcher, start: Callable[[], Any], timeout: float) -> None:
+        self.served = served
+        self.batcher = batcher
+        self.timeout = timeout
+        self.metrics = Metrics(batcher.max_batch, lambda: batcher.depth)
+        self.phase = "starting"
+        self.fatal: str | None = None
+        self.fatal_status = 0
+        self.engine: Any = None
+        self.started = time.time()
+        self.worker = DeviceWorker(batcher, self.metrics, start, self._ready, self._failed)
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def _ready(self, engine: Any) -> None:
+        self.engine = engine
+        if self.phase == "starting":
+            self.phase = "ready"
+            self.metrics.ready.set(1)
+            logger.info("ready: serving %s at %s, up to %d image(s) a call", self.served.model,
+                        ", ".join(self.served.size_names), self.batcher.max_batch)  # fmt: skip
+
+    def _failed(self, error: BaseException) -> None:
+        # The CLI's errors are one line for users already, and carry their exit status.
+        status = getattr(error, "status", None)
+        told = one_line(error) if isinstance(status, int) else f"{type(error).__name__}: {one_line(error)}"
+        self.fatal = told
+        self.fatal_status = status if isinstance(status, int) else 1
+        self.phase = "failed"
+        logger.error("could not start: %s", told)
+
+    def stop(self) -> None:
+        """Stop accepting; the waiting requests are answered 503 now, the running batch finishes."""
+        if self.phase in ("stopping", "failed"):
+            return
+        self.phase = "stopping"
+        self.metrics.ready.set(0)
+        waiting = self.batcher.close()
+        for w in waiting:
+            w.future.set_exception(Closed())
+        self.metrics.dropped.labels("shutdown").inc(len(waiting))
+        logger.info("stopping: %d waiting request(s) answered 503; the running batch finishes", len(waiting))
+
+    def retry_after(self) -> int:
+        """Seconds a client told 429 should wait: about what the queue ahead needs."""
+        mean = self.metrics.mean_batch_seconds
+        per_batch = 1.0 if math.isnan(mean) else mean
+        return max(1, math.ceil(per_batch * (self.batcher.depth / self.batcher.max_batch + 1)))
+
+    def _unavailable(self) -> ServeError:
+        if self.phase == "starting":
+            return ServeError(503, "the server is warming up (GET /ready says when it is done)", code="warming_up",
+                              headers={"Retry-After": "5"})  # fmt: skip
+        return ServeError(503, "the server is stopping", code="shutting_down")
+
+    async def generate(self, request: ImageRequest, receive: Receive, arrived: float) -> list[Generated]:
+        """The images of ``request``, or :class:`ServeError` (422, 429, 500, 503, 504, or 499 for
+        a client that left). ``receive`` is the ASGI receive of the request, its body read;
+        ``arrived`` its ``time.monotonic()`` arrival."""
+        if self.phase != "ready":
+            raise self._unavailable()
+        plan = self.engine.plan(request)
+        work = Work(plan.key, request.n, plan, arrived=arrived)
+        try:
+            self.batcher.submit(work)
+        except QueueFull:
+            raise ServeError(429, f"the queue is full ({self.batcher.max_queue} requests waiting); retry later",
+                             code="queue_full", headers={"Retry-After": str(self.retry_after())}) from None  # fmt: skip
+        except Closed:
+            raise self._unavailable() from None
+        result = asyncio.wrap_future(work.future)
+        result.add_done_callback(_consume)
+        gone = asyncio.ensure_future(_disconnected(receive))
+        left = self.timeout - (time.monotonic() - arrived)
+        try:
+            done, _ = await asyncio.wait({result, gone}, timeout=max(left, 0.0), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if result in done:
+            try:
+                return result.result()
+            except BatchFailed as e:
+                raise ServeError(500, str(e), code="generation_failed") from None
+            except Closed:
+                raise self._unavailable() from None
+        reason = "disconnected" if gone in done else "timeout"
+        if self.batcher.cancel(work):
+            self.metrics.dropped.labels(reason).inc()
+        if reason == "disconnected":
+            raise ServeError(499, "the client closed the connection", code="client_closed")
+        raise ServeError(504, f"not done within --timeout {self.timeout:g} s; the request was dropped",
+                         code="timeout")  # fmt: skip
+
+
+def _consume(future: asyncio.Future) -> None:
+    # A request that gave up leaves its future unread: reading it here keeps asyncio from
+    # logging "exception was never retrieved" for a batch that failed after its client left.
+    if not future.cancelled():
+        future.exception()
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has closed the connection (ASGI's ``http.disconnect``)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

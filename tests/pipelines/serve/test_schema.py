@@ -1,0 +1,81 @@
+"""The request body's checks, without a server: each bad input is refused with its status, the
+field named and one line; a good one comes out with the served defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipelines.serve.errors import ServeError
+from pipelines.serve.schema import MAX_SEED, ImageRequest, Served, parse_request
+
+SERVED = Served(model="z-image", sizes=((64, 64), (32, 48)), max_n=4, loras=("style",))
+
+
+def parse(body: object) -> ImageRequest:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_request(raw, SERVED)
+
+
+def test_a_good_request_keeps_its_values_and_takes_the_defaults() -> None:
+    assert parse({"prompt": "a fox"}) == ImageRequest("a fox", 1, 64, 64)
+    r = parse({"prompt": "a fox", "n": 4, "size": "32x48", "seed": 7, "steps": 3, "guidance": 2,
+               "negative_prompt": "", "lora": "style", "response_format": "b64_json", "model": "z-image",
+               "user": "u1"})  # fmt: skip
+    assert r == ImageRequest("a fox", 4, 32, 48, seed=7, steps=3, guidance=2.0, negative_prompt="", lora="style")
+    assert parse({"prompt": "x", "n": 2, "seed": MAX_SEED - 1}).seed == MAX_SEED - 1  # the last image's seed fits
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "says"),
+    [
+        (b"\xff{}", 400, None, "not UTF-8 text (byte 0xff at offset 0)"),
+        (b"{prompt: 1}", 400, None, "not JSON"),
+        (b"", 400, None, "not JSON"),
+        ([1, 2], 400, None, "must be a JSON object, not list"),
+        ({}, 422, "prompt", "prompt: Field required"),
+        ({"prompt": ""}, 422, "prompt", "prompt is empty"),
+        ({"prompt": " \n\t"}, 422, "prompt", "prompt is empty"),
+        (b'{"prompt": "a \\ud800 fox"}', 422, "prompt", "not valid UTF-8 text (U+D800 at character 2)"),
+        ({"prompt": 5}, 422, "prompt", "valid string"),
+        ({"prompt": "x", "n": 0}, 422, "n", "n must be 1 to 4"),
+        ({"prompt": "x", "n": 5}, 422, "n", "n must be 1 to 4"),
+        ({"prompt": "x", "n": "2"}, 422, "n", "valid integer"),
+        ({"prompt": "x", "n": True}, 422, "n", "valid integer"),
+        ({"prompt": "x", "size": "100x100"}, 422, "size", "'100x100' is not served (served: 64x64, 32x48)"),
+        ({"prompt": "x", "size": "big"}, 422, "size", "is not WIDTHxHEIGHT"),
+        ({"prompt": "x", "response_format": "url"}, 422, "response_format", "only 'b64_json'"),
+        ({"prompt": "x", "model": "dall-e-3"}, 422, "model", "not served"),
+        ({"prompt": "x", "seed": -1}, 422, "seed", "seed must be 0 to"),
+        ({"prompt": "x", "n": 2, "seed": MAX_SEED}, 422, "seed", "image i uses seed + i"),
+        ({"prompt": "x", "steps": 0}, 422, "steps", "steps must be 1 to 1000"),
+        (b'{"prompt": "x", "guidance": NaN}', 422, "guidance", "finite number"),
+        ({"prompt": "x", "guidance": -1}, 422, "guidance", "finite number"),
+        (b'{"prompt": "x", "negative_prompt": "\\udcff"}', 422, "negative_prompt", "not valid UTF-8"),
+        ({"prompt": "x", "lora": "other"}, 422, "lora", "'other' is not loaded (loaded: style)"),
+        ({"prompt": "x", "quality": "hd"}, 422, "quality", "Extra inputs are not permitted"),
+        ({"prompt": "x" * 16385}, 422, "prompt", "prompt is 16385 characters; at most 16384"),
+        ({"prompt": "x", "negative_prompt": "y" * 20000}, 422, "negative_prompt", "at most 16384"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line_naming_the_field(body: object, status: int, param: str | None,
+                                                           says: str) -> None:  # fmt: skip
+    with pytest.raises(ServeError) as e:
+        parse(body)
+    assert (e.value.status, e.value.param) == (status, param)
+    assert says in e.value.message
+    line = e.value.json()
+    assert b"\n" not in line
+    assert json.loads(line)["error"]["message"] == e.value.message
+
+
+def test_a_body_past_the_limit_is_refused_unread() -> None:
+    with pytest.raises(ServeError) as e:
+        parse_request(b" " * ((1 << 20) + 1), SERVED)
+    assert e.value.status == 413
+
+
+def test_no_adapters_loaded_says_how_to_load_one() -> None:
+    with pytest.raises(ServeError, match=r"none are loaded \(bcg-serve --lora NAME=FILE\)"):
+        parse_request(b'{"prompt": "x", "lora": "style"}', Served("z-image", ((64, 64),), 1))
