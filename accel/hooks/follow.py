@@ -211,7 +211,7 @@ class Follower:
         if look.unwatchable:
             why = _summary(look.unwatchable)
             if self.unwatchable is None:
-                hook.runner.release()
+                hook.runner.release(recapture=True)
                 hook._deactivate(f"the state of {why} cannot be watched")
                 logger.warning(
                     "%s: graphs are off for %s: the state of %s cannot be watched, so a replay could run "
@@ -259,7 +259,8 @@ class Follower:
             return True
         if caches.refused is not None:
             if self.refused_by_caches is None:
-                hook.runner.release()
+                # Captured again at the first call after whatever kept graphs off is gone.
+                hook.runner.release(recapture=True)
                 hook._deactivate(caches.refused)
             self.refused_by_caches = caches.refused
             return False
@@ -287,7 +288,10 @@ class Follower:
 
     def _drop_graphs(self, why: str, level: int) -> int:
         hook = self.hook
+        # Graphs already waiting to be captured again (dropped while graphs were off) still are.
+        pending = set(hook.runner.store.recapture)
         dropped = hook.runner.release(recapture=True)
+        hook.runner.store.recapture.update(pending)
         if dropped:
             logger.log(
                 level, "%s: %s; dropped %d graphs, each is captured again on its next call", hook.name, why, dropped

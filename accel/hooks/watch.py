@@ -198,12 +198,14 @@ class Watch:
                 continue
             seen_ids.add(id(m))
             d = m.__dict__
-            specs.append(_spec(path, m, d, rule.module_keys(d)))
+            specs.append(_spec(path, m, d, rule.module_keys(m, d)))
             for k in rule.WEIGHT_KEYS:
                 tensors.extend(t for t in d.get(k, {}).values() if t is not None)
             for key in rule.OWNERS:
                 owned = d.get(key)
-                if owned is None or isinstance(owned, torch.nn.Module) or id(owned) in seen_ids:
+                if owned is None or rule.kind(owned) != rule.OBJECT or isinstance(owned, torch.nn.Module):
+                    continue
+                if id(owned) in seen_ids:
                     continue
                 seen_ids.add(id(owned))
                 where = rule.join(path, key)

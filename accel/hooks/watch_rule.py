@@ -83,10 +83,15 @@ CHURN = frozenset(
     }
     | {"_accumulated_executed_steps", "_accumulated_transformer_executed_steps"}
 )
+# Left on a diffusers model by the calls that set them, read by those calls only: fuse_lora's
+# arguments (PeftAdapterMixin.fuse_lora keeps them for its own apply; unfuse_lora leaves them).
+_LEFT_BY = {"PeftAdapterMixin": frozenset({"lora_scale", "_safe_fusing"})}
 # A diffusers hook registry caches which submodules carry registries, and rebuilds it lazily.
 _REGISTRY_CHURN = frozenset({"_child_registries_cache"})
-# Keys of a module's dictionary holding an object whose own dictionary is watched too.
-OWNERS = ("processor", "_diffusers_hook")
+# Keys of a module's dictionary holding an object whose own dictionary is watched too: the
+# attention processor, diffusers' hook registry, and a transformers config (which holds the
+# attention implementation; diffusers' configs are dicts, watched by their content anyway).
+OWNERS = ("processor", "_diffusers_hook", "config")
 # An offload root (the VAE of a watched decoder) is watched only where offload hooks go.
 _OFFLOAD_KEYS = ("_hf_hook", "_diffusers_hook", "forward")
 
@@ -132,8 +137,9 @@ def copy(v: Any) -> Any:
     return v
 
 
-def module_keys(d: dict[str, Any]) -> list[str]:
-    return [k for k in d if k not in IGNORED and k not in CHURN]
+def module_keys(obj: Any, d: dict[str, Any]) -> list[str]:
+    left = frozenset().union(*(keys for c in type(obj).__mro__ for n, keys in _LEFT_BY.items() if c.__name__ == n))
+    return [k for k in d if k not in IGNORED and k not in CHURN and k not in left]
 
 
 def object_keys(d: dict[str, Any]) -> list[str]:
