@@ -185,12 +185,11 @@ def test_a_state_change_says_what_changed_in_one_line_and_report_lists_it(name: 
     said = [r.getMessage() for r in caplog.records if "processor changed" in r.getMessage()]
     base, new = PROCESSORS[name].__name__, type(proc).__name__
     assert len(said) == 1, said
-    assert said[0].startswith(f"transformer: ") and f"attn.processor changed ({base} -> {new})" in said[0] or (
-        f"attention.processor changed ({base} -> {new})" in said[0]
-    )
+    attention = "attn" if name == "qwen-image" else "attention"
+    assert said[0].startswith("transformer: ") and f"{attention}.processor changed ({base} -> {new})" in said[0]
     assert "captured on the next call" in said[0]  # every block's, in one line
     report = pipe.accel.report()
-    assert f"guard, last call: state switched (" in report and f"-> {new}" in report
+    assert "guard, last call: state switched (" in report and f"-> {new}" in report
     _call(pipe)
     assert "guard, last call: nothing changed" in pipe.accel.report()
 
