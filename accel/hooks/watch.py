@@ -28,9 +28,9 @@ which walks the module again, says what changed, and takes a new snapshot.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,8 +40,6 @@ from . import watch_rule as rule
 
 __all__ = ["Look", "Watch"]
 
-# operator.call is C-level (Python 3.11); the slot wrapper does the same on 3.10, a little slower.
-_call: Callable[[Any, Any], Any] = getattr(operator, "call", operator.itemgetter.__call__)
 _data_ptr = torch.Tensor.data_ptr
 _version = operator.attrgetter("_version")
 _values = dict.values
@@ -75,7 +73,8 @@ class _Spec:
     obj: Any
     d: dict[str, Any]
     seen: dict[str, Any]  # watched key -> value (containers as shallow copies)
-    getter: Any = None  # itemgetter of the keys the fast check compares (None: length only)
+    fast: tuple[str, ...] = ()  # the keys the fast check compares (none: the length only)
+    getter: Any = None
     snap: Any = None
 
 
@@ -86,10 +85,15 @@ class _Plan:
         self.specs = specs
         self.dicts = [s.d for s in specs]
         self.lens = [len(d) for d in self.dicts]
-        with_getter = [s for s in specs if s.getter is not None]
-        self.getters = [s.getter for s in with_getter]
-        self.gdicts = [s.d for s in with_getter]
-        self.snapshot = [s.snap for s in with_getter]
+        # One itemgetter per set of keys (most modules share theirs with many others), mapped
+        # over the dictionaries that have those keys.
+        groups: dict[tuple[str, ...], tuple[Any, list[dict[str, Any]], list[Any]]] = {}
+        for s in specs:
+            if s.getter is not None:
+                group = groups.setdefault(s.fast, (s.getter, [], []))
+                group[1].append(s.d)
+                group[2].append(s.snap)
+        self.groups = list(groups.values())
         self.tensors = tensors
         self.ptrs = list(map(_data_ptr, tensors))
         self.versioned = [t for t in tensors if not t.is_inference()]  # inference tensors have no version
@@ -128,20 +132,27 @@ class _Plan:
 
     def unchanged(self) -> bool:
         try:
-            if RemovableHandle.next_id != self.next_id:
-                if list(map(len, self.hook_dicts)) != self.hook_lens:
-                    return False
-                self.next_id = RemovableHandle.next_id
-            return (
-                rule.globals_now() == self.globals
-                and list(map(len, self.dicts)) == self.lens
-                and list(map(_call, self.getters, self.gdicts)) == self.snapshot
-                and (not self.ident_ids or self._ident_ids() == self.ident_ids)
-                and list(map(_data_ptr, self.tensors)) == self.ptrs
-                and list(map(_version, self.versioned)) == self.versions
-            )
+            return self.state_same() and self.weights_same()
         except Exception:  # a key gone, a replaced tensor compared by value (ambiguous): changed
             return False
+
+    def state_same(self) -> bool:
+        """Every watched dictionary as at the look (the parameter and buffer dictionaries too:
+        a tensor replaced), and the process-wide switches. May raise (then it is not)."""
+        if RemovableHandle.next_id != self.next_id:
+            if list(map(len, self.hook_dicts)) != self.hook_lens:
+                return False
+            self.next_id = RemovableHandle.next_id
+        return (
+            rule.globals_now() == self.globals
+            and list(map(len, self.dicts)) == self.lens
+            and all(list(map(get, ds)) == snaps for get, ds, snaps in self.groups)
+            and (not self.ident_ids or self._ident_ids() == self.ident_ids)
+        )
+
+    def weights_same(self) -> bool:
+        """Every tensor at the address and version it had at the look."""
+        return list(map(_data_ptr, self.tensors)) == self.ptrs and list(map(_version, self.versioned)) == self.versions
 
     def weights(self) -> frozenset[tuple[int, int, int]]:
         """The tensors as (identity, address, version), in no order: cache-dit moves a block list
@@ -167,6 +178,19 @@ class Watch:
         plan = self._plan
         return plan is not None and plan.unchanged()
 
+    def state_unchanged(self) -> bool:
+        """The Python-state half of :meth:`unchanged` (parameter dictionaries included)."""
+        plan = self._plan
+        try:
+            return plan is not None and plan.state_same()
+        except Exception:
+            return False
+
+    def weights_unchanged(self) -> bool:
+        """The other half: every tensor at the address and version it had."""
+        plan = self._plan
+        return plan is not None and plan.weights_same()
+
     def look(self) -> Look:
         """Walk the module, compare with the last look, and keep what is there now."""
         old = self._plan
@@ -180,6 +204,15 @@ class Watch:
         if old.globals != new.globals:
             changes = rule.global_differences(old.globals, new.globals) + changes
         return Look(False, old.weights() != new.weights(), changes, unwatchable, record)
+
+    @property
+    def watched_dicts(self) -> int:
+        """How many dictionaries the last look watches."""
+        return len(self._plan.dicts) if self._plan is not None else 0
+
+    @property
+    def watched_tensors(self) -> int:
+        return len(self._plan.tensors) if self._plan is not None else 0
 
     def forget(self) -> None:
         self._plan = None
@@ -224,6 +257,11 @@ class Watch:
         return specs, tensors, unwatchable
 
 
+@functools.lru_cache(maxsize=1024)
+def _getter(keys: tuple[str, ...]) -> Any:
+    return operator.itemgetter(*keys)
+
+
 def _spec(path: str, obj: Any, d: dict[str, Any], keys: list[str]) -> _Spec:
     seen = {k: rule.copy(d[k]) for k in keys}
     # The fast check compares the non-empty parameter and buffer dictionaries too (a tensor
@@ -235,7 +273,9 @@ def _spec(path: str, obj: Any, d: dict[str, Any], keys: list[str]) -> _Spec:
     fast += [k for k in rule.WEIGHT_KEYS if d.get(k)]
     spec = _Spec(path, obj, d, seen)
     if fast:
-        getter = operator.itemgetter(*fast) if len(fast) > 1 else operator.itemgetter(fast[0], fast[0])
-        snap = tuple(seen[k] if k in seen else dict(d[k]) for k in fast)
-        spec.getter, spec.snap = getter, snap if len(fast) > 1 else snap * 2
+        if len(fast) == 1:  # an itemgetter of one key returns the value, not a tuple
+            fast *= 2
+        spec.fast = tuple(fast)
+        spec.getter = _getter(spec.fast)
+        spec.snap = tuple(seen[k] if k in seen else dict(d[k]) for k in fast)
     return spec

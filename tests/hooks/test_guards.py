@@ -230,3 +230,66 @@ def test_a_component_follows_its_state_too(emulated) -> None:
     after = pipe.accel.stats()["text_encoder"]
     assert after.captures > st.captures and after.eager_calls == st.eager_calls
     assert not torch.equal(got, before) or after.captures > st.captures
+
+
+def _taylorseer(name: str) -> Any:
+    from diffusers.hooks import TaylorSeerCacheConfig
+
+    ids = [r"^layers\.\d+\.attention$"] if name == "z-image" else None  # diffusers' names Qwen-Image's
+    return TaylorSeerCacheConfig(cache_identifiers=ids, cache_interval=2, disable_cache_before_step=1)
+
+
+def _cache(pipe: Any, name: str, cache: str) -> None:
+    from diffusers.hooks import (
+        FirstBlockCacheConfig,
+        MagCacheConfig,
+        apply_first_block_cache,
+        apply_mag_cache,
+        apply_taylorseer_cache,
+    )
+
+    t = pipe.transformer
+    if cache == "FirstBlockCache":
+        apply_first_block_cache(t, FirstBlockCacheConfig(threshold=10.0))  # caches every step it may
+    elif cache == "TaylorSeer":
+        apply_taylorseer_cache(t, _taylorseer(name))
+    elif cache == "MagCache":
+        ratios = [1.0] * 3
+        apply_mag_cache(t, MagCacheConfig(threshold=0.5, num_inference_steps=3, mag_ratios=ratios, retention_ratio=0.2))
+    elif cache == "DBCache":
+        cache_dit = pytest.importorskip("cache_dit")
+        config = cache_dit.DBCacheConfig(
+            residual_diff_threshold=100.0, Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=1
+        )
+        cache_dit.enable_cache(pipe, cache_config=config)
+
+
+@pytest.mark.parametrize("setup", ["plain", "FirstBlockCache", "TaylorSeer", "MagCache", "DBCache", "cfg_batch"])
+@pytest.mark.parametrize("name", NAMES)
+@torch.no_grad()
+def test_an_unchanged_pipeline_never_drops_or_switches_graphs(name: str, setup: str, emulated, caplog) -> None:
+    """What caches, joined guidance branches and the text encoder rewrite every call is not a change."""
+    if setup == "cfg_batch" and name == "z-image":
+        pytest.skip("Z-Image batches its guidance branches itself")
+    pipe = _pipe(name)
+    _cache(pipe, name, setup)
+    accelerate_pipeline(pipe, capture_on_miss=True, vae=False)
+    if setup == "cfg_batch":  # installed only on CUDA by accelerate_pipeline; as there
+        from accel.hooks.cfg_batch import apply_cfg_batch
+
+        hook = pipe.accel.hooks["transformer"]
+        apply_cfg_batch(pipe.transformer, hook.recipe, pipe.accel.guard, name="transformer", user=pipe.accel)
+    followers = {n: h.follower for n, h in pipe.accel.hooks.items()}
+    generate(pipe, negative_prompt="blurry", guidance=4.0, steps=3, seed=0)
+    keys = {n: (f.epoch, f.state) for n, f in followers.items()}
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="accel.hooks.graph_hook"):
+        for seed in (1, 2, 3):
+            generate(pipe, negative_prompt="blurry", guidance=4.0, steps=3, seed=seed)
+            assert all(not f.events for f in followers.values()), {n: f.events for n, f in followers.items()}
+    assert {n: (f.epoch, f.state) for n, f in followers.items()} == keys
+    said = [r.getMessage() for r in caplog.records if r.name == "accel.hooks.graph_hook"]
+    assert not [m for m in said if "changed" in m or "dropped" in m], said
+    st = pipe.accel.stats()
+    assert st["transformer"].replays > 0 and st["transformer"].evictions == 0
+    pipe.accel.restore()
