@@ -37,6 +37,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import watch_rule as rule
+from .weights import tensor_key
 
 __all__ = ["Look", "Watch"]
 
@@ -98,6 +99,7 @@ class _Plan:
         self.ptrs = list(map(_data_ptr, tensors))
         self.versioned = [t for t in tensors if not t.is_inference()]  # inference tensors have no version
         self.versions = list(map(_version, self.versioned))
+        self.weight_keys = frozenset(map(tensor_key, tensors))
         self.globals = rule.copy_globals(globals_now)
         self.next_id = RemovableHandle.next_id
         # Torch hooks are registered through handles numbered from one global counter: while it
@@ -155,10 +157,9 @@ class _Plan:
         return list(map(_data_ptr, self.tensors)) == self.ptrs and list(map(_version, self.versioned)) == self.versions
 
     def weights(self) -> frozenset[tuple[int, int, int]]:
-        """The tensors as (identity, address, version), in no order: cache-dit moves a block list
-        to the end of its parent's children during a call."""
-        versions = {id(t): v for t, v in zip(self.versioned, self.versions)}
-        return frozenset((id(t), p, versions.get(id(t), -1)) for t, p in zip(self.tensors, self.ptrs))
+        """The tensors as (identity, address, version) at the look, in no order: cache-dit moves
+        a block list to the end of its parent's children during a call."""
+        return self.weight_keys
 
 
 class Watch:
