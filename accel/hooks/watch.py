@@ -17,7 +17,8 @@ The rule (one rule, not a list of cases; :mod:`accel.hooks.watch_rule` has its p
   checkpointing, a ``forward`` or method set on a submodule, torch and diffusers hooks;
 * every parameter and buffer by identity, address and in-place version: the weights;
 * diffusers' active attention backend (what ``attention_backend(...)`` sets around a call) and
-  its checks switch, and torch's global module hooks.
+  its checks switch, torch's global module hooks, and torch's settings that pick the kernels a
+  capture records (TF32, the SDPA kernel switches and ``sdpa_kernel(...)``, autocast).
 
 The check compares, in a few C-level passes over lists fixed when the module was last looked at
 (one ``itemgetter`` per watched dictionary, one ``data_ptr`` and one ``_version`` per tensor),

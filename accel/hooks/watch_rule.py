@@ -19,8 +19,10 @@ Per-call bookkeeping (:data:`CHURN`), found by calling unchanged pipelines many 
 step cache and with joined guidance branches: entries rewritten every call that do not change
 what a forward runs.
 
-Not watched, said plainly: class attributes and module globals (besides diffusers' attention
-backend and torch's global module hooks); the inside of objects held by identity (a RoPE table
+Process-wide, beside the dictionaries: diffusers' active attention backend, torch's global module
+hooks, and torch's settings that pick kernels (TF32, the SDPA kernel switches, autocast).
+
+Not watched, said plainly: class attributes and module globals (besides those); the inside of objects held by identity (a RoPE table
 holder, a function's closure, a hook object's settings); a value replaced by a different object
 that compares equal to it (a number by a one-element tensor of the same value); weight writes
 through ``.data``, which bump no version (a replay reads them at their address, which is right
@@ -175,11 +177,49 @@ def _attention_registry() -> Any:
     return getattr(dispatch, "_AttentionBackendRegistry", None)
 
 
+def _torch_switches() -> tuple[Any, ...]:
+    """torch's process- and thread-wide settings that pick the kernels a capture records."""
+    cuda, matmul = torch.backends.cuda, torch.backends.cuda.matmul
+    return (
+        matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+        matmul.allow_bf16_reduced_precision_reduction,
+        matmul.allow_fp16_reduced_precision_reduction,
+        cuda.flash_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cuda.math_sdp_enabled(),
+        cuda.cudnn_sdp_enabled(),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cuda"),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+    )
+
+
+_TORCH_SWITCHES = (
+    "torch.backends.cuda.matmul.allow_tf32",
+    "torch.backends.cudnn.allow_tf32",
+    "torch's float32 matmul precision",
+    "torch's bf16 reduced-precision reductions",
+    "torch's fp16 reduced-precision reductions",
+    "torch's flash SDPA switch",
+    "torch's memory-efficient SDPA switch",
+    "torch's math SDPA switch",
+    "torch's cuDNN SDPA switch",
+    "autocast on CUDA",
+    "autocast's CUDA dtype",
+    "autocast on the CPU",
+    "autocast's CPU dtype",
+)
+
+
 def globals_now() -> tuple[Any, ...]:
-    """diffusers' active attention backend and checks switch, and torch's global module hooks."""
+    """diffusers' active attention backend and checks switch, torch's global module hooks, and
+    torch's settings that pick kernels (TF32, the SDPA kernels, autocast)."""
     registry = _attention_registry()
     backend = (registry._active_backend, registry._checks_enabled) if registry is not None else (None, None)
-    return (*backend, *(getattr(torch_module, name) for name in _TORCH_GLOBAL_HOOKS))
+    return (*backend, *(getattr(torch_module, name) for name in _TORCH_GLOBAL_HOOKS), *_torch_switches())
 
 
 def copy_globals(g: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -189,6 +229,7 @@ def copy_globals(g: tuple[Any, ...]) -> tuple[Any, ...]:
 def global_differences(old: tuple[Any, ...], new: tuple[Any, ...]) -> list[str]:
     names = ("diffusers' active attention backend", "diffusers' attention checks")
     names += tuple(f"torch's {n[1:].replace('_', ' ')}" for n in _TORCH_GLOBAL_HOOKS)
+    names += _TORCH_SWITCHES
     return [f"{name} changed ({show(o)} -> {show(n)})" for name, o, n in zip(names, old, new) if not same(o, n)]
 
 

@@ -152,13 +152,21 @@ def test_equal_values_and_unwatched_entries_are_no_change() -> None:
     assert w.unchanged()
 
 
-def test_attention_backends_and_global_hooks_are_seen() -> None:
+def test_attention_backends_global_hooks_and_kernel_switches_are_seen() -> None:
     m = _model()
     w, _ = _watched(m)
     with attention_backend("_native_math"):
         assert not w.unchanged()
         assert any("active attention backend changed" in c for c in w.look().changes)
     assert not w.unchanged()
+    w.look()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not w.unchanged()
+        assert any("autocast on the CPU changed (False -> True)" in c for c in w.look().changes)
+    w.look()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        assert not w.unchanged()
+        assert any("flash SDPA switch changed" in c for c in w.look().changes)
     w.look()
     handle = torch.nn.modules.module.register_module_forward_hook(_hook)
     try:
