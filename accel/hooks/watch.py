@@ -270,9 +270,11 @@ def _spec(path: str, obj: Any, d: dict[str, Any], keys: list[str]) -> _Spec:
     # replaced), and leaves out empty hook dictionaries (the handle counter covers them, see
     # _Plan) and empty child, parameter and buffer dictionaries: a module gains a first child or
     # tensor only under a name its forward did not read when it was captured (an optional
-    # submodule held as a plain None changes the dictionary's length, which is compared).
-    fast = [k for k in keys if not (k in rule.SPARSE and not seen[k])]
-    fast += [k for k in rule.WEIGHT_KEYS if d.get(k)]
+    # submodule held as a plain None changes the dictionary's length, which is compared). Not so
+    # a ModuleDict or ModuleList, which its owner reads by content (PEFT's DoRA vectors).
+    listed = isinstance(obj, rule.CONTAINER_MODULES)
+    fast = [k for k in keys if listed or not (k in rule.SPARSE and not seen[k])]
+    fast += [k for k in rule.WEIGHT_KEYS if d.get(k) or (listed and k in d)]
     spec = _Spec(path, obj, d, seen)
     if fast:
         if len(fast) == 1:  # an itemgetter of one key returns the value, not a tuple

@@ -50,6 +50,14 @@ _PLAIN_TYPES = (int, float, complex, str, bytes, type(None), torch.dtype, torch.
 
 WEIGHT_KEYS = ("_parameters", "_buffers")
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# Modules their owners read by content: compared even while empty.
+CONTAINER_MODULES = (
+    torch.nn.ModuleDict,
+    torch.nn.ModuleList,
+    torch.nn.Sequential,
+    torch.nn.ParameterDict,
+    torch.nn.ParameterList,
+)
 # Dictionaries left out of the fast check while empty (see accel.hooks.watch).
 SPARSE = frozenset({*HOOK_DICTS, "_modules"})
 IGNORED = frozenset(

@@ -56,6 +56,7 @@ class Block(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(4)
         self.act = torch.nn.GELU()
         self.scaling = {"default": 1.0}
+        self.magnitudes = torch.nn.ModuleDict()  # empty, as PEFT's DoRA vectors without DoRA
         self.register_buffer("pos", torch.arange(4.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,6 +94,11 @@ CASES = {
         True,
     ),
     "forward hook": (lambda m: m[1].norm.register_forward_hook(_hook), "1.norm: forward hooks changed (0 -> 1)", True),
+    "first entry of an empty ModuleDict": (
+        lambda m: m[0].magnitudes.__setitem__("d", torch.nn.Identity()),
+        "0.magnitudes.d added (Identity)",
+        True,
+    ),
     "submodule replaced": (lambda m: setattr(m[0], "act", torch.nn.SiLU()), "0.act replaced (GELU -> SiLU)", True),
     "parameter replaced": (
         lambda m: setattr(m[0].norm, "weight", torch.nn.Parameter(torch.ones(4))),
