@@ -6,30 +6,38 @@ lists, sets and their subclasses), compared by their shallow content, since PEFT
 merged adapters, DoRA switches and active adapters in them and IP-Adapter processors keep scales
 in lists; and *objects*, compared by identity.
 
-Skipped, each for a reason (:data:`IGNORED`):
+Skipped, each for a reason (the harmless exceptions; the ones rewritten per call were found by
+calling unchanged pipelines many times with every step cache and with joined guidance branches):
 
 * ``_parameters`` and ``_buffers``: the weights, watched apart (identity, address, version);
 * ``_non_persistent_buffers_set`` and the four state-dict hook dictionaries: read by
   ``state_dict()`` and ``load_state_dict()``, never by a forward;
 * ``_forward_hooks_with_kwargs``, ``_forward_hooks_always_called``,
   ``_forward_pre_hooks_with_kwargs`` and ``_is_full_backward_hook``: flags torch writes together
-  with a hook of the watched hook dictionaries, keyed by that hook's handle.
+  with a hook of the watched hook dictionaries, keyed by that hook's handle;
+* cache-dit's statistics of the last call (:data:`CHURN`, ``_cached_steps``,
+  ``_residual_diffs``...), rewritten on the denoiser and its block list every call, read by
+  ``cache_dit.summary()`` only;
+* ``lora_scale`` and ``_safe_fusing`` on a diffusers model: ``fuse_lora``'s arguments, which
+  ``unfuse_lora`` leaves behind, read by ``fuse_lora``'s own apply only;
+* a diffusers hook registry's ``_child_registries_cache``: rebuilt lazily, from what is watched.
 
-Per-call bookkeeping (:data:`CHURN`), found by calling unchanged pipelines many times with every
-step cache and with joined guidance branches: entries rewritten every call that do not change
-what a forward runs.
+Compared more cheaply, not skipped: an empty hook dictionary can only gain a hook through a
+handle, numbered from one global counter; an empty child, parameter or buffer dictionary gains an
+entry only under a name the forward did not read when it was captured (but a ``ModuleDict`` or
+``ModuleList``, read by content, is compared even empty).
 
 Process-wide, beside the dictionaries: diffusers' active attention backend, torch's global module
 hooks, and torch's settings that pick kernels (TF32, the SDPA kernel switches, autocast).
 
-Not watched, said plainly: class attributes and module globals (besides those); the inside of objects held by identity (a RoPE table
-holder, a function's closure, a hook object's settings); a value replaced by a different object
-that compares equal to it (a number by a one-element tensor of the same value); weight writes
-through ``.data``, which bump no version (a replay reads them at their address, which is right
-for weights on the graphs' device); a hook put into a module's hook dictionary by hand rather than
-through ``register_*_hook``. An object whose state is not in a ``__dict__`` (one with
-``__slots__``, a C type) cannot be watched at all: :func:`unwatchable` says so, and graphs are
-refused for its module.
+Not watched, said plainly: class attributes and other module globals; the inside of objects held
+by identity (a RoPE table holder, a function's closure, a hook object's settings); a value
+replaced by a different object that compares equal to it (a number by a one-element tensor of the
+same value); weight writes through ``.data``, which bump no version (a replay reads them at their
+address, which is right for weights on the graphs' device); a hook put into a module's hook
+dictionary by hand rather than through ``register_*_hook``. An object whose state is not in a
+``__dict__`` (one with ``__slots__``, a C type) cannot be watched at all: :func:`unwatchable`
+says so, and graphs are refused for its module.
 """
 
 from __future__ import annotations
