@@ -232,6 +232,9 @@ class Watch:
             if id(m) in seen_ids:
                 continue
             seen_ids.add(id(m))
+            why = rule.unwatchable(m)
+            if why is not None:
+                unwatchable.append(f"{path or 'the module'} ({type(m).__name__}: {why})")
             d = m.__dict__
             specs.append(_spec(path, m, d, rule.module_keys(m, d)))
             for k in rule.WEIGHT_KEYS:

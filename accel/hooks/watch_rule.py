@@ -43,6 +43,7 @@ says so, and graphs are refused for its module.
 from __future__ import annotations
 
 import enum
+import functools
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -174,12 +175,17 @@ def join(path: str, name: str) -> str:
 
 def unwatchable(obj: Any) -> str | None:
     """Why ``obj``'s state cannot be watched (not all of it is in its ``__dict__``), or None."""
-    slots = [s for c in type(obj).__mro__ for s in _slots(c) if s not in ("__dict__", "__weakref__")]
+    slots = _data_slots(type(obj))
     if slots:
         return f"it keeps state in __slots__ ({', '.join(slots[:3])})"
     if not hasattr(obj, "__dict__"):
         return "its state is not in a __dict__"
     return None
+
+
+@functools.lru_cache(maxsize=512)
+def _data_slots(cls: type) -> tuple[str, ...]:
+    return tuple(s for c in cls.__mro__ for s in _slots(c) if s not in ("__dict__", "__weakref__"))
 
 
 def _slots(cls: type) -> tuple[str, ...]:

@@ -216,6 +216,16 @@ def test_state_outside_a_dict_is_named_unwatchable() -> None:
     assert "__slots__" in look.unwatchable[0]
 
 
+def test_a_module_with_slots_is_named_unwatchable() -> None:
+    class Gate(torch.nn.Module):
+        __slots__ = ("open",)
+
+    m = _model()
+    m[0].gate = Gate()
+    look = Watch(m).look()
+    assert any("0.gate (Gate: it keeps state in __slots__ (open))" in u for u in look.unwatchable), look.unwatchable
+
+
 def test_forget_lets_go_of_the_module() -> None:
     import gc
     import weakref
