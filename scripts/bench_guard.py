@@ -10,6 +10,9 @@ slows them alike) of:
 * ``state``: every watched dictionary (modules, attention processors, hook registries, configs;
   parameter dictionaries too) and the process-wide switches, as at the last look;
 * ``together``: both, as the follower runs them (the collector off meanwhile);
+* ``cold``: the same after writing a buffer larger than the CPU's caches, as a pipeline call
+  between two checks leaves them (the check reads every watched dictionary and tensor: memory
+  latency, not Python, is most of its time then);
 * ``follow``: the whole per-call check of the hook (``GraphHook.follow_weights``) when nothing
   changed, what a pipeline call pays;
 * ``before``: the check this one replaced (``weights_fingerprint``, ``offload_reason`` and the
@@ -50,7 +53,10 @@ from accel.hooks.options import AcceleratorOptions  # noqa: E402
 from accel.hooks.weights import offload_reason, weights_fingerprint  # noqa: E402
 from pipelines.builders import build_transformer  # noqa: E402
 
-PARTS = ("weights", "state", "together", "follow", "before")
+PARTS = ("weights", "state", "together", "cold", "follow", "before")
+# Larger than the last-level cache of the machines this runs on: written before the "cold" part,
+# as a pipeline call between two checks would.
+_EVICT_BYTES = 64 << 20
 
 
 class _Owner:
@@ -78,10 +84,12 @@ def measure(name: str, size: str, calls: int, warmup: int) -> dict[str, Any]:
         hook.follow_weights()  # the look after the hook's registration, as a first call makes
         watch = hook.follower.watch
         assert watch is not None and watch.unchanged(), "the check must see nothing changed on an unchanged module"
+        evict = torch.empty(_EVICT_BYTES // 4)
         timed: dict[str, Callable[[], Any]] = {
             "weights": _quiet(watch.weights_unchanged),
             "state": _quiet(watch.state_unchanged),
             "together": _quiet(watch.unchanged),
+            "cold": _quiet(watch.unchanged),
             "follow": hook.follow_weights,
             "before": lambda: (weights_fingerprint(module), offload_reason(module), find_caches(module, HOOK_NAME)),
         }
@@ -94,6 +102,8 @@ def measure(name: str, size: str, calls: int, warmup: int) -> dict[str, Any]:
         cpu: dict[str, list[float]] = {k: [] for k in timed}
         for _ in range(calls):
             for key, fn in timed.items():
+                if key == "cold":
+                    evict.add_(1.0)
                 start, start_cpu = time.perf_counter_ns(), time.thread_time_ns()
                 fn()
                 cpu[key].append((time.thread_time_ns() - start_cpu) / 1e6)
@@ -124,8 +134,8 @@ def measure(name: str, size: str, calls: int, warmup: int) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Medians of wall time (the thread's CPU time, then the fastest round, in brackets), in ms."""
-    head = "| model | modules | watched dicts | tensors | weights | state | together | follow() | before | one look |"
-    lines = [head, "|" + "---|" * 10]
+    head = "| model | modules | watched dicts | tensors | weights | state | together | cold | follow() | before | one look |"
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         lines.append(
             f"| {r['model']} ({r['size']}) | {r['modules']} | {r['watched_dicts']} | {r['tensors']} | "
@@ -145,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.calls < 1:
         p.error("--calls must be at least 1")
+    torch.set_num_threads(1)  # the check is one thread; so is the buffer that evicts the caches
     env = collect_env(torch.device("cpu"))
     env["load_average_before"] = os.getloadavg()
     rows = []
