@@ -189,6 +189,7 @@ class GraphHook(ModelHook):
         if self.caches is not None:
             self.caches.close()
         self.follower.undo_arrangement()
+        self.follower.forget()
         while self._undo:
             self._undo.pop()()
         self._let_go_of_module()
@@ -227,12 +228,16 @@ class GraphHook(ModelHook):
         # the stock call runs untouched, so CPU results equal eager exactly.
         if self.active and module_device(module).type == "cuda":
             args, kwargs = self.recipe.prepare(args, kwargs)
+        captures = self.runner.counts.captures
         with contextlib.ExitStack() as stack:
             if self.caches is not None:
                 stack.enter_context(self.caches.call_context())
             if self.compiled:
                 stack.enter_context(compile_mod.tracing_settings())
-            return self.runner(*args, **kwargs)
+            out = self.runner(*args, **kwargs)
+        if self.runner.counts.captures != captures:
+            self.follower.captured()
+        return out
 
     def _recipe_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._forward is None:
@@ -249,7 +254,8 @@ class GraphHook(ModelHook):
         self.inactive_reason = reason
 
     def follow_weights(self) -> None:
-        """Keep graphs in step with what they read by address (see :class:`Follower`)."""
+        """Keep graphs in step with what they read: weights by address, and the Python state
+        that decided what was captured (see :class:`Follower`)."""
         self.follower.follow()
 
     @property

@@ -6,7 +6,8 @@ that once per call, never per step:
 
 * calls are serialised across threads (a pipeline keeps per-call state in its scheduler, so two
   threads in one pipeline corrupt each other's images, with or without graphs);
-* every accelerated denoiser checks whether its weights moved or changed, or are offloaded;
+* every accelerated denoiser checks whether its weights, or the Python state its graphs were
+  captured in, changed, and whether its weights are offloaded (:mod:`accel.hooks.follow`);
 * listeners (one image on several GPUs, accel/parallel) hear where calls begin and end and
   before every scheduler step.
 

@@ -35,6 +35,8 @@ def _module_lines(installed: Installation, name: str, h: GraphHook, why_no_graph
         f"{s.misses} misses, {s.eager_calls} eager calls, {s.capture_failures} capture failures, "
         f"{s.evictions} evictions, segments per graph {s.segments_per_entry or '-'}"
     ]
+    events = h.follower.events
+    lines.append(f"    guard, last call: {'; '.join(events) if events else 'nothing changed'}")
     lines += [f"    capture failed: {reason}" for reason in sorted(set(h.runner.blocked.values()))]
     lines += [f"    capture broke at: {site}" for site in h.runner.found_breaks]
     if h.caches is not None and h.caches.active:
