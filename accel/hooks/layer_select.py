@@ -91,7 +91,8 @@ class Selection:
         quantized: the layers in float8.
         kept_by_recipe: those the recipe keeps in bf16.
         kept_measured: those measured worst and kept in bf16, worst first.
-        not_taken: Linear layers the quantizer cannot take (their shape or dtype), or PEFT's.
+        not_taken: Linear layers the quantizer cannot take (their shape or dtype), PEFT's, and those
+            whose float8 product the device refused at the measured call.
         errors: every quantized candidate's relative output error, measured with all of them in float8.
         error: the final latents' relative L2 distance to bf16 with this selection.
         max_abs: their largest absolute difference.
@@ -153,9 +154,15 @@ def candidates(
 
 
 @contextlib.contextmanager
-def _measuring(layers: Sequence[Layer]) -> Iterator[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+def _measuring(
+    layers: Sequence[Layer], refused: dict[str, str]
+) -> Iterator[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Each quantized layer's forward also computes its bf16 output from the same input and adds
-    up (squared difference, squared bf16 output), on the device: read once, at the end."""
+    up (squared difference, squared bf16 output), on the device: read once, at the end.
+
+    A layer whose float8 product the device refuses (cuBLASLt's per-row float8 product rejects
+    some shapes on Hopper, a large input width over a few rows) answers with its bf16 output and
+    is named in ``refused`` with the reason: it stays in bf16."""
     sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     held = []
     for layer in layers:
@@ -166,11 +173,21 @@ def _measuring(layers: Sequence[Layer]) -> Iterator[dict[str, tuple[torch.Tensor
         sums[layer.name] = acc
         stock = module.forward
 
-        def forward(x: torch.Tensor, *args: Any, _stock=stock, _w=weight, _b=bias, _acc=acc, **kwargs: Any) -> Any:
-            out = _stock(x, *args, **kwargs)
-            ref = F.linear(x, _w, _b).float()
-            _acc[0].add_((out.float() - ref).square().sum())
-            _acc[1].add_(ref.square().sum())
+        def forward(
+            x: torch.Tensor, *args: Any, _stock=stock, _w=weight, _b=bias, _acc=acc, _name=layer.name, **kwargs: Any
+        ) -> Any:
+            ref = F.linear(x, _w, _b)
+            if _name in refused:
+                return ref
+            try:
+                out = _stock(x, *args, **kwargs)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as e:  # raised by the library's shape checks, before any kernel runs
+                refused[_name] = str(e).splitlines()[0][:200]
+                return ref
+            _acc[0].add_((out.float() - ref.float()).square().sum())
+            _acc[1].add_(ref.float().square().sum())
             return out
 
         held.append(patch(module, "forward", forward, why="quantize: each layer measured against bf16", where="dict"))
@@ -263,8 +280,22 @@ def select_layers(
         layers = [layer for layer in layers if layer.name in quantized]
         for layer in layers:
             layer.quantized = _State.of(layer.parent._modules[layer.attr])
-        with _measuring(layers) as sums:
+        refused: dict[str, str] = {}
+        with _measuring(layers, refused) as sums:
             first, first_max = distance(call(), ref)
+        if refused:
+            logger.warning(
+                "quantize: the device refused the float8 product of %d layers (%s: %s); they stay in bf16",
+                len(refused),
+                next(iter(refused)),
+                next(iter(refused.values())),
+            )
+            for layer in layers:
+                if layer.name in refused:
+                    layer.use(quantized=False)
+                    layer.quantized = None
+            not_taken += list(refused)
+            layers = [layer for layer in layers if layer.name not in refused]
         for layer in layers:
             layer.error = _relative(*sums[layer.name])
         logger.info("quantize: every candidate in float8: final latents %.4g from bf16 (budget %g)", first, budget)

@@ -5,7 +5,8 @@ weights (once) and its input (every call) per row to ``levels`` steps of the row
 magnitude, stores the weights as int8 (one byte per weight, as float8 would) and multiplies in
 the input's dtype. Fewer levels, more error; ``coarse`` gives some layers fewer levels (the ones
 a test wants measured worst). Deterministic on the CPU, so selections and reports repeat bit for
-bit. ``use_grid(monkeypatch, ...)`` makes ``quantize="fp8"`` use it.
+bit. ``refused`` names layers whose product raises as cuBLASLt's float8 product does on shapes
+it does not support. ``use_grid(monkeypatch, ...)`` makes ``quantize="fp8"`` use it.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ def _round_rows(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class GridLinear(torch.nn.Module):
-    def __init__(self, linear: torch.nn.Linear, levels: int) -> None:
+    def __init__(self, linear: torch.nn.Linear, levels: int, refused: bool = False) -> None:
         super().__init__()
         assert 1 <= levels <= 127
         self.levels = levels
+        self.refused = refused
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._dtype = linear.weight.dtype
         with torch.no_grad():
@@ -44,6 +46,10 @@ class GridLinear(torch.nn.Module):
         return torch.empty(self.out_features, self.in_features, dtype=self._dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.refused:
+            raise RuntimeError(
+                "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic(...)`"
+            )
         q, s = _round_rows(x, self.levels)
         w = (self.qweight.float() * self.scale).to(x.dtype)
         return F.linear((q * s).to(x.dtype), w, self.bias)
@@ -53,8 +59,15 @@ class GridQuantizer(Quantizer):
     name = "stand-in grid"
     detail = "weights and activations rounded per row"
 
-    def __init__(self, levels: int = 32, coarse: Mapping[str, int] | None = None, refuse: str | None = None) -> None:
+    def __init__(
+        self,
+        levels: int = 32,
+        coarse: Mapping[str, int] | None = None,
+        refuse: str | None = None,
+        refused: Sequence[str] = (),
+    ) -> None:
         self.levels = levels
+        self.refused = tuple(refused)
         self.coarse = dict(coarse or {})
         self.refuse = refuse
         self.calls: list[list[str]] = []
@@ -71,7 +84,8 @@ class GridQuantizer(Quantizer):
         for name in names:
             parent_name, _, attr = name.rpartition(".")
             parent = root.get_submodule(parent_name)
-            parent._modules[attr] = GridLinear(parent._modules[attr], self.levels_for(name))
+            refused = any(fnmatch.fnmatchcase(name, p) for p in self.refused)
+            parent._modules[attr] = GridLinear(parent._modules[attr], self.levels_for(name), refused)
         return list(names)
 
     def is_quantized(self, module: torch.nn.Module) -> bool:

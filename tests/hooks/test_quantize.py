@@ -31,10 +31,20 @@ QWEN_KEPT = (
     "time_text_embed.timestep_embedder.linear_2",
     "img_in",
     "txt_in",
-    "transformer_blocks.0.img_mod.1",
-    "transformer_blocks.0.txt_mod.1",
-    "transformer_blocks.1.img_mod.1",
-    "transformer_blocks.1.txt_mod.1",
+    *(
+        f"transformer_blocks.{i}.{name}"
+        for i in (0, 1)
+        for name in (
+            "img_mod.1",
+            "attn.add_k_proj",
+            "attn.add_v_proj",
+            "attn.add_q_proj",
+            "attn.to_add_out",
+            "txt_mod.1",
+            "txt_mlp.net.0.proj",
+            "txt_mlp.net.2",
+        )
+    ),
     "norm_out.linear",
     "proj_out",
 )
@@ -187,7 +197,25 @@ def test_the_selection_repeats_bit_for_bit() -> None:
 
 def test_a_loose_budget_quantizes_every_candidate_after_two_calls() -> None:
     sel = _select(_pipe(), GridQuantizer(levels=64), 1.0)
-    assert sel.kept_measured == () and sel.runs == 2 and len(sel.quantized) == 24
+    assert sel.kept_measured == () and sel.runs == 2 and len(sel.quantized) == 12
+
+
+def test_a_layer_whose_float8_product_the_device_refuses_stays_in_bf16(caplog) -> None:
+    pipe = _pipe()
+    run = lambda: generate(pipe, steps=2, guidance=4.0, negative_prompt="blurry")  # noqa: E731
+    ref = run()
+    before = _linears(pipe.transformer)
+    refused = "transformer_blocks.0.img_mlp.net.2"
+    with caplog.at_level(logging.WARNING, logger="accel.hooks.layer_select"):
+        sel = _select(pipe, GridQuantizer(levels=64, refused=[refused]), 1.0, run)
+    assert refused in sel.not_taken and refused not in sel.quantized and refused not in sel.errors
+    assert len(sel.quantized) == 11 and sel.runs == 2
+    after = _linears(pipe.transformer)
+    assert after[refused] is before[refused] and type(after[refused]) is torch.nn.Linear
+    assert all(type(after[n]) is GridLinear for n in sel.quantized)
+    [line] = [r.getMessage() for r in caplog.records if "refused the float8 product" in r.getMessage()]
+    assert refused in line and "CUBLAS_STATUS_NOT_SUPPORTED" in line and "bf16" in line
+    assert distance(run(), ref) == (sel.error, sel.max_abs)  # what was measured is what runs
 
 
 def test_a_failure_while_selecting_puts_every_layer_back_in_bf16() -> None:
@@ -234,7 +262,7 @@ def test_the_warmup_selects_and_the_report_says_so_the_same_every_time(monkeypat
     kept = len(QWEN_KEPT) + len(sel.kept_measured)
     assert head.startswith(
         f"  quantize fp8 (stand-in grid: weights and activations rounded per row): {len(sel.quantized)} of 34 "
-        f"Linear layers in float8; {kept} kept in bf16 (10 named by the recipe, {len(sel.kept_measured)} "
+        f"Linear layers in float8; {kept} kept in bf16 ({len(QWEN_KEPT)} named by the recipe, {len(sel.kept_measured)} "
         f"measured worst ({COARSE}"
     )
     assert head.endswith("; 0 it cannot take")
