@@ -288,10 +288,7 @@ class Follower:
 
     def _drop_graphs(self, why: str, level: int) -> int:
         hook = self.hook
-        # Graphs already waiting to be captured again (dropped while graphs were off) still are.
-        pending = set(hook.runner.store.recapture)
         dropped = hook.runner.release(recapture=True)
-        hook.runner.store.recapture.update(pending)
         if dropped:
             logger.log(
                 level, "%s: %s; dropped %d graphs, each is captured again on its next call", hook.name, why, dropped
