@@ -52,6 +52,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from .components import DENOISER_NAMES
+
 __all__ = [
     "CFG",
     "DISTILLED",
@@ -150,9 +152,6 @@ def _is_sequence_param(name: str) -> bool:
 
 
 def _denoiser_config(components: Mapping[str, Any]) -> Mapping[str, Any]:
-    # Imported here: install imports the graph hook, which imports the recipes, which import this.
-    from .install import DENOISER_NAMES
-
     for name in DENOISER_NAMES:
         module = components.get(name)
         if module is not None:
