@@ -13,9 +13,8 @@ model-specific code (recipes, builders, the CLI) reaches it through its public A
 recipe entry points. An import the other way would make the core depend on what it serves.
 
 Inside a layer (:data:`CIRCLE_LAYERS`) no files import each other in a circle, counting imports
-inside functions and under ``TYPE_CHECKING``: a circle shows a job in the wrong file. The
-circles that exist today and are being removed are listed in :data:`KNOWN_CIRCLES`, and each
-must still be a circle exactly as listed, so the list cannot outlive them.
+inside functions and under ``TYPE_CHECKING``: a circle shows a job in the wrong file. There are
+no exceptions: a circle fails the test, which names the imports that make it.
 """
 
 from __future__ import annotations
@@ -44,25 +43,6 @@ PUBLIC_MODULES = {
 OURS = ("accel", "pipelines")
 # Layers whose files must not import each other in a circle.
 CIRCLE_LAYERS = ("accel.graphs", "accel.hooks", "accel.parallel", "pipelines")
-
-# ---- Known circles to remove ---------------------------------------------------------------
-# Each is a circle of files today; none may be added. When one is removed (or changes), the
-# test says so: strike it here. Empty once the branches removing them have landed.
-KNOWN_CIRCLES: frozenset[frozenset[str]] = frozenset(
-    {
-        frozenset(
-            {
-                "accel.hooks.call_shape",
-                "accel.hooks.cfg_batch",
-                "accel.hooks.follow",
-                "accel.hooks.graph_hook",
-                "accel.hooks.install",
-                "accel.hooks.recipe",
-            }
-        ),
-    }
-)
-# ---------------------------------------------------------------------------------------------
 
 
 def _module_name(path: Path) -> str:
@@ -279,6 +259,7 @@ def test_the_circle_checker_finds_a_circle_and_names_it(tmp_path: Path, monkeypa
         "accel.graphs.a -> accel.graphs.b (accel/graphs/a.py:1) -> accel.graphs.c (accel/graphs/b.py:4)"
         " -> accel.graphs.a (accel/graphs/c.py:3)"
     )
+    assert _circle_failures("accel.graphs") == [f"  {_describe_circle(circles[0], edges)}"]
     (core / "e.py").write_text("from .d import y\nfrom .c import z\n")
     (core / "c.py").write_text("from .e import w\nfrom .a import T\n")
     (core / "d.py").write_text("from .e import v\n")
@@ -298,8 +279,6 @@ def test_every_layer_exists() -> None:
         assert (ROOT.joinpath(*layer.split(".")) / "__init__.py").is_file(), layer
     for layer in CIRCLE_LAYERS:
         assert (ROOT.joinpath(*layer.split(".")) / "__init__.py").is_file(), layer
-    for circle in KNOWN_CIRCLES:
-        assert any(all(_within(m, layer) for m in circle) for layer in CIRCLE_LAYERS), sorted(circle)
     for module in PUBLIC_MODULES:
         assert ROOT.joinpath(*module.split(".")).with_suffix(".py").is_file(), module
 
@@ -314,16 +293,15 @@ def test_imports_follow_the_layers(path: Path) -> None:
     assert not bad, "imports across layers (see tests/test_layering.py):\n" + "\n".join(bad)
 
 
+def _circle_failures(layer: str) -> list[str]:
+    """One line per import circle between files of ``layer``, naming its imports."""
+    edges = _layer_edges(layer)
+    return [f"  {_describe_circle(c, edges)}" for c in _circles(edges)]
+
+
 @pytest.mark.parametrize("layer", CIRCLE_LAYERS)
 def test_no_import_circle_inside_a_layer(layer: str) -> None:
-    edges = _layer_edges(layer)
-    found = _circles(edges)
-    new = [c for c in found if c not in KNOWN_CIRCLES]
-    assert not new, f"import circles between files of {layer} (a job is in the wrong file: move it):\n" + "\n".join(
-        f"  {_describe_circle(c, edges)}" for c in new
-    )
-    gone = [c for c in KNOWN_CIRCLES if all(_within(m, layer) for m in c) and c not in found]
-    assert not gone, (
-        "KNOWN_CIRCLES in tests/test_layering.py lists circles that no longer exist as listed; strike:\n"
-        + ("\n".join(f"  {', '.join(sorted(c))}" for c in gone))
+    failures = _circle_failures(layer)
+    assert not failures, f"import circles between files of {layer} (a job is in the wrong file: move it):\n" + (
+        "\n".join(failures)
     )

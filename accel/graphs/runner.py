@@ -254,13 +254,16 @@ class GraphRunner:
         """Drop every captured graph and forget failures; returns how many graphs were dropped.
 
         ``recapture``: the graphs are stale (what they read changed, say the weights), so each
-        dropped signature is captured again on its next call.
+        dropped signature is captured again on its next call, as is every one already waiting
+        to be (dropped by an earlier release while it had no graph); without it those are
+        forgotten too.
         """
         with self.lock:
+            pending = set(self.store.recapture)
             dropped = self.store.clear()
             self._said.clear()
             if recapture:
-                self.store.recapture.update(dropped)
+                self.store.recapture.update(pending, dropped)
             return len(dropped)
 
     def new_sequence(self) -> None:

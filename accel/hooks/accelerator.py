@@ -1,7 +1,10 @@
 """``pipe.accel``: the accelerator of one pipeline (:func:`accelerate_pipeline` attaches it).
 
-:class:`PipelineAccelerator` is a facade over what was installed (:mod:`accel.hooks.install`):
-it warms the graphs up (:mod:`accel.hooks.warmup` plans and runs the captures), reports
+:func:`accelerate_pipeline` plans the install in one pass (:mod:`accel.hooks.plan`), puts the
+plan in, layer by layer (:mod:`accel.hooks.install`), and attaches the accelerator.
+:class:`PipelineAccelerator` is a facade over what was installed:
+it warms the graphs up (:mod:`accel.hooks.warmup_plan` plans the captures,
+:mod:`accel.hooks.warmup` runs them), reports
 (:mod:`accel.hooks.report`), releases graph memory, and restores the pipeline exactly as it was.
 Noise, scheduler steps, guidance and post-processing stay eager.
 """
@@ -19,14 +22,17 @@ from ..graphs.errors import BCGError
 from ..graphs.pool import GraphPool
 from ..graphs.runner import GraphRunner, RunnerStats
 from .compile import compile_options
-from .graph_hook import HOOK_NAME, GraphHook, module_device
+from .components import DENOISER_NAMES, module_device
+from .graph_hook import HOOK_NAME, GraphHook
 from .guard import CallGuard, RequestLock
-from .install import DENOISER_NAMES, Installation, ParallelSession, register_parallel_session
+from .install import Installation, ParallelSession, register_parallel_session
 from .options import MODES, RESOLUTION_MULTIPLE, AcceleratorOptions, with_overrides
+from .plan import InstallPlan, plan_install
 from .quantize import Quantization
 from .recipe import Recipe
 from .report import graph_memory_bytes, report
-from .warmup import WarmupReport, WarmupRow, case_calls, plan_warmup, run_warmup, uncaptured
+from .warmup import WarmupReport, WarmupRow, run_warmup, uncaptured
+from .warmup_plan import case_calls, plan_warmup
 
 __all__ = [
     "DENOISER_NAMES",
@@ -63,13 +69,10 @@ class PipelineAccelerator:
     and, with ``parallel=``, leaves the process group.
     """
 
-    def __init__(self, pipe: Any, options: AcceleratorOptions) -> None:
+    def __init__(self, pipe: Any, installed: Installation) -> None:
         self.pipe = pipe
-        self.options = options
-        self._installed: Installation | None = Installation(pipe, options)
-        device = module_device(self._installed.primary)
-        if options.mode != "eager" and (device.type != "cuda" or not torch.cuda.is_available()):
-            _say_no_cuda_once(device)
+        self.options = installed.options
+        self._installed: Installation | None = installed
 
     @property
     def installed(self) -> Installation:
@@ -77,6 +80,11 @@ class PipelineAccelerator:
         if self._installed is None:
             raise BCGError("this accelerator was restored; call accelerate_pipeline(pipe) again to use graphs")
         return self._installed
+
+    @property
+    def plan(self) -> InstallPlan | None:
+        """What :func:`accelerate_pipeline` planned and installed (None once restored)."""
+        return self._installed.plan if self._installed is not None else None
 
     @property
     def mode(self) -> str:
@@ -341,7 +349,11 @@ def accelerate_pipeline(pipe: Any, options: AcceleratorOptions | None = None, **
         if existing.options == options:
             return pipe
         existing.restore()
-    accel = PipelineAccelerator(pipe, options)
+    plan = plan_install(pipe, options)  # refuses in one line what cannot be; nothing is installed yet
+    installed = Installation(pipe, plan)  # each layer once, in the plan's order (restore(): reversed)
+    device = module_device(installed.primary)
+    if options.mode != "eager" and (device.type != "cuda" or not torch.cuda.is_available()):
+        _say_no_cuda_once(device)
     # Set through __dict__: DiffusionPipeline.__setattr__ would try to register it as a component.
-    pipe.__dict__["accel"] = accel
+    pipe.__dict__["accel"] = PipelineAccelerator(pipe, installed)
     return pipe

@@ -1,8 +1,8 @@
 """How a diffusers pipeline is called, read from its ``__call__`` signature and its components.
 
-The generic warm-up (:class:`accel.hooks.recipe.GenericRecipe`) drives pipelines nobody wrote a
-recipe for; :func:`read_call_shape` tells it what a call of this pipeline looks like, so that the
-warm-up makes the calls real calls make. Nothing here names a pipeline class: each rule reads
+The generic warm-up (:class:`accel.hooks.generic_recipe.GenericRecipe`) drives pipelines nobody
+wrote a recipe for; :func:`read_call_shape` tells it what a call of this pipeline looks like, so
+that the warm-up makes the calls real calls make. Nothing here names a pipeline class: each rule reads
 what the pipeline says of itself (checked against diffusers 0.42).
 
 * **Guidance**, first rule that applies:
@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
+
+from .components import DENOISER_NAMES
 
 __all__ = [
     "CFG",
@@ -150,9 +152,6 @@ def _is_sequence_param(name: str) -> bool:
 
 
 def _denoiser_config(components: Mapping[str, Any]) -> Mapping[str, Any]:
-    # Imported here: install imports the graph hook, which imports the recipes, which import this.
-    from .install import DENOISER_NAMES
-
     for name in DENOISER_NAMES:
         module = components.get(name)
         if module is not None:

@@ -32,34 +32,21 @@ from typing import Any
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.hooks.hooks import BaseState, StateManager
 
 from ..graphs import tree
+from .context import ContextProbe
 from .guard import CallGuard
 from .recipe import Recipe, RecipeError
 
 __all__ = [
     "CFG_BATCH_HOOK_NAME",
     "CFGBatchHook",
-    "ContextProbe",
     "apply_cfg_batch",
     "cfg_batch_hook_of",
     "remove_cfg_batch",
 ]
 
 CFG_BATCH_HOOK_NAME = "bcg_cfg_batch"
-
-
-class ContextProbe(StateManager):
-    """Hears the ``CacheContext`` that diffusers' ``cache_context`` sets on stateful hooks."""
-
-    def __init__(self) -> None:
-        super().__init__(BaseState)
-
-    @property
-    def name(self) -> str | None:
-        context = self._context
-        return context if isinstance(context, str) or context is None else getattr(context, "name", None)
 
 
 class CFGBatchHook(ModelHook):

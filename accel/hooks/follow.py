@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -34,9 +35,11 @@ from .watch import Look, Watch
 from .weights import offload_reason
 
 if TYPE_CHECKING:
-    from .graph_hook import GraphHook
+    from ..graphs.runner import GraphRunner
+    from .caches import CacheBinding
+    from .options import AcceleratorOptions
 
-__all__ = ["Follower"]
+__all__ = ["FollowedHook", "Follower"]
 
 # The hook's messages, whichever of its parts says them.
 logger = logging.getLogger("accel.hooks.graph_hook")
@@ -49,8 +52,41 @@ def _summary(changes: list[str], shown: int = 2) -> str:
     return ", ".join(changes[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
+class FollowedHook(Protocol):
+    """What a :class:`Follower` reads and switches of the graph hook it serves (a
+    :class:`~accel.hooks.graph_hook.GraphHook`, which makes its follower): the hook's module, its
+    runner and caches, whether its graphs are on. The follower knows the hook by this much only.
+    """
+
+    name: str
+    options: AcceleratorOptions
+    runner: GraphRunner
+    caches: CacheBinding | None
+    # Graphs may be used now; the recipe is in the module (with or without graphs); compiled blocks.
+    active: bool
+    recipe_installed: bool
+    compiled: bool
+    # The top-level component whose offload hooks move this module's weights, when it is a submodule.
+    offload_root: weakref.ref[torch.nn.Module] | None
+
+    @property
+    def compile_options(self) -> dict[str, Any]: ...
+
+    def module(self) -> torch.nn.Module | None:
+        """The hooked module (None before the hook is initialised, or once it is gone)."""
+        ...
+
+    def deactivate(self, reason: str) -> None:
+        """Graphs off (every call runs eagerly), ``reason`` kept for reports."""
+        ...
+
+    def reactivate(self) -> None:
+        """Graphs on again."""
+        ...
+
+
 class Follower:
-    """What one :class:`~accel.hooks.graph_hook.GraphHook` last saw of its module.
+    """What one graph hook (:class:`FollowedHook`) last saw of its module.
 
     Attributes:
         recompile_drops: how often a recompile dropped the module's graphs (compiled only).
@@ -61,7 +97,7 @@ class Follower:
         events: what the check at the start of the last call did (drops, state switches).
     """
 
-    def __init__(self, hook: GraphHook) -> None:
+    def __init__(self, hook: FollowedHook) -> None:
         self.hook = hook
         self.watch: Watch | None = None
         self.epoch = 0
@@ -89,7 +125,7 @@ class Follower:
         """Keep graphs in step with what they read (see the module docstring). Runs once per
         pipeline call for a denoiser, at every call for a component (and after a warm-up)."""
         hook = self.hook
-        module = hook._module_ref() if hook._module_ref is not None else None
+        module = hook.module()
         if module is None:
             return
         if self.watch is None:
@@ -118,7 +154,7 @@ class Follower:
             self.states.relabel(self.state, look.record)
             logger.debug("%s: changed by its own first call: %s", self.hook.name, _summary(look.changes))
             return
-        module = self.hook._module_ref() if self.hook._module_ref is not None else None
+        module = self.hook.module()
         if module is None:
             return
         if look.changes and not look.weights and self.hook.active:
@@ -140,7 +176,7 @@ class Follower:
             if self.offloaded is None:
                 self.offloaded = reason
                 hook.runner.release()
-                hook._deactivate(f"{reason} move the weights between calls")
+                hook.deactivate(f"{reason} move the weights between calls")
                 logger.warning(
                     "%s: %s move the weights between calls, so graphs would read stale memory; running "
                     "eagerly while offloading is on",
@@ -151,7 +187,7 @@ class Follower:
         if self.offloaded is not None:
             logger.info("%s: offloading is off again; graphs are used from the next warm-up", hook.name)
             self.offloaded = None
-            hook._reactivate()
+            hook.reactivate()
         if not self._follow_watchable(look):
             return
         if not look.first and hook.active:
@@ -212,7 +248,7 @@ class Follower:
             why = _summary(look.unwatchable)
             if self.unwatchable is None:
                 hook.runner.release(recapture=True)
-                hook._deactivate(f"the state of {why} cannot be watched")
+                hook.deactivate(f"the state of {why} cannot be watched")
                 logger.warning(
                     "%s: graphs are off for %s: the state of %s cannot be watched, so a replay could run "
                     "what the model no longer would",
@@ -225,7 +261,7 @@ class Follower:
         if self.unwatchable is not None:
             logger.info("%s: nothing unwatchable is left; graphs are used again", hook.name)
             self.unwatchable = None
-            hook._reactivate()
+            hook.reactivate()
         return True
 
     def _follow_compiles(self) -> None:
@@ -250,24 +286,24 @@ class Follower:
         self._caches_changed = False
         if caches is None:
             return True
-        changed = caches.refresh(graphs=hook._recipe_installed and not self.offloaded)
+        changed = caches.refresh(graphs=hook.recipe_installed and not self.offloaded)
         if changed and hook.compiled:
             self.undo_arrangement()
             if caches.present:
-                self.arranged = compile_mod.arrange_for_hooks(hook._module_ref(), hook.compile_options)
-        if not hook._recipe_installed:
+                self.arranged = compile_mod.arrange_for_hooks(hook.module(), hook.compile_options)
+        if not hook.recipe_installed:
             return True
         if caches.refused is not None:
             if self.refused_by_caches is None:
                 # Captured again at the first call after whatever kept graphs off is gone.
                 hook.runner.release(recapture=True)
-                hook._deactivate(caches.refused)
+                hook.deactivate(caches.refused)
             self.refused_by_caches = caches.refused
             return False
         if self.refused_by_caches is not None:
             logger.info("%s: the hooks that kept graphs off are gone; graphs are used again", hook.name)
             self.refused_by_caches = None
-            hook._reactivate()
+            hook.reactivate()
         if changed:
             self._caches_changed = True
             if self._drop_graphs("the step caches on it changed", logging.INFO):
@@ -288,10 +324,7 @@ class Follower:
 
     def _drop_graphs(self, why: str, level: int) -> int:
         hook = self.hook
-        # Graphs already waiting to be captured again (dropped while graphs were off) still are.
-        pending = set(hook.runner.store.recapture)
         dropped = hook.runner.release(recapture=True)
-        hook.runner.store.recapture.update(pending)
         if dropped:
             logger.log(
                 level, "%s: %s; dropped %d graphs, each is captured again on its next call", hook.name, why, dropped

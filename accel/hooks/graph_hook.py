@@ -31,32 +31,27 @@ from ..graphs.runner import GraphRunner
 from . import compile as compile_mod
 from .caches import CacheBinding
 from .caches.binding import is_registry_forward
-from .cfg_batch import ContextProbe
+from .components import module_device
+from .context import ContextProbe
 from .follow import Follower
 from .fused import fuse_gelu_epilogues
 from .group_norm import compile_group_norms
-from .options import RECIPE_DEFAULT, AcceleratorOptions
-from .recipe import GenericRecipe, Recipe, recipe_for, version_supported
+from .options import AcceleratorOptions
+from .recipe import Recipe
+from .recipe_registry import new_recipe, version_supported
 
 __all__ = [
     "HOOK_NAME",
     "GraphHook",
     "apply_graph_runner",
+    "check_joinable",
     "graph_hook_of",
-    "module_device",
     "remove_graph_runner",
 ]
 
 logger = logging.getLogger(__name__)
 
 HOOK_NAME = "bcg_graph_runner"
-
-
-def module_device(module: torch.nn.Module) -> torch.device:
-    """The device of the module's first parameter (CPU for a module without parameters)."""
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 class GraphHook(ModelHook):
@@ -113,7 +108,7 @@ class GraphHook(ModelHook):
         self._module_ref: weakref.ref[torch.nn.Module] | None = None
         self._undo: list[Callable[[], None]] = []
         self._forward: Callable[..., Any] | None = None
-        self._recipe_installed = False
+        self.recipe_installed = False
         self.caches: CacheBinding | None = None
         self.context = ContextProbe()
         self.follower = Follower(self)
@@ -131,15 +126,15 @@ class GraphHook(ModelHook):
         self.runner.capture_scope = lambda: self.recipe.capture_scope(module)
         ok, installed = version_supported(type(self.recipe))
         if self.options.mode == "eager":
-            self._deactivate("mode eager")
+            self.deactivate("mode eager")
         elif not ok:
-            self._deactivate(
+            self.deactivate(
                 f"the {self.recipe.name} recipe was tested with diffusers {self.recipe.diffusers_versions}, this is {installed}"
             )
             logger.warning("%s: %s; running %s eagerly", self.name, self.inactive_reason, type(module).__name__)
         else:
             self.active = True
-            self._recipe_installed = True
+            self.recipe_installed = True
             self._undo.append(self.recipe.install(module))
             for qualname in self.breaks:
                 try:
@@ -245,10 +240,15 @@ class GraphHook(ModelHook):
             # graphs off and on again, while prepare() may add what only the wrapper accepts.
             original = self.fn_ref.original_forward
             self.runner.entry = original
-            self._forward = self.recipe.wrap_forward(original) if self._recipe_installed else original
+            self._forward = self.recipe.wrap_forward(original) if self.recipe_installed else original
         return self._forward(*args, **kwargs)
 
-    def _deactivate(self, reason: str) -> None:
+    def module(self) -> torch.nn.Module | None:
+        """The hooked module (None before the hook is initialised, or once it is gone)."""
+        return self._module_ref() if self._module_ref is not None else None
+
+    def deactivate(self, reason: str) -> None:
+        """Graphs off (every call runs eagerly), ``reason`` kept for reports."""
         self.active = False
         self.runner.enabled = False
         self.inactive_reason = reason
@@ -263,7 +263,8 @@ class GraphHook(ModelHook):
         """How often a recompile dropped this module's graphs (compiled only)."""
         return self.follower.recompile_drops
 
-    def _reactivate(self) -> None:
+    def reactivate(self) -> None:
+        """Graphs on again."""
         self.active = True
         self.runner.enabled = True
         self.inactive_reason = None
@@ -282,6 +283,24 @@ def graph_hook_of(module: torch.nn.Module) -> GraphHook | None:
     return hook if isinstance(hook, GraphHook) else None
 
 
+def check_joinable(module: torch.nn.Module, options: AcceleratorOptions, name: str) -> GraphHook | None:
+    """The module's graph hook if it has one made with ``options`` (None if it has none); a
+    ValueError naming every option that differs where it was made with others: its graphs were
+    made for those."""
+    hook = graph_hook_of(module)
+    if hook is not None and hook.options != options:
+        diff = ", ".join(
+            f"{f}={getattr(options, f)!r} (in use: {getattr(hook.options, f)!r})"
+            for f in options.__dataclass_fields__
+            if getattr(options, f) != getattr(hook.options, f)
+        )
+        raise ValueError(
+            f"{name} ({type(module).__name__}) is already accelerated by another pipeline with other options: "
+            f"{diff}; call restore() on that pipeline first or pass the same options"
+        )
+    return hook
+
+
 def apply_graph_runner(
     module: torch.nn.Module,
     options: AcceleratorOptions,
@@ -292,6 +311,7 @@ def apply_graph_runner(
     component: bool = False,
     breaks: tuple[str, ...] = (),
     offload_root: torch.nn.Module | None = None,
+    recipe: Recipe | None = None,
 ) -> GraphHook:
     """Give ``module`` a graph runner (or join the one it has) on behalf of ``user``.
 
@@ -300,29 +320,16 @@ def apply_graph_runner(
     generic recipe, is never compiled, and each of its graphs is checked against eager once;
     ``breaks`` names functions (``module.qualname``) it runs as eager breaks; ``offload_root`` is
     the top-level component whose offload hooks move a submodule's weights (the VAE of its
-    decoder). A module already accelerated with other options is
-    refused: its graphs were made for those. Call :func:`remove_graph_runner` with the same
-    ``user`` to let go.
+    decoder). ``recipe``: the recipe a new hook gets (None: :func:`~accel.hooks.recipe_registry.new_recipe`'s).
+    A module already accelerated with other options is refused (:func:`check_joinable`). Call
+    :func:`remove_graph_runner` with the same ``user`` to let go.
     """
-    hook = graph_hook_of(module)
+    hook = check_joinable(module, options, name)
     if hook is not None:
-        if hook.options != options:
-            diff = ", ".join(
-                f"{f}={getattr(options, f)!r} (in use: {getattr(hook.options, f)!r})"
-                for f in options.__dataclass_fields__
-                if getattr(options, f) != getattr(hook.options, f)
-            )
-            raise ValueError(
-                f"{name} ({type(module).__name__}) is already accelerated by another pipeline with other options: "
-                f"{diff}; call restore() on that pipeline first or pass the same options"
-            )
         hook.users.add(user)
         return hook
-    recipe_cls = GenericRecipe if component else recipe_for(module)
-    if recipe_cls.pads_text and options.text_buckets is not RECIPE_DEFAULT:
-        recipe = recipe_cls(text_buckets=options.text_buckets)
-    else:
-        recipe = recipe_cls()
+    if recipe is None:
+        recipe = new_recipe(module, options, component=component)
     hook = GraphHook(recipe, options, name, component=component, breaks=breaks)
     if offload_root is not None and offload_root is not module:
         hook.offload_root = weakref.ref(offload_root)

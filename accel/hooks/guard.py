@@ -114,16 +114,22 @@ class CallGuard:
             begin = _around(scheduler.set_timesteps, self.begin, None)
             self._shadowed.append(patch(scheduler, "set_timesteps", begin, why="the call guard", where="dict"))
 
+    @staticmethod
+    def can_attach(pipe: Any) -> bool:
+        """Whether ``pipe`` has a scheduler to hook (one with ``set_timesteps``)."""
+        scheduler = getattr(pipe, "scheduler", None)
+        return scheduler is not None and hasattr(scheduler, "set_timesteps")
+
     @classmethod
     def attach(cls, pipe: Any, user: Any, check: Callable[[], None]) -> CallGuard | None:
         """The guard of ``pipe``'s scheduler, with ``user``'s ``check`` run where calls start.
 
-        None when the pipeline has no scheduler to hook (then calls are neither serialised nor
-        checked; warm-ups still check).
+        None when the pipeline has no scheduler to hook (:meth:`can_attach`; then calls are
+        neither serialised nor checked; warm-ups still check).
         """
-        scheduler = getattr(pipe, "scheduler", None)
-        if scheduler is None or not hasattr(scheduler, "set_timesteps"):
+        if not cls.can_attach(pipe):
             return None
+        scheduler = pipe.scheduler
         guard = vars(scheduler).get(_GUARD_ATTR)
         if guard is None:
             guard = cls(scheduler)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .components import module_device
 from .layer_select import Selection, select_layers
 from .options import AcceleratorOptions
 from .quantizers import QuantizeError, Quantizer, quantized_when_loaded, quantizer_for
@@ -42,12 +43,6 @@ from .quantizers import QuantizeError, Quantizer, quantized_when_loaded, quantiz
 __all__ = ["Quantization", "plan_quantization"]
 
 logger = logging.getLogger(__name__)
-
-
-def _device(module: torch.nn.Module) -> torch.device:
-    # As graph_hook.module_device, which this file cannot import: install imports it, and
-    # graph_hook's imports lead back to install.
-    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _names(names: Sequence[str], shown: int = 4) -> str:
@@ -222,5 +217,5 @@ def plan_quantization(pipe: Any, options: AcceleratorOptions, denoisers: Sequenc
         return Quantization(None, None, options.fp8_budget, {}, loaded) if loaded else None
     roots = {n: m for n, m in modules.items() if n not in loaded}
     for module in roots.values():
-        quantizer.check(module, _device(module))
+        quantizer.check(module, module_device(module))
     return Quantization(options.quantize, quantizer, options.fp8_budget, roots, loaded)

@@ -6,16 +6,15 @@ and how to drive the pipeline during warm-up so that exactly the signatures real
 get captured; for one image on several GPUs, which denoiser calls are guidance branches and how
 the model's sequence splits over Ulysses ranks. Model-specific recipes live in the ``pipelines``
 package and are found through the ``bcg_diffusers.recipes`` entry-point group (or
-:func:`register_recipe`); this module holds only the interface, the registry and a generic recipe
-for denoisers nobody wrote one for.
+:func:`~accel.hooks.recipe_registry.register_recipe`); this module holds only the interface. The
+recipe for denoisers nobody wrote one for is :mod:`accel.hooks.generic_recipe`; the registry that
+finds a denoiser's recipe is :mod:`accel.hooks.recipe_registry`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar
@@ -23,23 +22,16 @@ from typing import Any, ClassVar
 import torch
 
 from ..graphs.errors import BCGError
-from .call_shape import CFG, TRUE_CFG, call_parameters, read_call_shape, warmup_image
+from .call_shape import read_call_shape, warmup_image
 
 __all__ = [
+    "DEFAULT_WARMUP_PROMPT",
+    "WARMUP_ARGUMENTS",
     "GenerationDefaults",
-    "GenericRecipe",
     "Recipe",
     "RecipeError",
     "check_heads_divisible",
-    "diffusers_in",
-    "recipe_for",
-    "register_recipe",
-    "version_supported",
 ]
-
-logger = logging.getLogger(__name__)
-
-ENTRY_POINT_GROUP = "bcg_diffusers.recipes"
 
 # What a warm-up call says where no prompt was named (its text, not its length, reaches the pipeline).
 DEFAULT_WARMUP_PROMPT = "a photograph"
@@ -61,9 +53,6 @@ WARMUP_ARGUMENTS = frozenset(
         "true_cfg_scale",
     }
 )
-
-_registry: list[type[Recipe]] = []
-_entry_points_loaded = False
 
 
 class RecipeError(BCGError):
@@ -296,150 +285,3 @@ def check_heads_divisible(module: torch.nn.Module, degree: int) -> None:
             f"{type(module).__name__} has {heads} attention heads, which do not split over {degree} Ulysses ranks; "
             f"use a number of processes that divides {heads}"
         )
-
-
-class GenericRecipe(Recipe):
-    """For any denoiser without a recipe: capture the whole forward, no breaks, no padding.
-
-    A forward that cannot be captured whole fails its capture and runs eagerly, with the reason
-    in the report. The warm-up makes the calls the pipeline's own signature and components say
-    real calls make (:mod:`accel.hooks.call_shape`): its guidance style on and off, its frame
-    count, an image where it needs one, and prompts as given (or the embeddings in
-    ``call_kwargs``, for a pipeline without text encoders).
-    """
-
-    name = "generic"
-
-    def warmup_cfg(self, pipe: Any, cfg: tuple[bool, ...]) -> tuple[bool, ...]:
-        return cfg if read_call_shape(pipe).cfg_changes_calls else cfg[:1]
-
-    def check_warmup(self, pipe: Any, *, cfg: tuple[bool, ...], call_kwargs: Mapping[str, Any]) -> None:
-        shape = read_call_shape(pipe)
-        made = WARMUP_ARGUMENTS | ({"image"} if shape.needs_image else set())
-        missing = [p for p in shape.required_params if p not in call_kwargs and p not in made]
-        if missing:
-            raise ValueError(
-                f"{shape.pipeline}'s call needs {', '.join(missing)}, which the warm-up cannot make: "
-                f"pass them in call_kwargs"
-            )
-        if not shape.takes_prompt or shape.has_text_encoders:
-            return
-        if not shape.gives_text(call_kwargs):
-            guided = True in cfg and shape.cfg_changes_calls
-            wanted = [p for p in shape.embedding_params if guided or not p.startswith("negative_")]
-            raise ValueError(
-                f"{shape.pipeline} has no text encoder, so the warm-up cannot encode prompts: pass "
-                f"call_kwargs=dict({', '.join(f'{p}=...' for p in wanted)})"
-            )
-        if True in cfg and shape.cfg_changes_calls and not shape.gives_negative(call_kwargs):
-            raise ValueError(
-                f"{shape.pipeline} has no text encoder and cfg=True runs a negative prompt: add "
-                f"{', '.join(f'{p}=...' for p in shape.negative_embedding_params)} to call_kwargs (or pass cfg=False)"
-            )
-
-    def warmup_calls(
-        self,
-        pipe: Any,
-        *,
-        width: int,
-        height: int,
-        batch_size: int,
-        cfg: bool,
-        prompt_length: int | None,
-        negative_prompt_length: int | None,
-        num_inference_steps: int,
-        num_frames: int | None = None,
-        prompt: str | None = None,
-        negative_prompt: str | None = None,
-        call_kwargs: Mapping[str, Any] | None = None,
-    ) -> Iterator[dict[str, Any]]:
-        given = call_kwargs or {}
-        shape = read_call_shape(pipe)
-        kwargs: dict[str, Any] = dict(height=height, width=width, num_inference_steps=num_inference_steps)
-        kwargs["output_type"] = "latent"
-        kwargs.update(self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given))
-        embedded = shape.gives_text(given)
-        if embedded and shape.batch_param is not None:
-            kwargs[shape.batch_param] = batch_size  # one prompt's embeddings, repeated per image
-        elif not embedded and shape.takes_prompt:
-            kwargs["prompt"] = [prompt or DEFAULT_WARMUP_PROMPT] * batch_size
-
-        def per_image(text: str) -> str | list[str]:
-            # A negative prompt goes as the prompt does: one per image beside a list of prompts.
-            return [text] * batch_size if "prompt" in kwargs else text
-
-        if shape.guidance in (TRUE_CFG, CFG):
-            kwargs["true_cfg_scale" if shape.guidance == TRUE_CFG else "guidance_scale"] = (
-                shape.cfg_on if cfg else shape.cfg_off
-            )
-        if shape.takes_negative_prompt and shape.gives_negative(given):
-            # Negative embeddings given: some pipelines (Sana, PixArt) default negative_prompt to
-            # "" and refuse both, so it is passed as None, as their callers must.
-            if call_parameters(pipe)["negative_prompt"].default is not None:
-                kwargs["negative_prompt"] = None
-        elif cfg and shape.takes_negative_prompt:
-            if shape.guidance == TRUE_CFG:
-                # True CFG runs only with a negative prompt: " ", as real calls that name none pass.
-                kwargs["negative_prompt"] = per_image(negative_prompt if negative_prompt is not None else " ")
-            elif shape.guidance == CFG and negative_prompt is not None:
-                # Without one the pipeline encodes its own default (""), as real calls naming none do.
-                kwargs["negative_prompt"] = per_image(negative_prompt)
-        yield kwargs
-
-
-def register_recipe(cls: type[Recipe]) -> type[Recipe]:
-    """Register a recipe class (usable as a decorator). Later registrations win."""
-    if not (isinstance(cls, type) and issubclass(cls, Recipe)):
-        raise TypeError(f"expected a Recipe subclass, got {cls!r}")
-    if cls not in _registry:
-        _registry.append(cls)
-    return cls
-
-
-def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
-    if not found:
-        logger.warning(
-            "no recipes found (entry-point group %r is empty): is bcg-diffusers installed "
-            "(pip install -e .)? Denoisers get the generic recipe.",
-            ENTRY_POINT_GROUP,
-        )
-    for ep in found:
-        try:
-            register_recipe(ep.load())
-        except Exception as exc:  # a broken plug-in must not take the library down
-            logger.warning("could not load recipe %s (%s): %s", ep.name, ep.value, exc)
-
-
-def recipe_for(module: torch.nn.Module) -> type[Recipe]:
-    """The recipe class serving ``module``'s class (nearest in its MRO), or GenericRecipe."""
-    _load_entry_points()
-    for klass in type(module).__mro__:
-        for recipe in reversed(_registry):
-            if klass.__name__ in recipe.denoiser_classes:
-                return recipe
-    return GenericRecipe
-
-
-def diffusers_in(versions: str) -> tuple[bool, str]:
-    """Whether the installed diffusers is inside ``versions`` (a PEP 440 specifier; empty: any),
-    and which it is."""
-    try:
-        installed = importlib.metadata.version("diffusers")
-    except importlib.metadata.PackageNotFoundError:
-        return False, "not installed"
-    if not versions:
-        return True, installed
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    return Version(installed) in SpecifierSet(versions), installed
-
-
-def version_supported(recipe: type[Recipe]) -> tuple[bool, str]:
-    """Whether the installed diffusers is inside the recipe's tested range, and which it is."""
-    return diffusers_in(recipe.diffusers_versions)

@@ -1,15 +1,18 @@
 """``pipe.accel.report()``: what an accelerated pipeline did, in lines a person reads.
 
-Per accelerated module: its state (graphs, or eager and why), counters, capture failures and
-the breaks found, step caches and their decision paths, guidance batches; then what ``quantize=``
-did, the parallel session, graph memory, and the patches the library has in place in the process.
+First the install plan (:meth:`~accel.hooks.plan.InstallPlan.describe`: the modules and their
+recipes, the pool, the guard, quantization, parallel, joined guidance); then per accelerated
+module: its state (graphs, or eager and why), counters, capture failures and the breaks found,
+step caches and their decision paths, guidance batches; then what ``quantize=`` did, the parallel
+session, graph memory, and the patches the library has in place in the process.
 """
 
 from __future__ import annotations
 
 from ..graphs import patches
-from .graph_hook import GraphHook, module_device
-from .install import Installation, component
+from .components import component, module_device
+from .graph_hook import GraphHook
+from .install import Installation
 
 __all__ = ["graph_memory_bytes", "report"]
 
@@ -60,7 +63,7 @@ def report(installed: Installation | None, pipeline: str, mode: str) -> str:
     head = f"bcg-diffusers: {pipeline}, mode {mode}"
     if installed is None:
         return head + ": restored (not accelerated any more)"
-    lines = [head]
+    lines = [head, *installed.plan.describe()]
     why = installed.why_no_graphs(module_device(installed.primary))
     for name, h in installed.hooks.items():
         lines += _module_lines(installed, name, h, why)

@@ -50,7 +50,8 @@ from typing import Any
 import torch.distributed as dist
 from diffusers.hooks import HookRegistry
 
-from ..hooks.graph_hook import GraphHook, module_device
+from ..hooks.components import module_device
+from ..hooks.graph_hook import GraphHook
 from ..hooks.guard import CallGuard
 from ..hooks.options import AcceleratorOptions
 from . import process

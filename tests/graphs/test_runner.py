@@ -323,6 +323,38 @@ def test_failed_capture_does_not_evict_a_good_graph(fake_cuda: FakeCuda) -> None
     assert torch.equal(runner(c), c * 2.0) and runner.stats().replays == 4
 
 
+def test_release_recapture_keeps_the_signatures_already_waiting_to_be_captured(fake_cuda: FakeCuda) -> None:
+    """A signature dropped as stale and not called since stays due for capture through a second
+    release: only a release without ``recapture`` forgets it."""
+    runner = GraphRunner(_scale, name="stale", debug=True)  # no capture on first use
+    a, b = torch.randn(2, 3), torch.randn(4, 3)
+    with runner.capturing():
+        runner(a)
+        runner(b)
+    assert runner.stats().captures == 2
+    assert runner.release(recapture=True) == 2
+    c = torch.randn(2, 3)
+    assert torch.equal(runner(c), c * 2.0)  # a's signature: captured again on its next call
+    st = runner.stats()
+    assert (st.captures, st.entries) == (3, 1)
+    # b's signature was not called: it is still waiting when the graphs are dropped again.
+    assert runner.release(recapture=True) == 1
+    assert runner.release(recapture=True) == 0
+    assert len(runner.store.recapture) == 2
+    for x in (torch.randn(4, 3), torch.randn(2, 3)):
+        assert torch.equal(runner(x), x * 2.0)
+    st = runner.stats()
+    assert (st.captures, st.entries, st.misses) == (5, 2, 0)
+    assert not runner.store.recapture
+    # A release without recapture forgets what was waiting: the next call is a miss.
+    runner.release(recapture=True)
+    runner.release()
+    d = torch.randn(4, 3)
+    assert torch.equal(runner(d), d * 2.0)
+    st = runner.stats()
+    assert (st.captures, st.misses) == (5, 1)
+
+
 def test_memory_budget_refusal_is_a_graph_memory_budget_error(fake_cuda: FakeCuda) -> None:
     assert issubclass(GraphMemoryBudgetError, RuntimeError) and not issubclass(GraphMemoryBudgetError, MemoryError)
     assert "GraphMemoryBudgetError" in runner_mod.__all__

@@ -9,10 +9,12 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-import accel.hooks.recipe as recipe_mod
+import accel.hooks.recipe_registry as recipe_mod
 from accel import accelerate_pipeline
 from accel.hooks.accelerator import HOOK_NAME
-from accel.hooks.recipe import GenericRecipe, recipe_for
+from accel.hooks.generic_recipe import GenericRecipe
+from accel.hooks.recipe import Recipe
+from accel.hooks.recipe_registry import recipe_for
 from pipelines.builders import build_pipeline
 from pipelines.qwen_image import QwenImageRecipe
 from pipelines.z_image import ZImageRecipe
@@ -142,7 +144,7 @@ def test_recipe_lookup_by_class_and_registry(monkeypatch) -> None:
     class MyDenoiser(torch.nn.Module):
         pass
 
-    class MyRecipe(recipe_mod.Recipe):
+    class MyRecipe(Recipe):
         name = "mine"
         denoiser_classes = ("MyDenoiser",)
 

@@ -223,7 +223,8 @@ def test_warmup_image_is_random_at_the_case_size() -> None:
 
 def test_given_negative_embeddings_go_without_the_pipelines_default_negative_prompt() -> None:
     # Sana and PixArt default negative_prompt to "" and refuse it beside negative_prompt_embeds.
-    from accel.hooks.recipe import WARMUP_ARGUMENTS, GenericRecipe
+    from accel.hooks.generic_recipe import GenericRecipe
+    from accel.hooks.recipe import WARMUP_ARGUMENTS
     from pipelines import zoo
 
     for name in ("sana", "pixart-sigma"):

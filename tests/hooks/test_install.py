@@ -8,8 +8,8 @@ import transformers.masking_utils as masking_utils
 
 from accel import accelerate_pipeline
 from accel.graphs import discover
+from accel.hooks.components import components
 from accel.hooks.graph_hook import HOOK_NAME, graph_hook_of
-from accel.hooks.install import components
 from accel.hooks.options import AcceleratorOptions
 from pipelines.builders import build_pipeline
 from tests.helpers.generate import generate

@@ -104,7 +104,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu.capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu.name)
-    monkeypatch.setattr(quantize_mod, "_device", lambda module: torch.device("cuda", 0))
+    monkeypatch.setattr(quantize_mod, "module_device", lambda module: torch.device("cuda", 0))
     return gpu
 
 

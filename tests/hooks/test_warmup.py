@@ -14,7 +14,8 @@ import torch
 
 import accel.hooks.warmup as warmup_mod
 from accel.hooks.recipe import Recipe
-from accel.hooks.warmup import plan_warmup, run_warmup
+from accel.hooks.warmup import run_warmup
+from accel.hooks.warmup_plan import case_calls, plan_warmup
 from tests.helpers.fakes import FakePool
 
 
@@ -198,5 +199,5 @@ def test_a_recipe_that_cannot_measure_prompts_warms_each_up_as_given() -> None:
         (False, "a lighthouse at night"),
     ]
     assert plan.negative_length is None
-    calls = list(warmup_mod._calls(recipe, pipe, plan, plan.cases[1]))
+    calls = list(case_calls(recipe, pipe, plan, plan.cases[1]))
     assert calls == [dict(width=512, height=512, prompt_length=None, prompt="a lighthouse at night")]
