@@ -556,7 +556,7 @@ def _names(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--models", type=_names(MODELS, "model"), default=["z-image"], help="comma-separated: z-image, qwen-image"
+        "--models", type=_names(MODELS, "model"), default=list(MODELS), help="comma-separated: z-image, qwen-image"
     )
     p.add_argument("--size", choices=("full", "tiny"), default=None, help="default: full on CUDA, tiny on a CPU")
     p.add_argument(
@@ -568,10 +568,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variants",
         type=_names(VARIANTS, "variant"),
         default=list(VARIANTS),
-        help="comma-separated, run in this order; plain first gives the floor",
+        help="comma-separated, run in this order (plain, the floor, always first)",
     )
     p.add_argument("--repeats", type=_positive, default=2, help="timed samples per variant (medians)")
-    p.add_argument("--reference", choices=REFERENCES, default="stock")
+    p.add_argument(
+        "--reference",
+        choices=REFERENCES,
+        default="stock",
+        help="what each variant's image is compared with: a stock pipeline given the same changes (default), the "
+        "same pipeline with its graphs off, or nothing",
+    )
     p.add_argument(
         "--exact-text",
         action="store_true",
