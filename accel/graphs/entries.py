@@ -73,13 +73,20 @@ class StepState(Protocol):
 
 @dataclasses.dataclass
 class Entry:
-    """One captured signature: its static inputs, and a chain per decision path taken so far."""
+    """One captured signature: its static inputs, and a chain per decision path taken so far.
+
+    ``refill``: captured on first use because its graphs had been dropped as stale (see
+    :attr:`EntryStore.recapture`). Its other decision paths are captured as calls take them,
+    as the warm-up that captured the dropped graphs did: a step cache's cached steps, say,
+    which would otherwise run eagerly until the next warm-up.
+    """
 
     key: Hashable
     signature: Signature
     static_inputs: list[torch.Tensor]
     tree: GraphTree
     blocked_paths: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
+    refill: bool = False
 
     @property
     def capture_seconds(self) -> float:

@@ -115,9 +115,11 @@ class GraphRunner:
         if not self._capturable(key, leaves):
             self.counts.eager_calls += 1
             return self.fn(*args, **kwargs)
-        if self._capturing or self.config.capture_on_miss or key in self.store.recapture:
+        stale = key in self.store.recapture
+        if self._capturing or self.config.capture_on_miss or stale:
             entry = self._capture(key, sig, leaves)
             if entry is not None:
+                entry.refill = stale and not self._capturing
                 return self._replay(entry, leaves)
         else:
             self.counts.misses += 1
@@ -128,11 +130,11 @@ class GraphRunner:
 
     def _on_path_miss(self, entry: Entry, miss: PathMiss, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Finish a call whose replay took a decision value without a graph: capture that path
-        (in a warm-up, or with ``capture_on_miss``) or run the call again eagerly, its breaks so
-        far answered from the miss's memo."""
+        (in a warm-up, with ``capture_on_miss``, or for an entry captured again after its graphs
+        went stale) or run the call again eagerly, its breaks so far answered from the miss's memo."""
         self.counts.path_misses += 1
         path = miss.path
-        on_miss = self.config.capture_on_miss
+        on_miss = self.config.capture_on_miss or entry.refill
         room = len(entry.tree.chains) < self.config.max_paths
         if (self._capturing or on_miss) and path not in entry.blocked_paths and room:
             with self.lock:

@@ -106,7 +106,7 @@ class _Plan:
         # Torch hooks are registered through handles numbered from one global counter: while it
         # has not moved, an empty hook dictionary is still empty, and only non-empty ones (in the
         # getters) can have changed. When it moved, every hook dictionary's length is compared.
-        self.hook_dicts = [d[k] for d in self.dicts for k in rule.HOOK_DICTS if k in d]
+        self.hook_dicts = [s.d[k] for s in specs for k in rule.HOOK_DICTS if k in s.seen]
         self.hook_lens = [len(h) for h in self.hook_dicts]
         # Values whose class compares by value (a one-element tensor equals an equal one) and
         # objects whose own dictionary is watched: compared by identity, grouped by key.
@@ -236,7 +236,10 @@ class Watch:
             if why is not None:
                 unwatchable.append(f"{path or 'the module'} ({type(m).__name__}: {why})")
             d = m.__dict__
-            specs.append(_spec(path, m, d, rule.module_keys(m, d)))
+            keys = rule.module_keys(m, d)
+            if m is self._module:
+                keys = [k for k in keys if k not in rule.AROUND_THE_GRAPHS]
+            specs.append(_spec(path, m, d, keys))
             for k in rule.WEIGHT_KEYS:
                 for t in d.get(k, {}).values():
                     if t is not None:

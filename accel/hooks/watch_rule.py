@@ -20,7 +20,11 @@ calling unchanged pipelines many times with every step cache and with joined gui
   ``cache_dit.summary()`` only;
 * ``lora_scale`` and ``_safe_fusing`` on a diffusers model: ``fuse_lora``'s arguments, which
   ``unfuse_lora`` leaves behind, read by ``fuse_lora``'s own apply only;
-* a diffusers hook registry's ``_child_registries_cache``: rebuilt lazily, from what is watched.
+* a diffusers hook registry's ``_child_registries_cache``: rebuilt lazily, from what is watched;
+* the watched module's own forward hooks (:data:`AROUND_THE_GRAPHS`): torch runs them around the
+  module's ``forward``, where the graphs replay, so they run at every call and none is in a graph
+  (a profiler's or a benchmark's timing hooks on the denoiser). Its submodules' hooks run inside
+  the captured forward and are watched.
 
 Compared more cheaply, not skipped: an empty hook dictionary can only gain a hook through a
 handle, numbered from one global counter; an empty child, parameter or buffer dictionary gains an
@@ -59,6 +63,9 @@ _PLAIN_TYPES = (int, float, complex, str, bytes, type(None), torch.dtype, torch.
 
 WEIGHT_KEYS = ("_parameters", "_buffers")
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# The hooks torch runs around a module's forward, outside the graphs the forward replays: not
+# watched on the watched module itself.
+AROUND_THE_GRAPHS = frozenset({"_forward_hooks", "_forward_pre_hooks"})
 # Modules their owners read by content: compared even while empty.
 CONTAINER_MODULES = (
     torch.nn.ModuleDict,

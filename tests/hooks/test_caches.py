@@ -132,6 +132,41 @@ def test_warmup_captures_the_cached_path_too(emulated) -> None:
     assert after.misses == 0 and after.eager_calls == 0 and after.captures == st.captures
 
 
+@pytest.mark.parametrize("change", ["state", "weights"])
+def test_graphs_captured_again_after_a_change_take_every_path_again(change: str, emulated) -> None:
+    """A change the guard sees drops the graphs; the next call captures them again, on its way.
+    The cached steps' path too, when the call takes it, as the warm-up did: not eagerly until
+    the next warm-up (the H200 run of bench_caches: 18 of 40 calls eager after a change)."""
+    name = "qwen-image"
+    pipe = _cached(name, "fbc-forced")  # caches every step after the first
+    cases = [(0, (96, 64), "a fox in the snow"), (1, (96, 64), "a fox in the snow")]  # the warmed-up signature
+    block = pipe.transformer.transformer_blocks[0]
+    with torch.no_grad():
+        weight = block.attn.to_q.weight
+        original = weight.clone()
+        weight.mul_(1.01)
+        want_changed = _eager_reference(pipe, name, cases)
+        weight.copy_(original)
+    want = _eager_reference(pipe, name, cases)
+    accelerate_pipeline(pipe)
+    pipe.accel.warmup([(96, 64)], prompts=["a fox in the snow"], negative_prompt="blurry", progress=False)
+    assert torch.equal(_call(pipe, name, *cases[0]), want[0])
+    before = pipe.accel.stats()["transformer"]
+    assert before.eager_calls == 0 and before.path_captures > 0
+    if change == "state":
+        block.some_setting = 2  # a plain attribute the forward might read: the graphs are of another state
+    else:
+        with torch.no_grad():
+            weight.mul_(1.01)
+        want = want_changed
+    got = [_call(pipe, name, *c) for c in cases]
+    after = pipe.accel.stats()["transformer"]
+    assert after.captures > before.captures and after.path_captures > before.path_captures
+    assert after.eager_calls == 0 and after.misses == 0, (after.eager_calls, after.misses)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"call {i}: max diff {(a - b).abs().max()}"
+
+
 def test_cache_enabled_after_accelerate_pipeline_drops_and_recaptures(emulated) -> None:
     name = "qwen-image"
     plain = build_pipeline(name, "tiny")

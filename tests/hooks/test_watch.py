@@ -158,6 +158,21 @@ def test_equal_values_and_unwatched_entries_are_no_change() -> None:
     assert w.unchanged()
 
 
+def test_the_watched_modules_own_forward_hooks_are_no_change_but_its_childrens_are() -> None:
+    """Torch runs a module's own forward hooks around its forward, where the graphs replay: a
+    timing hook on the denoiser changes nothing a graph holds; one on a block runs inside."""
+    m = _model()
+    w, _ = _watched(m)
+    handles = [m.register_forward_pre_hook(lambda mod, args: None), m.register_forward_hook(_hook)]
+    assert w.unchanged() and not w.look().changes
+    for h in handles:
+        h.remove()
+    assert w.unchanged()
+    m[0].register_forward_pre_hook(lambda mod, args: None)
+    assert not w.unchanged()
+    assert any("0: forward pre hooks changed" in c for c in w.look().changes)
+
+
 def test_attention_backends_global_hooks_and_kernel_switches_are_seen() -> None:
     m = _model()
     w, _ = _watched(m)
