@@ -196,13 +196,6 @@ def _build_embedded(
     # the device move remains, for the few tensors created outside the construction context.
     return pipe.to(device)
 
-    modules = build_modules(model, size=size, device=device, dtype=dtype, seed=seed, tokenizers=tokenizers)
-    pipe = pipeline_class(model)(**modules, **tokenizers, scheduler=build_scheduler(model))
-    # Components are already in `dtype`: casting again would turn the fp32 rotary buffers that
-    # transformers keeps on purpose (and from_pretrained leaves alone) into low precision. Only
-    # the device move remains, for the few tensors created outside the construction context.
-    return pipe.to(device)
-
 
 def build_pipeline(
     name: str | os.PathLike[str],
