@@ -186,6 +186,7 @@ def attempt(
                         restore()
                         _check_containers_unchanged(name, before)
                 pool.stream.synchronize()
+                pool.make_room()
                 args, kwargs = sig.rebuild(static_inputs)
                 with bcg.capture(graph, pool=pool.handle_for(graph), stream=pool.stream, memo=memo):
                     output = captured(*args, **kwargs)

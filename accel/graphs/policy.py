@@ -5,7 +5,8 @@ then one :func:`~accel.graphs.capture.attempt`. A capture that fails on an opera
 cannot hold names its function and line (:mod:`accel.graphs.discover`); with ``auto_breaks``
 that function becomes an eager break and the capture is tried again (at most
 ``max_auto_breaks`` times), and the graph must then equal an eager run. Nothing is evicted
-before a capture succeeded: a failed capture must not cost a good graph. A failure blocks the
+before a capture succeeded: a failed capture must not cost a good graph. A capture that runs out
+of memory is tried once more after the allocator's cache was emptied, if that gave memory back. A failure blocks the
 signature (it runs eagerly from now on) and keeps the reason; a decision path that fails to
 capture (:meth:`CapturePolicy.capture_path`) is blocked alone.
 
@@ -68,12 +69,26 @@ class CapturePolicy:
             for s, t in zip(static_inputs, leaves):
                 s.copy_(t)
         entry = Entry(key, sig, static_inputs, GraphTree())
-        for _ in range(config.max_auto_breaks + 1):
+        marks, emptied = 0, False
+        while marks <= config.max_auto_breaks:
             try:
                 chain = self._attempt(target, entry, None)
             except Exception as exc:  # never break generation: block this signature, run eagerly
+                # Cached segments of other pools are not freed while a capture runs; once empty,
+                # the device may have room for this one.
+                if not emptied and isinstance(exc, torch.cuda.OutOfMemoryError):
+                    emptied = True
+                    freed = target.pool.release_cached()
+                    if freed:
+                        logger.info(
+                            "%s: capture ran out of memory; emptied %.1f GiB of the allocator's cache, trying once more",
+                            target.name,
+                            freed / 2**30,
+                        )
+                        continue
                 site = self._locate(target, exc, sig, leaves)
                 if site is not None and self._mark(target, site):
+                    marks += 1
                     continue
                 reason = f"{type(exc).__name__}: {exc}".strip()
                 if site is not None:

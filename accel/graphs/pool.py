@@ -52,6 +52,28 @@ class GraphPool:
         self._graphs.add(graph)
         return self.handle
 
+    def make_room(self) -> int:
+        """Give the allocator's cached segments back to the device when they are more than it has
+        free; call before a capture. Returns the bytes given back.
+
+        A capture allocates from this pool alone, and while it runs the caching allocator frees
+        none of its cached segments (cudaFree cannot be captured). Memory another pool cached
+        (a compile's autotuning, a model let go) is then lost to the capture: on an H200 every
+        capture ran out of memory beside 118 GiB reserved and unallocated.
+        """
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if cached <= free:
+            return 0
+        return self.release_cached()
+
+    def release_cached(self) -> int:
+        """Empty the allocator's cache on this device; returns the bytes it gave back."""
+        before = torch.cuda.memory_reserved(self.device)
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
+        return max(0, before - torch.cuda.memory_reserved(self.device))
+
     def order_after_last_replay(self, stream: torch.cuda.Stream) -> None:
         """Make ``stream`` wait for the last replay if that ran on another stream (no host sync).
 

@@ -7,7 +7,6 @@ faked: see :func:`fake_cuda`.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -19,10 +18,10 @@ import pytest
 import torch
 
 from accel import GraphRunner, RunnerStats
-from accel.graphs import bcg, tree
 from accel.graphs import runner as runner_mod
+from accel.graphs import tree
 from accel.graphs.runner import GraphMemoryBudgetError, capture_session
-from tests.helpers.fakes import FakePool, fake_capture, fake_cuda_calls
+from tests.helpers.fakes import FakeCuda, FakePool
 
 
 @pytest.fixture(autouse=True)
@@ -247,40 +246,6 @@ def test_overlapping_sessions_of_two_threads_leave_gc_enabled() -> None:
 # --------------------------------------------------------------------------------------------
 # Capture bookkeeping with the CUDA parts faked
 # --------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class FakeCuda:
-    fail_next_capture: bool = False
-    captures: int = 0
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
-    """CUDA as far as GraphRunner._capture and _replay can tell, on CPU tensors.
-
-    Segments are dummies that replay nothing, so runners under test use ``debug=True``: the whole
-    call is one eager break, which replays for real through the static inputs, the break's
-    copy-back into its boundary buffer and the output copy. ``fail_next_capture`` makes the next
-    capture raise.
-    """
-    state = FakeCuda()
-
-    @contextlib.contextmanager
-    def capture(graph: bcg.BreakableCUDAGraph, **_: Any) -> Iterator[bcg.BreakableCUDAGraph]:
-        if state.fail_next_capture:
-            state.fail_next_capture = False
-            raise RuntimeError("simulated capture failure")
-        state.captures += 1
-        with fake_capture(monkeypatch, graph=graph):
-            yield graph
-
-    fake_cuda_calls(monkeypatch)
-    monkeypatch.setattr(runner_mod, "GraphPool", FakePool)
-    monkeypatch.setattr(bcg, "capture", capture)
-    # The inputs are CPU tensors: skip only the device checks, keep the blocked-signature one.
-    monkeypatch.setattr(GraphRunner, "_capturable", lambda self, key, leaves: key not in self.store.blocked)
-    return state
-
-
 def _scale(x: torch.Tensor, *, by: float = 2.0) -> torch.Tensor:
     return x * by
 

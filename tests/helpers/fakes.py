@@ -33,10 +33,21 @@ class FakeStream:
         pass
 
 
+@dataclasses.dataclass
+class FakeCuda:
+    """``fail_next_capture``: that many next captures raise (``fail_with``, or a RuntimeError)."""
+
+    fail_next_capture: int = 0
+    fail_with: BaseException | None = None
+    captures: int = 0
+    attempts: int = 0
+
+
 class FakePool:
     """Stands in for GraphPool: a lock, a stream, and a resident size the test sets."""
 
     resident = 0
+    released = 0  # what emptying the allocator's cache gives back, as the test sets it
 
     def __init__(self, device: Any = None) -> None:
         self.device = torch.device("cpu")
@@ -49,6 +60,12 @@ class FakePool:
     def resident_bytes(self) -> int:
         return FakePool.resident
 
+    def make_room(self) -> int:
+        return 0
+
+    def release_cached(self) -> int:
+        return FakePool.released
+
     def order_after_last_replay(self, stream: Any) -> None:
         pass
 
@@ -58,7 +75,7 @@ class FakePool:
 
 def fake_cuda_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """``torch.cuda`` says it is there; its streams, synchronisation and cache calls do nothing."""
-    FakePool.resident = 0
+    FakePool.resident = FakePool.released = 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
