@@ -8,6 +8,8 @@ write the same blocks.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import weakref
 from typing import Any
@@ -17,6 +19,11 @@ import torch
 from .errors import BCGError
 
 __all__ = ["GraphPool"]
+
+logger = logging.getLogger(__name__)
+
+# Cached memory that emptying the cache could not give back, above which a capture is warned of.
+PINNED_WARNING_BYTES = 4 << 30
 
 
 class GraphPool:
@@ -38,6 +45,7 @@ class GraphPool:
         self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()
         self._last_replay_stream: torch.cuda.Stream | None = None
         self._last_replay_done = torch.cuda.Event()
+        self._warned_pinned = False
 
     def handle_for(self, graph: Any) -> Any:
         """The pool handle to capture ``graph`` into, registering it as a user of the pool.
@@ -65,7 +73,22 @@ class GraphPool:
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         if cached <= free:
             return 0
-        return self.release_cached()
+        released = self.release_cached()
+        pinned = cached - released
+        if pinned > PINNED_WARNING_BYTES and not self._warned_pinned:
+            # Segments with a live block in them stay reserved: only expandable segments let
+            # PyTorch unmap their free pages.
+            self._warned_pinned = True
+            expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+            logger.warning(
+                "%.1f GiB of PyTorch's cache on %s is held by segments that live tensors pin, beside %.1f GiB "
+                "free: graph captures may run out of memory and run eagerly%s",
+                pinned / 2**30,
+                self.device,
+                torch.cuda.mem_get_info(self.device)[0] / 2**30,
+                "" if expandable else " (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets PyTorch give it back)",
+            )
+        return released
 
     def release_cached(self) -> int:
         """Empty the allocator's cache on this device; returns the bytes it gave back."""
