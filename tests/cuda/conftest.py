@@ -4,41 +4,19 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sys
 import traceback
 
 import pytest
 import torch
 
+from tests.helpers.memory import log_memory
+
 logger = logging.getLogger(__name__)
 
 # Above what tiny pipelines hold: a full-size model outlived its test (or a module-scoped fixture holds one).
 LEFT_AFTER_A_TEST = 2 << 30
 PINNED_AFTER_A_TEST = 4 << 30
-
-
-# A file to append each test's memory to, before and after it (allocated, reserved, and what each
-# graph pool reserves): where a suite's memory went, when one test alone never shows it.
-MEMORY_LOG = os.environ.get("BCG_TEST_MEMORY_LOG")
-
-
-def _log_memory(when: str, name: str) -> None:
-    if not MEMORY_LOG or not torch.cuda.is_available():
-        return
-    pools: dict[tuple, int] = {}
-    for s in torch.cuda.memory._snapshot()["segments"]:  # type: ignore[attr-defined]
-        key = tuple(s.get("segment_pool_id", (0, 0)))
-        pools[key] = pools.get(key, 0) + s["total_size"]
-    free, _ = torch.cuda.mem_get_info()
-    gib = 2**30
-    with open(MEMORY_LOG, "a") as f:
-        f.write(
-            f"{when} {name}: allocated {torch.cuda.memory_allocated() / gib:.1f} reserved "
-            f"{torch.cuda.memory_reserved() / gib:.1f} free {free / gib:.1f} GiB; pools "
-            + ", ".join(f"{k}: {v / gib:.2f}" for k, v in sorted(pools.items()))
-            + "\n"
-        )
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +26,7 @@ def collect_after_test(request: pytest.FixtureRequest):
     free; only the collector does, and it runs by object counts, not by GPU memory. Without
     this the next test's pipeline ran out of memory beside the last ones' (a module-scoped
     fixture's pipeline is collected after its module's last test)."""
-    _log_memory("before", request.node.nodeid)
+    log_memory("before", request.node.nodeid)
     yield
     # A failed test's frames outlive it: pytest keeps the last failure in sys.last_traceback
     # (for a debugger), and with it the test's pipeline and graphs, so one failure ran every
@@ -69,7 +47,7 @@ def collect_after_test(request: pytest.FixtureRequest):
         # What emptying the cache could not give back: segments that a live block keeps. A
         # capture's pool cannot use them and the device has that much less for new segments
         # (the H200 suite's captures ran out of memory beside 118 GiB reserved, 20 allocated).
-        _log_memory("after", request.node.nodeid)
+        log_memory("after", request.node.nodeid)
         pinned = torch.cuda.memory_reserved() - left
         if pinned > PINNED_AFTER_A_TEST:
             logger.warning(
