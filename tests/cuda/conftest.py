@@ -40,6 +40,11 @@ def collect_after_test(request: pytest.FixtureRequest):
     torch._dynamo.reset()  # compiled code holds the modules it was compiled for
     gc.collect()
     if torch.cuda.is_available():
+        broken = _broken_device()
+        if broken is not None:
+            # Every later test would fail with it (the H200 suite: one test ran out of memory,
+            # then 50 failed on "unknown error" and cuBLAS failures): stop at the one that broke it.
+            pytest.exit(f"the CUDA context broke during {request.node.nodeid}: {broken}", returncode=3)
         torch.cuda.empty_cache()
         left = torch.cuda.memory_allocated()
         if left > LEFT_AFTER_A_TEST:
@@ -56,6 +61,19 @@ def collect_after_test(request: pytest.FixtureRequest):
                 pinned / 2**30,
                 left / 2**30,
             )
+
+
+def _broken_device() -> str | None:
+    """Why the device can no longer compute (a sticky CUDA error, cuBLAS failing), or None."""
+    try:
+        a = torch.ones(64, 64, device="cuda")
+        b = (a @ a).to(torch.bfloat16) @ a.to(torch.bfloat16)
+        torch.cuda.synchronize()
+        if b[0, 0].item() != 64 * 64:
+            return f"a 64x64 product came out {b[0, 0].item()}, not {64 * 64}"
+    except Exception as e:  # whatever the driver or cuBLAS raise
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    return None
 
 
 def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> None:
