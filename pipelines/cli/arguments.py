@@ -54,7 +54,8 @@ limits (checked before the model runs or anything is written; see pipelines/limi
 
 videos: a video model (wan) writes every frame, as an animated WebP (lossless, Pillow) by default;
   --out x.gif writes a GIF, --out x.mp4 an H.264 MP4 (pip install "bcg-diffusers[video]"),
-  --out x.png the first frame only. The frame rate is --fps, else the model's (wan: 16). The
+  --out x.png the first frame only. The frame rate is --fps, else the model's (wan: 16); a
+  model conditioned on its frame rate (LTX-Video's frame_rate) is called at it too. The
   text a PNG holds goes into the video's own metadata field, as JSON: WebP's EXIF
   ImageDescription, GIF's comment, MP4's comment tag (pipelines.cli.video.read_video_text).
 
@@ -148,7 +149,8 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
         "--fps",
         type=values.positive,
         default=None,
-        help="video models: frames per second of the file written (default: the model's, 16 for wan)",
+        help="video models: frames per second of the file written, and of the call of a model conditioned on "
+        "it (LTX-Video's frame_rate; default: the model's, 16 for wan)",
     )
     p.add_argument(
         "--overwrite",

@@ -24,6 +24,8 @@ class CallSettings:
     ``guidance`` None leaves the pipeline's own default; ``cfg``: classifier-free guidance runs
     by the scale given (``warm_cfg``: also by the pipeline's own default, so that the warm-up
     captures what the calls do). ``frames``: a video pipeline's frame count, None for images.
+    ``frame_rate``: the argument and value of ``--fps`` for a pipeline conditioned on its frame
+    rate (LTX-Video's ``frame_rate``); None leaves the pipeline's own.
     """
 
     steps: int
@@ -35,6 +37,7 @@ class CallSettings:
     guidance_kwarg: str | None
     count_kwarg: str = "num_images_per_prompt"
     takes_output_type: bool = True
+    frame_rate: tuple[str, float] | None = None
 
     def kwargs(self, job: Job, device: Any) -> dict[str, Any]:
         """The pipeline's keyword arguments for ``job`` (its generators on ``device``)."""
@@ -56,14 +59,23 @@ class CallSettings:
             kwargs["negative_prompt"] = self.negative_prompt
         if self.guidance is not None and self.guidance_kwarg is not None:
             kwargs[self.guidance_kwarg] = self.guidance
+        kwargs.update(self.conditioning())
         return kwargs
+
+    def conditioning(self) -> dict[str, Any]:
+        """What every call passes beyond the job's own arguments, warm-up calls too (the frame
+        rate a video model is conditioned on enters its graphs' inputs)."""
+        return dict([self.frame_rate]) if self.frame_rate is not None else {}
 
 
 def call_settings(pipe: Any, model: str, size: str, steps: int | None = None, guidance: float | None = None,
-                  negative_prompt: str | None = None, frames: int | None = None) -> CallSettings:  # fmt: skip
-    """``--steps``, ``--guidance``, ``--negative-prompt`` and ``--frames`` (None: not given) for
-    ``pipe``, built as ``model`` at ``size``; a negative prompt or guidance that the pipeline
-    would not use is dropped with a warning, and CLIError is raised for frames it cannot make."""
+                  negative_prompt: str | None = None, frames: int | None = None,
+                  fps: float | None = None) -> CallSettings:  # fmt: skip
+    """``--steps``, ``--guidance``, ``--negative-prompt``, ``--frames`` and ``--fps`` (None: not
+    given) for ``pipe``, built as ``model`` at ``size``; a negative prompt or guidance that the
+    pipeline would not use is dropped with a warning, and CLIError is raised for frames it cannot
+    make. ``--fps`` reaches a pipeline whose call takes ``frame_rate`` (or ``fps``), which its
+    model is conditioned on; for others it is the file's frame rate only."""
     defaults = generation_defaults(pipe)
     scale = guidance if guidance is not None else defaults.guidance
     cfg = scale is not None and scale > defaults.cfg_above
@@ -97,7 +109,19 @@ def call_settings(pipe: Any, model: str, size: str, steps: int | None = None, gu
         guidance_kwarg=defaults.guidance_kwarg,
         count_kwarg=count_kwarg,
         takes_output_type="output_type" in params,
+        frame_rate=_frame_rate(params, fps),
     )
+
+
+def _frame_rate(params: Any, fps: float | None) -> tuple[str, float] | None:
+    """The call's frame-rate argument set to ``fps``, where it has one (LTX-Video's ``frame_rate``
+    is an int: a whole rate is passed as one)."""
+    if fps is None:
+        return None
+    for name in ("frame_rate", "fps"):
+        if name in params:
+            return name, int(fps) if float(fps).is_integer() else fps
+    return None
 
 
 def runs_cfg(guidance: float | None, kwarg: str | None, above: float, params: Any, negative: str | None) -> bool:

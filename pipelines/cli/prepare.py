@@ -39,7 +39,7 @@ class Workload:
     captures what they will run.
 
     ``resolutions``: every size a call may use. ``steps``, ``guidance``, ``negative_prompt``
-    and ``frames``: the flags as given (None: the model's default). ``prompts``: those the calls
+    ``frames`` and ``fps``: the flags as given (None: the model's default). ``prompts``: those the calls
     of this process encode (the warm-up captures their text encoder's lengths); none: this
     process makes no call, and nothing is warmed up. ``warm_sizes``: the sizes warmed up unless
     ``--warmup`` names others (None: ``resolutions``).
@@ -52,6 +52,7 @@ class Workload:
     negative_prompt: str | None = None
     frames: int | None = None
     prompts: Sequence[str] = ()
+    fps: float | None = None
     warm_sizes: Sequence[Size] | None = None
 
 
@@ -177,7 +178,7 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
     # and the accelerator hook the denoiser as it then is.
     loras = _load_loras(pipe, settings.loras)
     call = call_settings(pipe, settings.model, settings.size, workload.steps, workload.guidance,
-                         workload.negative_prompt, workload.frames)  # fmt: skip
+                         workload.negative_prompt, workload.frames, workload.fps)  # fmt: skip
 
     # Limits that need the built model, still before anything runs.
     warm: list[Size] = []
@@ -209,7 +210,7 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
         if warm:
             try:
                 warmup_seconds = _warmup(pipe, warm, workload.prompts, call.negative_prompt, call.warm_cfg,
-                                         workload.batch_size, call.frames, progress)  # fmt: skip
+                                         workload.batch_size, call.frames, progress, call.conditioning())  # fmt: skip
             except torch.OutOfMemoryError:
                 sizes = " ".join(f"{w}x{h}" for w, h in warm)
                 raise RunError(
@@ -246,11 +247,15 @@ def _accelerate(pipe: Any, settings: ModelSettings) -> None:
 
 
 def _warmup(pipe: Any, resolutions: list[Size], prompts: Sequence[str], negative: str | None, cfg: bool,
-            batch_size: int, frames: int | None, progress: bool) -> float:  # fmt: skip
-    """Capture what this run's calls hit: its sizes, prompts, guidance, batch size and frames."""
+            batch_size: int, frames: int | None, progress: bool,
+            call_kwargs: dict[str, Any] | None = None) -> float:  # fmt: skip
+    """Capture what this run's calls hit: its sizes, prompts, guidance, batch size, frames and
+    what every call passes besides (``call_kwargs``: the frame rate a video model is conditioned on)."""
     kwargs: dict[str, Any] = dict(negative_prompt=negative, cfg=cfg, batch_sizes=(batch_size,), progress=progress)
     if frames is not None:
         kwargs["num_frames"] = frames
+    if call_kwargs:
+        kwargs["call_kwargs"] = call_kwargs
     t0 = time.perf_counter()
     pipe.accel.warmup(resolutions, prompts=list(dict.fromkeys(prompts)), **kwargs)
     return time.perf_counter() - t0

@@ -161,7 +161,8 @@ def _run(args: argparse.Namespace) -> int:
         logger.info("%d of %d jobs on %s", len(mine), len(jobs), device)
 
     workload = Workload(resolutions, args.batch_size, args.steps, args.guidance, args.negative_prompt, args.frames,
-                        prompts=[j.prompt for j in mine], warm_sizes=[(j.width, j.height) for j in mine])  # fmt: skip
+                        prompts=[j.prompt for j in mine], warm_sizes=[(j.width, j.height) for j in mine],
+                        fps=args.fps)  # fmt: skip
     prepared = prepare_pipeline(settings, workload, device, dtype, progress=not args.quiet)
     call, common = prepared.call, prepared.text()
     if video is None:  # now known: a video model keeps the plan, an image model writes PNGs

@@ -5,6 +5,7 @@ refused before the build in one line; no clobbering, and no partial file."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -260,3 +261,45 @@ def test_a_model_known_only_once_built(tmp_path: Path) -> None:
         settle_video_output(plan, ImagePipe(), tmp_path / "a.webp", None)
     with pytest.raises(CLIError, match="--fps 8 sets a video's frame rate, but ImagePipe makes images"):
         settle_video_output(plan, ImagePipe(), None, 8.0)
+
+
+def test_fps_reaches_a_model_conditioned_on_its_frame_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LTX-Video takes ``frame_rate`` (its rotary positions are scaled by it): --fps is the file's
+    rate and the call's, warm-up calls included; Wan takes none, and its call is as without --fps."""
+    pipe = build_pipeline("wan", "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    (job,) = plan_jobs([PROMPT], [(64, 64)], 1, SEED)
+    plain = call_settings(pipe, "wan", "tiny", steps=2, frames=FRAMES, fps=24.0)
+    assert plain.frame_rate is None and "frame_rate" not in plain.kwargs(job, torch.device("cpu"))
+
+    seen: list[Any] = []
+
+    class ConditionedOnRate(type(pipe)):  # type: ignore[misc]
+        def __call__(self, *args: Any, frame_rate: int = 25, **kwargs: Any) -> Any:
+            seen.append(frame_rate)
+            return super().__call__(*args, **kwargs)
+
+    # Wan's own call, with LTX-Video's frame_rate beside its arguments.
+    stock = inspect.signature(type(pipe).__call__)
+    rate = inspect.Parameter("frame_rate", inspect.Parameter.KEYWORD_ONLY, default=25, annotation=int)
+    params = [p for p in stock.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    ConditionedOnRate.__call__.__signature__ = stock.replace(parameters=[*params, rate])  # type: ignore[attr-defined]
+    pipe.__class__ = ConditionedOnRate
+    call = call_settings(pipe, "wan", "tiny", steps=2, frames=FRAMES, fps=24.0)
+    kwargs = call.kwargs(job, torch.device("cpu"))
+    assert kwargs["frame_rate"] == 24 and type(kwargs["frame_rate"]) is int  # LTX's is an int
+    assert call_settings(pipe, "wan", "tiny", fps=29.97).frame_rate == ("frame_rate", 29.97)
+    assert "frame_rate" not in call_settings(pipe, "wan", "tiny", steps=2, frames=FRAMES).kwargs(job, "cpu")
+
+    warmed: dict[str, Any] = {}
+
+    class Accel:
+        def warmup(self, resolutions: Any, **kw: Any) -> None:
+            warmed.update(kw)
+
+    monkeypatch.setattr(pipe, "accel", Accel(), raising=False)
+    cli_prepare._warmup(pipe, [(64, 64)], [PROMPT], None, False, 1, FRAMES, False, call.conditioning())
+    assert warmed["call_kwargs"] == {"frame_rate": 24} and warmed["num_frames"] == FRAMES
+
+    frames = np.asarray(pipe(**kwargs).frames)[0]
+    assert seen == [24] and frames.shape[0] == FRAMES
