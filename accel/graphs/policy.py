@@ -6,9 +6,9 @@ cannot hold names its function and line (:mod:`accel.graphs.discover`); with ``a
 that function becomes an eager break and the capture is tried again (at most
 ``max_auto_breaks`` times), and the graph must then equal an eager run. Nothing is evicted
 before a capture succeeded: a failed capture must not cost a good graph. A capture that runs out
-of memory is tried once more after the allocator's cache was emptied, if that gave memory back. A failure blocks the
-signature (it runs eagerly from now on) and keeps the reason; a decision path that fails to
-capture (:meth:`CapturePolicy.capture_path`) is blocked alone.
+of memory is tried once more after the allocator's cache was emptied, if that gave memory back.
+A failure blocks the signature (it runs eagerly from now on) and keeps the reason; a decision
+path that fails to capture (:meth:`CapturePolicy.capture_path`) is blocked alone.
 
 The policy keeps what captures leave behind (the runner's entries and counters, the breaks it
 found and marked); what it captures comes with each request as a

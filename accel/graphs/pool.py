@@ -65,9 +65,11 @@ class GraphPool:
         free; call before a capture. Returns the bytes given back.
 
         A capture allocates from this pool alone, and while it runs the caching allocator frees
-        none of its cached segments (cudaFree cannot be captured). Memory another pool cached
-        (a compile's autotuning, a model let go) is then lost to the capture: on an H200 every
-        capture ran out of memory beside 118 GiB reserved and unallocated.
+        none of its cached segments (cudaFree cannot be captured): free memory that the default
+        pool caches (a model let go, the peak of an earlier call) is lost to the capture unless it
+        is given back first. What a live block pins cannot be given back at all; that is said
+        once, with PyTorch's remedy (an H200 test process once captured nothing beside 118 GiB
+        pinned so).
         """
         free, _ = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
