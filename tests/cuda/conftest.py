@@ -69,8 +69,8 @@ def clear_cublas_workspaces(request: pytest.FixtureRequest):
     them, so it is finalized after them), give back cuBLAS's workspaces, as PyTorch's own test
     suite does between tests. cuBLAS keeps one workspace per handle and stream (tens of MiB,
     from the caching allocator, for the life of the process), and every graph pool brings a
-    capture stream: in the H200 suite 1.2 GiB of them were still allocated beside the next
-    test's model, each in a segment it keeps from being given back. Within a module they stay:
+    capture stream: in the H200 suite 1.2 GiB of them were likely what was still allocated
+    beside the 29th test's model, when its captures ran out of memory. Within a module they stay:
     a module-scoped pipeline's graphs replay with the workspace address they were captured with."""
     yield
     if not torch.cuda.is_available():
