@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BCGError", "BreakError", "CopyBackError", "GraphMemoryBudgetError", "NestedBreakError"]
+__all__ = [
+    "BCGError",
+    "BreakError",
+    "CopyBackError",
+    "DeviceMemoryShortError",
+    "GraphMemoryBudgetError",
+    "NestedBreakError",
+]
 
 
 class BCGError(RuntimeError):
@@ -42,4 +49,14 @@ class GraphMemoryBudgetError(BCGError):
     and not a :class:`BreakError` (those come from the breakable-graph core; the budget is the
     runner's policy). The runner catches it like any capture failure: the signature is blocked
     and runs eagerly, and :attr:`GraphRunner.blocked` keeps the reason.
+    """
+
+
+class DeviceMemoryShortError(BCGError):
+    """A capture was not begun: the device had too little memory free for one, even after the
+    allocator's cache was emptied (what live tensors pin cannot be given back).
+
+    A capture that runs out of memory midway can leave the device unusable; refusing first keeps
+    the call eager and the device well. Caught like any capture failure: the signature is
+    blocked and runs eagerly.
     """

@@ -28,7 +28,7 @@ from .bindings import entry_codes
 from .branches import Chain, GraphTree, PathMiss, path_label
 from .capture import Target
 from .entries import Entry, EntryStore, RunnerStats
-from .errors import BreakError, GraphMemoryBudgetError
+from .errors import BreakError, DeviceMemoryShortError, GraphMemoryBudgetError
 from .signature import Signature
 from .sites import BreakSite, is_capture_error
 
@@ -37,7 +37,7 @@ __all__ = ["CapturePolicy"]
 # The runner's messages, whichever of its parts says them.
 logger = logging.getLogger("accel.graphs.runner")
 
-_OUT_OF_MEMORY = (torch.cuda.OutOfMemoryError, MemoryError, GraphMemoryBudgetError)
+_OUT_OF_MEMORY = (torch.cuda.OutOfMemoryError, MemoryError, GraphMemoryBudgetError, DeviceMemoryShortError)
 
 
 class CapturePolicy:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .errors import BCGError
+from .errors import BCGError, DeviceMemoryShortError
 
 __all__ = ["GraphPool"]
 
@@ -24,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 # Cached memory that emptying the cache could not give back, above which a capture is warned of.
 PINNED_WARNING_BYTES = 4 << 30
+# Free device memory below which no capture is begun (a capture's pool takes new segments for
+# every intermediate: far more than this for any denoiser).
+MIN_FREE_TO_CAPTURE = 256 << 20
 
 
 class GraphPool:
@@ -69,28 +72,40 @@ class GraphPool:
         pool caches (a model let go, the peak of an earlier call) is lost to the capture unless it
         is given back first. What a live block pins cannot be given back at all; that is said
         once, with PyTorch's remedy (an H200 test process once captured nothing beside 118 GiB
-        pinned so).
+        pinned so). DeviceMemoryShortError, and no capture begun, where too little would be left
+        for one: a capture that runs out of memory midway can leave the device unusable.
         """
         free, _ = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if cached <= free:
+        if cached <= free and free >= MIN_FREE_TO_CAPTURE:
             return 0
-        released = self.release_cached()
-        pinned = cached - released
-        if pinned > PINNED_WARNING_BYTES and not self._warned_pinned:
-            # Segments with a live block in them stay reserved: only expandable segments let
-            # PyTorch unmap their free pages.
+        released = 0
+        if cached > free:
+            released = self.release_cached()
+            cached -= released
+            free, _ = torch.cuda.mem_get_info(self.device)
+        own = self.free_in_pool()  # the capture allocates there first
+        pinned = max(0, cached - own)
+        if pinned > max(free, PINNED_WARNING_BYTES) and not self._warned_pinned:
             self._warned_pinned = True
-            expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
             logger.warning(
                 "%.1f GiB of PyTorch's cache on %s is held by segments that live tensors pin, beside %.1f GiB "
                 "free: graph captures may run out of memory and run eagerly%s",
                 pinned / 2**30,
                 self.device,
-                torch.cuda.mem_get_info(self.device)[0] / 2**30,
-                "" if expandable else " (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets PyTorch give it back)",
+                free / 2**30,
+                _remedy(),
+            )
+        if free + own < MIN_FREE_TO_CAPTURE:
+            held = f", {pinned / 2**30:.1f} GiB cached in segments that live tensors pin" if pinned else ""
+            raise DeviceMemoryShortError(
+                f"{free / 2**20:.0f} MiB of {self.device} free{held}: a capture would run out of memory{_remedy()}"
             )
         return released
+
+    def free_in_pool(self) -> int:
+        """Free bytes in this pool's segments, which its next capture can take without asking the device."""
+        return sum(s["total_size"] - s["allocated_size"] for s in self._allocator_segments())
 
     def release_cached(self) -> int:
         """Empty the allocator's cache on this device; returns the bytes it gave back."""
@@ -127,3 +142,11 @@ class GraphPool:
 
     def __repr__(self) -> str:
         return f"GraphPool(device={self.device}, handle={tuple(self.handle)})"
+
+
+def _remedy() -> str:
+    """PyTorch's answer to memory that segments with a live block in them keep reserved: only
+    expandable segments unmap their free pages."""
+    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return ""
+    return " (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets PyTorch give it back)"

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 from accel import GraphRunner
+from accel.graphs.errors import DeviceMemoryShortError
 from accel.graphs.pool import GraphPool
 from tests.helpers.fakes import FakeCuda, FakePool
 
@@ -77,17 +79,24 @@ def test_every_capture_makes_room_first(fake_cuda: FakeCuda, monkeypatch) -> Non
     assert asked == [0, 1]  # before each capture began, not after
 
 
-def _pool_on(monkeypatch, *, free: int, reserved: int, allocated: int) -> tuple[GraphPool, list[int]]:
-    """A GraphPool over a device whose allocator reports these numbers; emptying its cache gives
-    back what was reserved and not allocated."""
+def _pool_on(
+    monkeypatch, *, free: int, reserved: int, allocated: int, pinned: int = 0, own_free: int = 0
+) -> tuple[GraphPool, list[int]]:
+    """A GraphPool over a device whose allocator reports these numbers. Emptying the cache gives
+    back what is reserved and not allocated, less ``pinned`` (segments that live blocks keep);
+    the device's free memory grows by what it gave back. ``own_free``: free bytes in the pool's
+    own segments."""
     state = {"reserved": reserved}
     emptied: list[int] = []
 
     def empty_cache() -> None:
-        emptied.append(state["reserved"] - allocated)
-        state["reserved"] = allocated
+        given = state["reserved"] - allocated - pinned
+        emptied.append(given)
+        state["reserved"] -= given
 
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 140 * GiB))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (free + reserved - state["reserved"], 140 * GiB)
+    )
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
     monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
@@ -95,29 +104,61 @@ def _pool_on(monkeypatch, *, free: int, reserved: int, allocated: int) -> tuple[
     pool = object.__new__(GraphPool)  # no device to take a pool handle and stream on
     pool.device = torch.device("cuda", 0)
     pool._warned_pinned = False
+    segments = [{"total_size": own_free + GiB, "allocated_size": GiB}] if own_free else []
+    monkeypatch.setattr(pool, "_allocator_segments", lambda: segments)
     return pool, emptied
 
 
 def test_make_room_empties_the_cache_when_it_holds_more_than_the_device_has_free(monkeypatch) -> None:
-    # What the H200 suite showed: 20.6 GiB allocated, 118 GiB reserved and unallocated, 7 MiB free.
     pool, emptied = _pool_on(monkeypatch, free=7 << 20, reserved=139 * GiB, allocated=21 * GiB)
     assert pool.make_room() == 118 * GiB
     assert emptied == [118 * GiB]
 
 
-def test_make_room_warns_once_of_cache_that_emptying_could_not_give_back(monkeypatch, caplog) -> None:
-    """Segments that live blocks pin stay reserved through ``empty_cache``: the capture may fail,
-    and the warning names PyTorch's remedy."""
+def test_make_room_refuses_a_capture_beside_memory_live_tensors_pin(monkeypatch, caplog) -> None:
+    """What the H200 suite showed: 20.6 GiB allocated, 118 GiB reserved that emptying the cache
+    could not give back, 7 MiB free. No capture is begun (one that runs out of memory midway can
+    leave the device unusable); the warning, once, names PyTorch's remedy."""
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    pool, emptied = _pool_on(monkeypatch, free=7 << 20, reserved=139 * GiB, allocated=21 * GiB)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(0))  # gives nothing back
+    pool, emptied = _pool_on(monkeypatch, free=7 << 20, reserved=139 * GiB, allocated=21 * GiB, pinned=118 * GiB)
     with caplog.at_level("WARNING", logger="accel.graphs.pool"):
-        assert pool.make_room() == 0
-        assert pool.make_room() == 0
+        for _ in range(2):
+            with pytest.raises(DeviceMemoryShortError) as info:
+                pool.make_room()
+    assert str(info.value) == (
+        "7 MiB of cuda:0 free, 118.0 GiB cached in segments that live tensors pin: a capture would run out of "
+        "memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets PyTorch give it back)"
+    )
     (record,) = caplog.records
     assert "118.0 GiB of PyTorch's cache on cuda:0 is held by segments that live tensors pin" in record.message
-    assert "expandable_segments:True" in record.message
     assert emptied == [0, 0]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(DeviceMemoryShortError, match=r"out of memory$"):
+        pool.make_room()
+
+
+def test_make_room_counts_the_pools_own_free_segments(monkeypatch, caplog) -> None:
+    """A pool's captures overlay: free space in its own segments is room for the next capture,
+    and not memory that live tensors pin."""
+    pool, _ = _pool_on(
+        monkeypatch, free=7 << 20, reserved=40 * GiB, allocated=21 * GiB, pinned=19 * GiB, own_free=19 * GiB
+    )
+    with caplog.at_level("WARNING", logger="accel.graphs.pool"):
+        assert pool.make_room() == 0
+    assert not caplog.records
+
+
+def test_a_refused_capture_blocks_its_signature_and_runs_eagerly(fake_cuda: FakeCuda, monkeypatch) -> None:
+    def short(self) -> int:
+        raise DeviceMemoryShortError("7 MiB of cuda:0 free: a capture would run out of memory")
+
+    monkeypatch.setattr(FakePool, "make_room", short)
+    runner = GraphRunner(_scale, name="short", capture_on_miss=True, debug=True)
+    x = torch.randn(2, 3)
+    assert torch.equal(runner(x), x * 2.0)
+    assert fake_cuda.attempts == 0  # no capture begun
+    (reason,) = runner.blocked.values()
+    assert reason == "DeviceMemoryShortError: 7 MiB of cuda:0 free: a capture would run out of memory"
 
 
 def test_make_room_keeps_the_cache_when_the_device_has_room(monkeypatch) -> None:
