@@ -94,6 +94,11 @@ CASES = {
         True,
     ),
     "forward hook": (lambda m: m[1].norm.register_forward_hook(_hook), "1.norm: forward hooks changed (0 -> 1)", True),
+    "forward hook on a container": (
+        lambda m: m[0].magnitudes.register_forward_pre_hook(lambda mod, args: None),
+        "0.magnitudes: forward pre hooks changed (0 -> 1)",
+        True,
+    ),
     "first entry of an empty ModuleDict": (
         lambda m: m[0].magnitudes.__setitem__("d", torch.nn.Identity()),
         "0.magnitudes.d added (Identity)",
