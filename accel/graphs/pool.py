@@ -89,7 +89,7 @@ class GraphPool:
         if pinned > max(free, PINNED_WARNING_BYTES) and not self._warned_pinned:
             self._warned_pinned = True
             logger.warning(
-                "%.1f GiB of PyTorch's cache on %s is held by segments that live tensors pin, beside %.1f GiB "
+                "%.1f GiB of PyTorch's cache on %s is held by segments that live tensors (or other graphs) keep, beside %.1f GiB "
                 "free: graph captures may run out of memory and run eagerly%s",
                 pinned / 2**30,
                 self.device,
@@ -97,7 +97,11 @@ class GraphPool:
                 _remedy(),
             )
         if free + own < MIN_FREE_TO_CAPTURE:
-            held = f", {pinned / 2**30:.1f} GiB cached in segments that live tensors pin" if pinned else ""
+            held = (
+                f", {pinned / 2**30:.1f} GiB cached in segments that live tensors (or other graphs) keep"
+                if pinned
+                else ""
+            )
             raise DeviceMemoryShortError(
                 f"{free / 2**20:.0f} MiB of {self.device} free{held}: a capture would run out of memory{_remedy()}"
             )

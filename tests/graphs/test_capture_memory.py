@@ -126,11 +126,14 @@ def test_make_room_refuses_a_capture_beside_memory_live_tensors_pin(monkeypatch,
             with pytest.raises(DeviceMemoryShortError) as info:
                 pool.make_room()
     assert str(info.value) == (
-        "7 MiB of cuda:0 free, 118.0 GiB cached in segments that live tensors pin: a capture would run out of "
+        "7 MiB of cuda:0 free, 118.0 GiB cached in segments that live tensors (or other graphs) keep: a capture would run out of "
         "memory (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets PyTorch give it back)"
     )
     (record,) = caplog.records
-    assert "118.0 GiB of PyTorch's cache on cuda:0 is held by segments that live tensors pin" in record.message
+    assert (
+        "118.0 GiB of PyTorch's cache on cuda:0 is held by segments that live tensors (or other graphs) keep"
+        in record.message
+    )
     assert emptied == [0, 0]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with pytest.raises(DeviceMemoryShortError, match=r"out of memory$"):
