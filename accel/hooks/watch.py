@@ -279,10 +279,10 @@ def _spec(path: str, obj: Any, d: dict[str, Any], keys: list[str]) -> _Spec:
     # _Plan) and empty child, parameter and buffer dictionaries: a module gains a first child or
     # tensor only under a name its forward did not read when it was captured (an optional
     # submodule held as a plain None changes the dictionary's length, which is compared). Not so
-    # a ModuleDict or ModuleList, which its owner reads by content (PEFT's DoRA vectors); but its
-    # empty hook dictionaries are left to the handle counter as anyone's are.
+    # a ModuleDict or ModuleList's children, which its owner reads by content (PEFT's DoRA
+    # vectors); its empty hook dictionaries are left to the handle counter as anyone's are.
     listed = isinstance(obj, rule.CONTAINER_MODULES)
-    fast = [k for k in keys if not (k in rule.SPARSE and not seen[k]) or (listed and k not in rule.HOOK_DICTS)]
+    fast = [k for k in keys if k not in rule.SPARSE or seen[k] or (listed and k == "_modules")]
     fast += [k for k in rule.WEIGHT_KEYS if d.get(k) or (listed and k in d)]
     spec = _Spec(path, obj, d, seen)
     if fast:

@@ -38,7 +38,7 @@ class Workload:
     """The calls a pipeline is prepared for: its limits are checked against them, and the warm-up
     captures what they will run.
 
-    ``resolutions``: every size a call may use. ``steps``, ``guidance``, ``negative_prompt``
+    ``resolutions``: every size a call may use. ``steps``, ``guidance``, ``negative_prompt``,
     ``frames`` and ``fps``: the flags as given (None: the model's default). ``prompts``: those the calls
     of this process encode (the warm-up captures their text encoder's lengths); none: this
     process makes no call, and nothing is warmed up. ``warm_sizes``: the sizes warmed up unless
@@ -52,8 +52,8 @@ class Workload:
     negative_prompt: str | None = None
     frames: int | None = None
     prompts: Sequence[str] = ()
-    fps: float | None = None
     warm_sizes: Sequence[Size] | None = None
+    fps: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

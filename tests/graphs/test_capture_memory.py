@@ -28,12 +28,19 @@ def _out_of_memory() -> torch.cuda.OutOfMemoryError:
     return torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 42.00 MiB.")
 
 
-def test_a_capture_out_of_memory_is_tried_again_after_the_cache_gave_memory_back(fake_cuda: FakeCuda) -> None:
-    FakePool.released = 3 * GiB
-    fake_cuda.fail_next_capture, fake_cuda.fail_with = 1, _out_of_memory()
+def _first_call(fake_cuda: FakeCuda, failures: int, released: int = 0) -> GraphRunner:
+    """A runner whose first capture (and ``failures - 1`` more) runs out of memory, where
+    emptying the cache gives ``released`` back, after one call; its image is right either way."""
+    FakePool.released = released
+    fake_cuda.fail_next_capture, fake_cuda.fail_with = failures, _out_of_memory()
     runner = GraphRunner(_scale, name="oom", capture_on_miss=True, debug=True)
     x = torch.randn(2, 3)
     assert torch.equal(runner(x), x * 2.0)
+    return runner
+
+
+def test_a_capture_out_of_memory_is_tried_again_after_the_cache_gave_memory_back(fake_cuda: FakeCuda) -> None:
+    runner = _first_call(fake_cuda, 1, released=3 * GiB)
     st = runner.stats()
     assert fake_cuda.attempts == 2 and not runner.blocked
     assert (st.captures, st.capture_failures, st.entries, st.eager_calls) == (1, 0, 1, 0)
@@ -42,10 +49,7 @@ def test_a_capture_out_of_memory_is_tried_again_after_the_cache_gave_memory_back
 
 
 def test_a_capture_out_of_memory_is_blocked_when_emptying_the_cache_gives_nothing(fake_cuda: FakeCuda) -> None:
-    fake_cuda.fail_next_capture, fake_cuda.fail_with = 1, _out_of_memory()
-    runner = GraphRunner(_scale, name="oom", capture_on_miss=True, debug=True)
-    x = torch.randn(2, 3)
-    assert torch.equal(runner(x), x * 2.0)
+    runner = _first_call(fake_cuda, 1)
     assert fake_cuda.attempts == 1
     (reason,) = runner.blocked.values()
     assert reason.startswith("OutOfMemoryError: CUDA out of memory")
@@ -53,11 +57,7 @@ def test_a_capture_out_of_memory_is_blocked_when_emptying_the_cache_gives_nothin
 
 
 def test_a_capture_is_tried_again_only_once(fake_cuda: FakeCuda) -> None:
-    FakePool.released = 3 * GiB
-    fake_cuda.fail_next_capture, fake_cuda.fail_with = 2, _out_of_memory()
-    runner = GraphRunner(_scale, name="oom", capture_on_miss=True, debug=True)
-    x = torch.randn(2, 3)
-    assert torch.equal(runner(x), x * 2.0)
+    runner = _first_call(fake_cuda, 2, released=3 * GiB)
     assert fake_cuda.attempts == 2 and len(runner.blocked) == 1
     assert runner.stats().capture_failures == 1
 
