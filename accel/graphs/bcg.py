@@ -77,6 +77,7 @@ __all__ = [
     "break_graph",
     "capture",
     "eager_on_graph",
+    "end_capture_routing",
     "is_capturing",
     "rerun",
 ]
@@ -214,6 +215,35 @@ def _reset_generator_capture_state() -> None:
         del g
 
 
+def _end_segment(seg: torch.cuda.CUDAGraph, pool: Any, device: torch.device) -> None:
+    """End ``seg``'s capture; when that fails, still tell the allocator the capture into ``pool`` is over.
+
+    Torch's ``capture_end`` (2.11 and earlier at least) raises on cudaStreamEndCapture's error
+    before it ends the caching allocator's routing into the pool. Left so, the allocator counts a
+    capture as under way for the rest of the process, and while it does, emptying the cache (and
+    its own retry of a request that ran short) frees nothing of the default pool: after one
+    invalidated capture the H200 suite's cache only grew, to 131 GiB with nothing allocated, and
+    every later capture ran out of memory. Torch that ends the routing itself refuses the second
+    end ("not currently recording"), which is ignored; captures never overlap (one capture
+    session at a time), so no other capture's routing into this pool is ended.
+    """
+    try:
+        seg.capture_end()
+    except BaseException:
+        end_capture_routing(pool, device)
+        raise
+
+
+def end_capture_routing(pool: Any, device: torch.device) -> None:
+    """End the caching allocator's routing of a capture's allocations into ``pool``; call after a
+    capture into it failed (see :func:`_end_segment`: torch may have left it on). Harmless when
+    torch ended it already; never call while a capture into ``pool`` is under way."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        with contextlib.suppress(Exception):  # already ended, or never begun
+            end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+
+
 class _Capture:
     capturing = True
 
@@ -223,6 +253,7 @@ class _Capture:
         self.graph = graph
         self.pool = pool
         self.error_mode = error_mode
+        self.device = device
         self.pool_map = PoolMap(pool, device)
         self.open_segment: torch.cuda.CUDAGraph | None = None
         self.in_break = False
@@ -230,7 +261,11 @@ class _Capture:
 
     def open(self) -> None:
         seg = torch.cuda.CUDAGraph()
-        seg.capture_begin(pool=self.pool, capture_error_mode=self.error_mode)
+        try:
+            seg.capture_begin(pool=self.pool, capture_error_mode=self.error_mode)
+        except BaseException:
+            end_capture_routing(self.pool, self.device)  # torch routes to the pool before it begins the CUDA capture
+            raise
         self.open_segment = seg
 
     def close(self) -> None:
@@ -240,7 +275,7 @@ class _Capture:
         with warnings.catch_warnings():
             # A break at the very start or end leaves an empty segment; replaying it is harmless.
             warnings.filterwarnings("ignore", message=".*CUDA Graph is empty.*")
-            seg.capture_end()
+            _end_segment(seg, self.pool, self.device)
         self.graph.segments.append(seg)
 
     def abort(self) -> None:
@@ -250,7 +285,7 @@ class _Capture:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                seg.capture_end()
+                _end_segment(seg, self.pool, self.device)
         except Exception:
             _reset_generator_capture_state()
 

@@ -71,9 +71,10 @@ class GraphPool:
         none of its cached segments (cudaFree cannot be captured): free memory that the default
         pool caches (a model let go, the peak of an earlier call) is lost to the capture unless it
         is given back first. What a live block pins cannot be given back at all; that is said
-        once, with PyTorch's remedy (an H200 test process once captured nothing beside 118 GiB
-        pinned so). DeviceMemoryShortError, and no capture begun, where too little would be left
-        for one: a capture that runs out of memory midway can leave the device unusable.
+        once, with PyTorch's remedy. (Nor can anything while the allocator counts an earlier,
+        failed capture as under way: :mod:`accel.graphs.bcg` ends that.) DeviceMemoryShortError,
+        and no capture begun, where too little would be left for one: a capture that runs out of
+        memory midway can leave the device unusable.
         """
         free, _ = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)

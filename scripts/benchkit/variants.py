@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from accel.graphs import tree
+from accel.graphs.bcg import end_capture_routing
 from accel.hooks.cfg_batch import cfg_batch_hook_of
 
 from .calls import accelerate, compiled_blocks, denoiser_name
@@ -140,6 +141,7 @@ def graph(bench: ModelBench, row: CaseRow, case: Case) -> None:
                 with torch.cuda.graph(cuda_graph, pool=pool.handle, stream=pool.stream):
                     static_out = fn()
             except Exception as exc:
+                end_capture_routing(pool.handle, pool.device)  # or the cache is never emptied again in this process
                 row.fail("error", f"whole-forward capture failed: {err_text(exc)}")
                 say(f"{bench.model} {res_name(case.wh)} graph: capture failed (expected for some calls): {row.reason}")
                 return

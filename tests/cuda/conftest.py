@@ -17,6 +17,8 @@ logger = logging.getLogger(__name__)
 # Above what tiny pipelines hold: a full-size model outlived its test (or a module-scoped fixture holds one).
 LEFT_AFTER_A_TEST = 2 << 30
 PINNED_AFTER_A_TEST = 4 << 30
+# Free segments of the default pool that emptying the cache left (it frees every one it can).
+STUCK_AFTER_A_TEST = 1 << 30
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +55,15 @@ def collect_after_test(request: pytest.FixtureRequest):
         # capture's pool cannot use them and the device has that much less for new segments
         # (the H200 suite's captures ran out of memory beside 118 GiB reserved, 20 allocated).
         log_memory("after", request.node.nodeid)
+        stuck = _unpinned_cache()
+        if stuck > STUCK_AFTER_A_TEST:
+            # Only a capture that the allocator still counts as under way stops it emptying the
+            # cache, and then for the rest of the process: every later capture would run short.
+            pytest.exit(
+                f"after {request.node.nodeid}: {stuck / 2**30:.1f} GiB of free segments stayed cached after "
+                "emptying the cache (a failed capture left the allocator routing into its pool)",
+                returncode=3,
+            )
         pinned = torch.cuda.memory_reserved() - left
         if pinned > PINNED_AFTER_A_TEST:
             logger.warning(
@@ -82,6 +93,15 @@ def clear_cublas_workspaces(request: pytest.FixtureRequest):
         clear()
     torch.cuda.empty_cache()
     log_memory("cuBLAS workspaces cleared after", request.module.__name__)
+
+
+def _unpinned_cache() -> int:
+    """Bytes in the default pool's segments that hold no live block (empty_cache frees them all)."""
+    return sum(
+        s["total_size"]
+        for s in torch.cuda.memory._snapshot()["segments"]  # type: ignore[attr-defined]
+        if not s["allocated_size"] and tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)
+    )
 
 
 def _broken_device() -> str | None:

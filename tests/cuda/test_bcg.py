@@ -291,6 +291,15 @@ def test_invalidated_capture_and_released_pool_leave_the_device_usable() -> None
         out = runner(x)
     assert torch.equal(out, syncing(x)) and runner.stats().capture_failures == 1
     torch.randn(4, device=DEV)  # random ops still work after the failed capture
+    # And the allocator knows the capture is over: emptying its cache still gives memory back
+    # (torch left it routing into the pool, and the suite's cache then only grew, to 131 GiB).
+    del out
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    big = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    del big
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= before, "the cache was not emptied after a failed capture"
 
     doubler = GraphRunner(lambda t: t * 2, name="double", pool=runner.pool)
     for _ in range(3):  # capture, drop every graph of the pool, capture again into it
