@@ -282,13 +282,13 @@ def _spec(path: str, obj: Any, d: dict[str, Any], keys: list[str]) -> _Spec:
     # a ModuleDict or ModuleList's children, which its owner reads by content (PEFT's DoRA
     # vectors); its empty hook dictionaries are left to the handle counter as anyone's are.
     listed = isinstance(obj, rule.CONTAINER_MODULES)
-    fast = [k for k in keys if k not in rule.SPARSE or seen[k] or (listed and k == "_modules")]
+    unread = rule.unread(obj)
+    fast = [k for k in keys if k not in unread and (k not in rule.SPARSE or seen[k] or (listed and k == "_modules"))]
     fast += [k for k in rule.WEIGHT_KEYS if d.get(k) or (listed and k in d)]
     spec = _Spec(path, obj, d, seen)
     if fast:
-        if len(fast) == 1:  # an itemgetter of one key returns the value, not a tuple
-            fast *= 2
         spec.fast = tuple(fast)
         spec.getter = _getter(spec.fast)
-        spec.snap = tuple(seen[k] if k in seen else dict(d[k]) for k in fast)
+        snap = tuple(seen[k] if k in seen else dict(d[k]) for k in fast)
+        spec.snap = snap if len(snap) > 1 else snap[0]  # an itemgetter of one key returns the value itself
     return spec

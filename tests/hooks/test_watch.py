@@ -163,6 +163,23 @@ def test_equal_values_and_unwatched_entries_are_no_change() -> None:
     assert w.unchanged()
 
 
+def test_what_a_linear_forward_never_reads_is_not_compared_per_call_and_the_rest_is() -> None:
+    m = _model()
+    w, _ = _watched(m)
+    q = m[0].attn.to_q
+    q.in_features, q.out_features = 5, 6  # F.linear reads the weight, not these
+    q.training = not q.training
+    assert w.unchanged()
+    m[0].norm.training = not m[0].norm.training  # LayerNorm is not on the list: compared
+    assert not w.unchanged()
+    w.look()
+    q.weight = torch.nn.Parameter(torch.randn(4, 4))  # the one key a Linear's forward reads
+    assert not w.unchanged()
+    w.look()
+    q.forward = lambda x: x  # a forward of its own, a new key: the dictionary's length
+    assert not w.unchanged()
+
+
 def test_the_watched_modules_own_forward_hooks_are_no_change_but_its_childrens_are() -> None:
     """Torch runs a module's own forward hooks around its forward, where the graphs replay: a
     timing hook on the denoiser changes nothing a graph holds; one on a block runs inside."""
