@@ -51,9 +51,10 @@ def collect_after_test(request: pytest.FixtureRequest):
         left = torch.cuda.memory_allocated()
         if left > LEFT_AFTER_A_TEST:
             logger.warning("after %s: %.1f GiB still allocated", request.node.name, left / 2**30)
-        # What emptying the cache could not give back: segments that a live block keeps. A
-        # capture's pool cannot use them and the device has that much less for new segments
-        # (the H200 suite's captures ran out of memory beside 118 GiB reserved, 20 allocated).
+        # What emptying the cache could not give back: segments that a live block keeps (a
+        # capture's pool cannot use them), and free ones while the allocator counts a failed
+        # capture as under way (the H200 suite's captures ran out of memory so, beside 118 GiB
+        # reserved and 20 allocated, until 16e0f0e).
         log_memory("after", request.node.nodeid)
         stuck = _unpinned_cache()
         if stuck > STUCK_AFTER_A_TEST:
@@ -122,11 +123,10 @@ def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef, request: pytest
     module's last test has run, so its memory stayed in the allocator's cache, where the next
     module's pipeline is allocated. A capture cannot use those segments (a graph pool takes
     segments of its own, and the allocator frees none while a capture runs), and once live
-    blocks sit in them, emptying the cache gives nothing back either (the likely reading of what
-    the H200 showed: emptying it freed nothing there): the Z-Image
-    decoder's capture in test_install ran out of memory beside 115 GiB reserved but unallocated,
-    after test_accelerator through test_hunyuan_video15 in one process. Each module now starts
-    from an empty cache, as a new process would."""
+    blocks sit in them, emptying the cache gives nothing back either. Each module starts from an
+    empty cache, as a new process would. (The 115 GiB beside which test_install's decoder capture
+    once ran out of memory were another thing: free segments that the allocator would not free
+    after a failed capture, see accel.graphs.bcg.)"""
     if fixturedef.scope == "function" or not torch.cuda.is_available():
         return
     gc.collect()
