@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 # A file to append each test's memory to, before and after it (allocated, reserved, and what each
 # graph pool reserves): where a suite's memory went, when one test alone never shows it.
@@ -44,9 +46,7 @@ def _pinning_segments(segments: list[dict], top: int = 8) -> list[str]:
     held = sorted(
         (s for s in segments if s["allocated_size"]), key=lambda s: s["total_size"] - s["allocated_size"], reverse=True
     )
-    out = [
-        f"  {len([s for s in segments if s['allocated_size']])} of {len(segments)} segments hold live blocks; the most free behind them:"
-    ]
+    out = [f"  {len(held)} of {len(segments)} segments hold live blocks; the most free behind them:"]
     for s in held[:top]:
         live = [b["size"] for b in s["blocks"] if b["state"] == "active_allocated"]
         out.append(
@@ -60,13 +60,17 @@ def _pinning_segments(segments: list[dict], top: int = 8) -> list[str]:
 def _live_cuda_tensors(top: int = 8) -> list[str]:
     """The CUDA tensors the collector can see, largest first (a slow walk: only when much is pinned)."""
     seen: dict[int, tuple[int, str]] = {}
-    for o in gc.get_objects():
-        try:
-            if isinstance(o, torch.Tensor) and o.is_cuda:
-                storage = o.untyped_storage()
-                seen[storage.data_ptr()] = (storage.nbytes(), f"{type(o).__name__}{tuple(o.shape)} {o.dtype}")
-        except Exception:  # a tensor subclass or a freed storage
-            continue
+    # Asking every object whether it is a tensor wakes deprecation warnings (torch.distributed's
+    # reduce_op); dynamo's fake tensors own no memory.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor) and o.is_cuda:
+                    storage = o.untyped_storage()
+                    seen[storage.data_ptr()] = (storage.nbytes(), f"{type(o).__name__}{tuple(o.shape)} {o.dtype}")
+            except Exception:  # a tensor subclass or a freed storage
+                continue
     total = sum(n for n, _ in seen.values())
     big = sorted(seen.values(), reverse=True)[:top]
     return [
