@@ -10,6 +10,8 @@ import traceback
 import pytest
 import torch
 
+# Hooks: pytest finds them in a conftest's namespace by name.
+from tests.helpers.fixture_release import pytest_fixture_post_finalizer, pytest_runtest_logfinish  # noqa: F401
 from tests.helpers.memory import log_memory
 
 logger = logging.getLogger(__name__)
@@ -26,8 +28,9 @@ def collect_after_test(request: pytest.FixtureRequest):
     """A full-size pipeline is tens of GiB. Diffusers' hooks (a step cache, the ``cache_context``
     of a pipeline call, ours) tie a model to itself in cycles, which reference counting cannot
     free; only the collector does, and it runs by object counts, not by GPU memory. Without
-    this the next test's pipeline ran out of memory beside the last ones' (a module-scoped
-    fixture's pipeline is collected after its module's last test)."""
+    this the next test's pipeline ran out of memory beside the last ones'. A module-scoped
+    fixture's pipeline outlives its module's last test: the hooks imported above let it go
+    before the next module's fixtures are built."""
     log_memory("before", request.node.nodeid)
     yield
     # A failed test's frames outlive it: pytest keeps the last failure in sys.last_traceback
@@ -77,9 +80,9 @@ def collect_after_test(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="module", autouse=True)
 def clear_cublas_workspaces(request: pytest.FixtureRequest):
-    """After a module (its module-scoped pipelines let go first: this fixture is set up before
-    them, so it is finalized after them), give back cuBLAS's workspaces, as PyTorch's own test
-    suite does between tests. cuBLAS keeps one workspace per handle and stream (tens of MiB,
+    """After a module, give back cuBLAS's workspaces, as PyTorch's own test suite does between
+    tests. The module's pipelines are still referenced here (by its last test's arguments);
+    :mod:`tests.helpers.fixture_release` lets them go once that test has ended. cuBLAS keeps one workspace per handle and stream (tens of MiB,
     from the caching allocator, for the life of the process), and every graph pool brings a
     capture stream: in the H200 suite 1.2 GiB of them were likely what was still allocated
     beside the 29th test's model, when its captures ran out of memory. Within a module they stay:
@@ -116,18 +119,3 @@ def _broken_device() -> str | None:
     except Exception as e:  # whatever the driver or cuBLAS raise
         return f"{type(e).__name__}: {e}".splitlines()[0]
     return None
-
-
-def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> None:
-    """A module-scoped fixture's pipeline is let go after :func:`collect_after_test` of its
-    module's last test has run, so its memory stayed in the allocator's cache, where the next
-    module's pipeline is allocated. A capture cannot use those segments (a graph pool takes
-    segments of its own, and the allocator frees none while a capture runs), and once live
-    blocks sit in them, emptying the cache gives nothing back either. Each module starts from an
-    empty cache, as a new process would. (The 115 GiB beside which test_install's decoder capture
-    once ran out of memory were another thing: free segments that the allocator would not free
-    after a failed capture, see accel.graphs.bcg.)"""
-    if fixturedef.scope == "function" or not torch.cuda.is_available():
-        return
-    gc.collect()
-    torch.cuda.empty_cache()
