@@ -82,7 +82,8 @@ def collect_after_test(request: pytest.FixtureRequest):
 def clear_cublas_workspaces(request: pytest.FixtureRequest):
     """After a module, give back cuBLAS's workspaces, as PyTorch's own test suite does between
     tests. The module's pipelines are still referenced here (by its last test's arguments);
-    :mod:`tests.helpers.fixture_release` lets them go once that test has ended. cuBLAS keeps one workspace per handle and stream (tens of MiB,
+    :mod:`tests.helpers.fixture_release` lets them go once that test has ended. cuBLAS keeps
+    one workspace per handle and stream (tens of MiB,
     from the caching allocator, for the life of the process), and every graph pool brings a
     capture stream: in the H200 suite 1.2 GiB of them were likely what was still allocated
     beside the 29th test's model, when its captures ran out of memory. Within a module they stay:

@@ -6,7 +6,10 @@ returns. And at a module's end, the last test's ``funcargs`` keep it until that 
 protocol is over. A collection inside the finalizer hook therefore freed nothing. The H200 suite's
 memory log showed it: a module's full-size pipelines (19-54 GiB) were still allocated when the
 next module's first test began, and Z-Image's pipeline was still allocated when the fixture was
-built again for Qwen-Image. These hooks collect once nothing holds the value any more:
+built again for Qwen-Image. Each module should start from an empty cache, as a new process
+would: a capture cannot use the default pool's cached segments, and once the next module's
+blocks sit in them, emptying the cache gives nothing back. These hooks collect once nothing
+holds the value any more:
 
 - a parameter switch inside a module (the old value is finalized while the next test is set
   up): in the finalizer hook, after dropping the cached result, which pytest drops next anyway;
