@@ -1,8 +1,8 @@
-"""The GPU suite's hooks let a module-scoped fixture's value go before the next one is built.
+"""The GPU suite's hook lets a module-scoped fixture's value go before the next one is built.
 
 The run is a small pytest run in a subprocess. Its fixtures hold objects in reference cycles,
 and automatic collection is off, so only an explicit collection frees them. Each fixture asserts
-at setup that no earlier fixture's object is alive. Without the hooks, the same run fails.
+at setup that no earlier fixture's object is alive. Without the hook, the same run fails.
 """
 
 from __future__ import annotations
@@ -71,19 +71,24 @@ def test_it(pipe):
 
 # A parameter switch inside one module; a module's end, then the next module.
 SCENARIOS = {"switch": {"test_a.py": SWITCHED}, "module-end": {"test_b.py": PLAIN, "test_c.py": PLAIN}}
-FINALIZER, LOGFINISH = "pytest_fixture_post_finalizer", "pytest_runtest_logfinish"
-# What the GPU conftest had before: a collection in the finalizer hook alone.
+# Collections when a fixture is finalized: as the GPU conftest had it, and also dropping the
+# cached value first. Neither frees a value that a module's last test still holds.
 AS_BEFORE = """
 def pytest_fixture_post_finalizer(fixturedef, request):
     if fixturedef.scope != "function":
         gc.collect()
 """
+DROPPING_FIRST = """
+def pytest_fixture_post_finalizer(fixturedef, request):
+    if fixturedef.scope != "function":
+        fixturedef.cached_result = None
+        gc.collect()
+"""
+OURS = "from tests.helpers.fixture_release import pytest_fixture_setup\n"
 
 
-def run(tmp_path: Path, scenario: str, hooks: tuple[str, ...], extra: str = "") -> str:
-    conftest = "import gc\n\ngc.disable()\n" + extra
-    if hooks:
-        conftest += f"from tests.helpers.fixture_release import {', '.join(hooks)}\n"
+def run(tmp_path: Path, scenario: str, hooks: str) -> str:
+    conftest = "import gc\n\ngc.disable()\n" + hooks
     files = {"conftest.py": conftest, "registry.py": REGISTRY, **SCENARIOS[scenario]}
     for name, text in files.items():
         (tmp_path / name).write_text(textwrap.dedent(text))
@@ -102,19 +107,19 @@ def run(tmp_path: Path, scenario: str, hooks: tuple[str, ...], extra: str = "") 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize(
-    "hooks, extra, lets_go",
+    "hooks, lets_go",
     [
-        ((FINALIZER, LOGFINISH), "", {"switch", "module-end"}),
-        ((FINALIZER,), "", {"switch"}),  # a module's end needs the hook after its last test
-        ((), AS_BEFORE, set()),
-        ((), "", set()),
+        (OURS, {"switch", "module-end"}),
+        (DROPPING_FIRST, {"switch"}),  # a module's end: its last test still holds the value
+        (AS_BEFORE, set()),
+        ("", set()),
     ],
-    ids=["both", "finalizer-only", "as-before", "neither"],
+    ids=["ours", "dropping-first", "as-before", "neither"],
 )
 def test_a_module_fixture_is_let_go_before_the_next_is_built(
-    tmp_path: Path, scenario: str, hooks: tuple[str, ...], extra: str, lets_go: set[str]
+    tmp_path: Path, scenario: str, hooks: str, lets_go: set[str]
 ) -> None:
-    out = run(tmp_path, scenario, hooks, extra)
+    out = run(tmp_path, scenario, hooks)
     if scenario in lets_go:
         assert {"switch": "4 passed in", "module-end": "2 passed in"}[scenario] in out, out
         assert "error" not in out.lower(), out

@@ -10,8 +10,8 @@ import traceback
 import pytest
 import torch
 
-# Hooks: pytest finds them in a conftest's namespace by name.
-from tests.helpers.fixture_release import pytest_fixture_post_finalizer, pytest_runtest_logfinish  # noqa: F401
+# A hook: pytest finds it in a conftest's namespace by name.
+from tests.helpers.fixture_release import pytest_fixture_setup  # noqa: F401
 from tests.helpers.memory import log_memory
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def collect_after_test(request: pytest.FixtureRequest):
     of a pipeline call, ours) tie a model to itself in cycles, which reference counting cannot
     free; only the collector does, and it runs by object counts, not by GPU memory. Without
     this the next test's pipeline ran out of memory beside the last ones'. A module-scoped
-    fixture's pipeline outlives its module's last test: the hooks imported above let it go
+    fixture's pipeline outlives its module's last test: the hook imported above lets it go
     before the next module's fixtures are built."""
     log_memory("before", request.node.nodeid)
     yield
@@ -82,8 +82,8 @@ def collect_after_test(request: pytest.FixtureRequest):
 def clear_cublas_workspaces(request: pytest.FixtureRequest):
     """After a module, give back cuBLAS's workspaces, as PyTorch's own test suite does between
     tests. The module's pipelines are still referenced here (by its last test's arguments);
-    :mod:`tests.helpers.fixture_release` lets them go once that test has ended. cuBLAS keeps
-    one workspace per handle and stream (tens of MiB,
+    :mod:`tests.helpers.fixture_release` lets them go before the next module's are built.
+    cuBLAS keeps one workspace per handle and stream (tens of MiB,
     from the caching allocator, for the life of the process), and every graph pool brings a
     capture stream: in the H200 suite 1.2 GiB of them were likely what was still allocated
     beside the 29th test's model, when its captures ran out of memory. Within a module they stay:
