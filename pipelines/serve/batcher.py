@@ -3,9 +3,11 @@
 Requests wait here between the route that checked them and the device worker. The worker asks
 for a batch; the batcher takes the oldest request and every later one with the same
 :class:`BatchKey` (same size, steps, guidance, negative prompt or not, adapter, text length),
-in arrival order, while their images fit in ``max_batch``. It waits for more only until the oldest has
+in arrival order, while their images fit in ``max_batch`` (or in what ``limit`` admits for the key:
+the memory-aware admission, :mod:`.admission`). It waits for more only until the oldest has
 waited ``max_wait`` seconds, so joining never delays a request by more than that; a request
-that waited longer while the device was busy leaves with whatever can join it at once.
+that waited longer while the device was busy leaves with whatever can join it at once. The
+oldest request always leaves, even when its own images exceed the limit: the worker splits it.
 
 Each request carries a :class:`concurrent.futures.Future`. Taking it into a batch marks it
 running (``set_running_or_notify_cancel``); a request cancelled before that (its client left,
@@ -20,8 +22,10 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BatchKey", "Batcher", "Closed", "QueueFull", "Work"]
@@ -74,15 +78,19 @@ class Batcher:
 
     ``submit`` and ``cancel`` are called from the server's event loop, ``next_batch`` from the
     device worker's thread; one lock guards the queue. Times are ``time.monotonic`` seconds.
+    ``limit(key)``: the images a call of that key may have now (at most ``max_batch``); None:
+    ``max_batch`` for every key.
     """
 
-    def __init__(self, max_queue: int, max_batch: int, max_wait: float) -> None:
+    def __init__(self, max_queue: int, max_batch: int, max_wait: float,
+                 limit: Callable[[BatchKey], int] | None = None) -> None:  # fmt: skip
         if max_queue < 1 or max_batch < 1 or max_wait < 0:
             raise ValueError(f"max_queue and max_batch must be >= 1 and max_wait >= 0, got "
                              f"{max_queue}, {max_batch}, {max_wait}")  # fmt: skip
         self.max_queue = max_queue
         self.max_batch = max_batch
         self.max_wait = max_wait
+        self.limit = limit
         self._queue: collections.deque[Work] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -149,10 +157,11 @@ class Batcher:
                     self._cond.wait(left)
                     continue
                 head = self._queue[0]
-                batch = self._joinable(head)
+                room = self._room(head.key)
+                batch = self._joinable(head, room)
                 now = time.monotonic()
                 deadline = head.arrived + self.max_wait
-                if sum(w.images for w in batch) < self.max_batch and now < deadline:
+                if sum(w.images for w in batch) < room and now < deadline:
                     self._cond.wait(deadline - now)  # more may arrive; woken by each submit
                     continue
                 for w in batch:
@@ -161,14 +170,19 @@ class Batcher:
                 if running:
                     return running
 
-    def _joinable(self, head: Work) -> list[Work]:
-        batch, room = [], self.max_batch
-        for w in self._queue:
+    def _room(self, key: BatchKey) -> int:
+        if self.limit is None:
+            return self.max_batch
+        return max(1, min(self.max_batch, self.limit(key)))
+
+    def _joinable(self, head: Work, room: int) -> list[Work]:
+        batch, room = [head], room - head.images
+        for w in itertools.islice(self._queue, 1, None):
+            if room <= 0:
+                break
             if w.key == head.key and w.images <= room:
                 batch.append(w)
                 room -= w.images
-                if not room:
-                    break
         return batch
 
     def _drop_cancelled(self) -> None:

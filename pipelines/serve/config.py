@@ -15,10 +15,14 @@ from pipelines.cli import CLIError, ModelSettings, add_model_arguments, model_se
 from pipelines.cli.model_flags import model_epilog
 from pipelines.cli.values import resolution
 
-__all__ = ["PROG", "ServeConfig", "UsageError", "build_parser", "parse_args"]
+__all__ = ["DEFAULT_BATCH_SIZES", "PROG", "ServeConfig", "UsageError", "batch_sizes", "build_parser", "parse_args"]
 
 PROG = "bcg-serve"
 DEFAULT_RESOLUTION = "512x512"
+# The batch sizes captured when neither --batch-sizes nor --max-batch is given. Each bucket costs
+# warm-up time and graph memory; on the H200 four 512x512 Z-Image images in one call took 3.3x one
+# image's time (docs/serving.md), so buckets above 4 are a measured choice, not a default.
+DEFAULT_BATCH_SIZES = (1, 2, 4)
 
 
 class UsageError(Exception):
@@ -53,6 +57,30 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _gib(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB above 0, got {text}")
+    return int(value * 2**30)
+
+
+def batch_sizes(given: list[int] | None, max_batch: int | None) -> tuple[int, ...]:
+    """The buckets of ``--batch-sizes`` and ``--max-batch``, ascending; UsageError where they disagree."""
+    if given is not None:
+        sizes = tuple(sorted(set(given)))
+        if max_batch is not None and max_batch != sizes[-1]:
+            raise UsageError(f"--max-batch {max_batch} is not the largest of --batch-sizes "
+                             f"{' '.join(map(str, sizes))}: drop --max-batch")  # fmt: skip
+        return sizes
+    if max_batch is None:
+        return DEFAULT_BATCH_SIZES
+    below = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return (*below, max_batch)
+
+
 def _port(text: str) -> int:
     value = _int_at_least(0)(text)
     if value > 65535:
@@ -73,13 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
 --lora NAME=FILE[:SCALE]: each adapter is loaded at start (before the accelerator) and none is
   active until a request names one ("lora": NAME); a request without one gets the base model.
 
-POST /v1/images/generations takes JSON: prompt (required), n (1 to --max-batch), size (one of
-  --resolutions, default the first), response_format (b64_json), and the extensions seed (image i
-  uses seed + i; default random), steps, guidance, negative_prompt, lora (a --lora NAME).
+POST /v1/images/generations takes OpenAI's JSON: prompt (required), n (1 to the largest batch
+  size), size (one of --resolutions, default the first), response_format (b64_json),
+  output_format (png, jpeg, webp), output_compression (0-100, jpeg and webp); quality, style,
+  background, moderation and OpenAI's other fields are accepted and ignored (said in the log and
+  the X-Ignored-Parameters header); and the extensions seed (image i uses seed + i; default
+  random), steps, guidance, negative_prompt, lora (a --lora NAME).
   Also: GET /v1/models, /health, /ready (200 once warmed up), /metrics (Prometheus).
 
 --warmup: the sizes captured before the server is ready (default: --resolutions; 'none': none),
-  each at every batch size up to --max-batch, with and without guidance where the model has it.
+  each at every --batch-sizes bucket, with and without guidance where the model has it. Where
+  graphs are captured, a request for a size not warmed up is a 422 naming the sizes served,
+  unless --capture-on-miss (then its first call captures).
+
+--batch-sizes: the buckets a pipeline call runs at (default {" ".join(map(str, DEFAULT_BATCH_SIZES))}). A call of k images
+  runs at the smallest bucket of at least k; the rows added to reach it repeat the last image and
+  are dropped. --max-batch N alone means the buckets 1 2 4 ... below N, and N.
 
 One server owns one device: for several GPUs, start one server per GPU (--device cuda:N, --port)
 behind your load balancer. SIGTERM stops accepting, finishes the running batch, answers the
@@ -91,13 +128,22 @@ exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 
     s.add_argument("--resolutions", type=resolution, nargs="+", default=None, metavar="WxH",
                    help=f"the sizes served, WIDTHxHEIGHT; the first is a request's default (default "
                    f"{DEFAULT_RESOLUTION})")  # fmt: skip
+    s.add_argument("--batch-sizes", type=_int_at_least(1), nargs="+", default=None, metavar="N",
+                   help="the batch sizes captured and run; the largest is the most images per call and per request "
+                   f"(n) (default {' '.join(map(str, DEFAULT_BATCH_SIZES))}; 1: no batching)")  # fmt: skip
     s.add_argument(
         "--max-batch",
         type=_int_at_least(1),
-        default=4,
+        default=None,
         metavar="N",
-        help="images per pipeline call at most, and per request (n) (default 4; 1: no batching)",
+        help="the largest batch size (the buckets below it are 1 2 4 ...); --batch-sizes names them all",
     )
+    s.add_argument("--capture-on-miss", action="store_true",
+                   help="serve a --resolutions size that --warmup left out by capturing it on its first call "
+                   "(default: a 422 naming the sizes warmed up)")  # fmt: skip
+    s.add_argument("--memory-budget", type=_gib, default=None, metavar="GIB",
+                   help="device memory the calls and graphs may use beyond the weights (default: what the device "
+                   "has free once they are loaded; none on a CPU)")  # fmt: skip
     s.add_argument(
         "--max-wait-ms",
         type=_int_at_least(0),
@@ -127,13 +173,20 @@ class ServeConfig:
 
     settings: ModelSettings
     resolutions: tuple[tuple[int, int], ...]
-    max_batch: int = 4
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     max_wait: float = 0.02
     queue: int = 64
     timeout: float = 300.0
     host: str = "127.0.0.1"
     port: int = 8000
     quiet: bool = False
+    capture_on_miss: bool = False
+    memory_budget: int | None = None
+
+    @property
+    def max_batch(self) -> int:
+        """The largest bucket: images per call, and per request, at most."""
+        return self.batch_sizes[-1]
 
 
 def parse_args(argv: list[str] | None = None) -> ServeConfig:
@@ -152,6 +205,9 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     if len(set(names)) != len(names):
         raise UsageError(f"--lora: each adapter needs a name of its own, got {', '.join(map(str, names))}")
     sizes = tuple(dict.fromkeys(args.resolutions or [resolution(DEFAULT_RESOLUTION)]))
-    return ServeConfig(settings=settings, resolutions=sizes, max_batch=args.max_batch,
+    if args.capture_on_miss and settings.mode == "eager":
+        raise UsageError("--capture-on-miss captures graphs, which --mode eager never does: drop one of them")
+    return ServeConfig(settings=settings, resolutions=sizes, batch_sizes=batch_sizes(args.batch_sizes, args.max_batch),
                        max_wait=args.max_wait_ms / 1000, queue=args.queue, timeout=args.timeout, host=args.host,
-                       port=args.port, quiet=args.quiet)  # fmt: skip
+                       port=args.port, quiet=args.quiet, capture_on_miss=args.capture_on_miss,
+                       memory_budget=args.memory_budget)  # fmt: skip

@@ -4,10 +4,14 @@ batch of planned requests made into PNGs by one pipeline call.
 The model's knowledge is the CLI's (:mod:`pipelines.cli`): a request's steps, guidance and
 negative prompt are resolved by :func:`~pipelines.cli.call_settings`, the call's arguments by
 its :class:`~pipelines.cli.CallSettings`, the call itself (errors in one line, non-finite pixels
-refused) by the CLI's call, and each image's PNG text by :func:`~pipelines.cli.call_pngs`, so a
+refused) by the CLI's call, and each image's text by :func:`~pipelines.cli.images.image_texts`, so a
 served image records what ``bcg-generate``'s would. What the server adds: several requests in one
 call, each image with its own generator (diffusers takes a list), so an image's noise depends on
-its own seed only, whichever requests share its call.
+its own seed only, whichever requests share its call; and batch-size buckets: a call of k images
+runs at the smallest bucket of at least k (``batch_sizes``), the rows added repeating the last
+image (its prompt, negative prompt and seed, so its text length and batch key), then dropped. The
+call's shapes are then the bucket's, which the warm-up captured: an image equals the same request
+made in any other call of its bucket, bit for bit.
 
 Only the device worker's thread calls :meth:`Engine.run` and :meth:`Engine.warmup`;
 :meth:`Engine.plan` reads only what is fixed once the engine exists, so the routes call it.
@@ -20,31 +24,44 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import math
 import secrets
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pipelines.cli import CallSettings, Job, PreparedPipeline, call_pngs, call_settings, run_text
+from pipelines.cli import CallSettings, Job, PreparedPipeline, call_settings, run_text
 from pipelines.cli.calls import generate_images, graph_replays, mode_ran, nan_hint
-from pipelines.cli.prompts import count_tokens
+from pipelines.cli.images import image_texts, quantized
+from pipelines.cli.prompts import TokenCount, count_tokens
 from pipelines.lora import LoraSpec, activate
 
 from .batcher import BatchKey
+from .encode import encode_all
 from .errors import ServeError
 from .schema import MAX_SEED, ImageRequest
 
-__all__ = ["Engine", "Generated", "Plan", "TextCases"]
+__all__ = ["Engine", "Generated", "Plan", "TextCases", "bucket_for"]
 
 logger = logging.getLogger("bcg-serve")
 
 
 @dataclasses.dataclass(frozen=True)
 class Generated:
-    """One image as the response carries it: a base64 PNG and the seed it was made with."""
+    """One image as the response carries it: base64 bytes of the format asked for, the seed it was
+    made with, and its prompt's tokens as the text encoder read them (None: not counted)."""
 
     b64_json: str
     seed: int
+    tokens: TokenCount | None = None
+
+
+def bucket_for(images: int, batch_sizes: Sequence[int] | None) -> int:
+    """The smallest of ``batch_sizes`` of at least ``images`` (None: ``images`` itself)."""
+    if not batch_sizes:
+        return images
+    for b in sorted(batch_sizes):
+        if b >= images:
+            return b
+    raise ValueError(f"{images} images do not fit the largest batch size {max(batch_sizes)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,8 +166,14 @@ class Adapters:
 class Engine:
     """A prepared pipeline (:func:`pipelines.cli.prepare_pipeline`) and what its calls need."""
 
-    def __init__(self, prepared: PreparedPipeline) -> None:
+    def __init__(self, prepared: PreparedPipeline, batch_sizes: Sequence[int] | None = None) -> None:
         self.prepared = prepared
+        self.batch_sizes = tuple(sorted(set(batch_sizes))) if batch_sizes else None
+        # Set by the start (:mod:`.startup`): the admission, the sizes served where graphs were
+        # captured (None: every size), and what the warm-up cost per bucket.
+        self.admission: Any = None
+        self.warm_sizes: tuple[tuple[int, int], ...] | None = None
+        self.warmup_costs: dict[int, Any] = {}
         self.pipe = prepared.pipe
         self.device = prepared.device
         self.adapters = Adapters(self.pipe, prepared.loras)
@@ -185,6 +208,15 @@ class Engine:
 
     # -- the device (the worker's thread only) --------------------------------------------------
 
+    def bucket(self, images: int) -> int:
+        """The batch size a call of ``images`` images runs at."""
+        return bucket_for(images, self.batch_sizes)
+
+    def graph_memory_bytes(self) -> int:
+        """Device memory the captured graphs hold now (0 where the pipeline is not accelerated)."""
+        accel = vars(self.pipe).get("accel")
+        return accel.graph_memory_bytes() if accel is not None else 0
+
     def denoiser_counts(self) -> tuple[int, int]:
         """(graph replays, eager calls) of the denoisers so far; zeros where nothing is counted."""
         try:
@@ -194,19 +226,29 @@ class Engine:
         return sum(s.replays for s in stats), sum(s.eager_calls for s in stats)
 
     def run(self, plans: Sequence[Plan]) -> list[list[Generated]]:
-        """One pipeline call for ``plans`` (one :class:`BatchKey`); per plan, its images."""
+        """One pipeline call for ``plans`` (one :class:`BatchKey`), at their bucket; per plan, its images."""
         import torch
 
         first, p = plans[0], self.prepared
         key, r = first.key, first.request
         assert all(q.key == key for q in plans), "a batch mixes keys"
-        seeds = tuple(s for q in plans for s in q.seeds)
-        job = Job(r.prompt, r.width, r.height, tuple(range(len(seeds))), seeds)
+        seeds = [s for q in plans for s in q.seeds]
+        prompts = [q.request.prompt for q in plans for _ in q.seeds]
+        negatives = [q.call.negative_prompt for q in plans for _ in q.seeds]
+        pad = bucket_for(len(seeds), self.batch_sizes) - len(seeds)
+        # Padded rows repeat the last image: same text length (the batch key's), so the call's
+        # shapes are the bucket's, and its noise is a seed's like any other row's.
+        seeds, prompts, negatives = (
+            seeds + seeds[-1:] * pad,
+            prompts + prompts[-1:] * pad,
+            negatives + negatives[-1:] * pad,
+        )
+        job = Job(r.prompt, r.width, r.height, tuple(range(len(seeds))), tuple(seeds))
         kwargs = first.call.kwargs(job, self.device)  # a generator per seed, the model's arguments
-        kwargs["prompt"] = [q.request.prompt for q in plans for _ in q.seeds]  # one prompt per image
+        kwargs["prompt"] = prompts  # one prompt per image, a fresh list: the pipeline edits it
         kwargs[first.call.count_kwarg] = 1
         if first.call.negative_prompt is not None:
-            kwargs["negative_prompt"] = [q.call.negative_prompt for q in plans for _ in q.seeds]
+            kwargs["negative_prompt"] = negatives
         self.adapters.select(key.lora)
         before = graph_replays(self.pipe) if p.accelerated else None
         images = generate_images(self.pipe, kwargs, job, nan_hint(p.settings.dtype, r.guidance), p.cache)
@@ -217,9 +259,14 @@ class Engine:
         for q in plans:
             n = len(q.seeds)
             mine = Job(q.request.prompt, r.width, r.height, tuple(range(n)), q.seeds)
-            common = run_text(p.settings.model, self.device, p.dtype, q.call, p.cache, self.adapters.specs(key.lora))
-            pngs = call_pngs(images[start : start + n], mine, common, ran, p.settings.mode, self._tokens(q))
-            out.append([Generated(base64.b64encode(png).decode("ascii"), s) for png, s in zip(pngs, q.seeds)])
+            common = run_text(p.settings.model, self.device, p.dtype, q.call, p.cache, self.adapters.specs(key.lora),
+                              quantized(self.pipe))  # fmt: skip
+            tokens = self._tokens(q)
+            texts = image_texts(mine, common, ran, p.settings.mode, tokens)
+            encoded = encode_all(
+                images[start : start + n], texts, q.request.output_format, q.request.output_compression
+            )
+            out.append([Generated(base64.b64encode(b).decode("ascii"), s, tokens) for b, s in zip(encoded, q.seeds)])
             start += n
         return out
 
@@ -228,31 +275,3 @@ class Engine:
             return count_tokens(self.pipe, plan.request.prompt)
         except Exception:  # a tokenizer without a chat template, say: not counted, as the CLI does
             return None
-
-    def warmup(self, sizes: Sequence[tuple[int, int]], max_batch: int) -> None:
-        """Capture every size at every batch size up to ``max_batch``, with and without guidance
-        where the model has it, for every adapter state (none, then each adapter); one warm-up
-        per state (compiled kernels are compiled once for all its sizes), a log line per size."""
-        d, batch_sizes = self.prepared.call, list(range(1, max_batch + 1))
-        cfg = [True, False] if d.guidance_kwarg is not None and not math.isinf(_cfg_above(self.pipe)) else [False]
-        kwargs: dict[str, Any] = dict(batch_sizes=batch_sizes, cfg=cfg, progress=False)
-        if d.frames is not None:
-            kwargs["num_frames"] = d.frames
-        for lora in (None, *self.adapters.names()):
-            self.adapters.select(lora)
-            logger.info("warming up %s at batch sizes 1-%d%s%s", ", ".join(f"{w}x{h}" for w, h in sizes), max_batch,
-                        ", with and without guidance" if len(cfg) == 2 else "",
-                        f", adapter {lora!r}" if lora else "")  # fmt: skip
-            report = self.pipe.accel.warmup(list(sizes), **kwargs)
-            for i, row in enumerate(report.rows, 1):
-                what = report.skipped or f"{row.captures} graph(s), {row.resident_bytes / 2**20:.1f} MiB"
-                compiled = f", compile {row.compile_seconds:.2f} s" if row.compile_seconds else ""
-                logger.info("warm-up %d/%d: %s: %.2f s%s (%s)", i, len(report.rows), row.size, row.seconds, compiled,
-                            what)  # fmt: skip
-        self.adapters.select(None)
-
-
-def _cfg_above(pipe: Any) -> float:
-    from pipelines.cli import generation_defaults
-
-    return generation_defaults(pipe).cfg_above

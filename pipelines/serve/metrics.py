@@ -3,16 +3,18 @@
 Counters: requests by answer status, images generated, requests dropped before they ran (by
 reason), pipeline calls by what ran (``graphs`` where a denoiser graph replayed, ``eager``
 where none did, ``failed``) and denoiser forwards by kind (``replay``, ``eager``, from the
-accelerator's counters). Histograms: images and requests per pipeline call (the batching),
-seconds per request (arrival to answer), in the queue and per pipeline call. Gauges: queue
-depth and readiness.
+accelerator's counters), and the rows a call ran beyond its images to reach its bucket (padded).
+Histograms: images and requests per pipeline call (the batching), the bucket each call ran at,
+seconds per request (arrival to answer), in the queue, per pipeline call and per image (a call's
+seconds over its images). Gauges: queue depth, readiness, graph memory held (set after the
+warm-up and each call) and each bucket's warm-up seconds.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -27,9 +29,10 @@ _SMOOTHING = 0.2  # weight of the newest pipeline call in the running mean behin
 class Metrics:
     """Every metric the server keeps; ``depth`` reads the queue's length when scraped."""
 
-    def __init__(self, max_batch: int, depth: Callable[[], int]) -> None:
+    def __init__(self, max_batch: int, depth: Callable[[], int], batch_sizes: Sequence[int] | None = None) -> None:
         r = self.registry = CollectorRegistry()
         counts = tuple(float(b) for b in range(1, max_batch + 1))
+        buckets = tuple(float(b) for b in sorted(set(batch_sizes or range(1, max_batch + 1))))
         self.requests = Counter("bcg_serve_requests", "Requests answered, by HTTP status", ["status"], registry=r)
         self.images = Counter(
             "bcg_serve_images", "Images generated (a request dropped while its batch ran counts too)", registry=r
@@ -49,6 +52,16 @@ class Metrics:
                                        buckets=_SECONDS, registry=r)  # fmt: skip
         self.batch_seconds = Histogram("bcg_serve_batch_seconds", "Seconds per pipeline call, PNG encoding included",
                                        buckets=_SECONDS, registry=r)  # fmt: skip
+        self.batch_size = Histogram("bcg_serve_batch_size", "The batch-size bucket each pipeline call ran at",
+                                    buckets=buckets, registry=r)  # fmt: skip
+        self.padded = Counter("bcg_serve_padded_rows", "Rows pipeline calls ran beyond their images to reach their "
+                              "bucket (computed, then dropped)", registry=r)  # fmt: skip
+        self.image_seconds = Histogram("bcg_serve_image_seconds", "Seconds per image: a pipeline call's seconds over "
+                                       "its images (padded rows not counted)", buckets=_SECONDS, registry=r)  # fmt: skip
+        self.graph_memory = Gauge("bcg_serve_graph_memory_bytes", "Device memory the captured graphs hold (their "
+                                  "pool, static inputs and boundary buffers)", registry=r)  # fmt: skip
+        self.warmup_seconds = Gauge("bcg_serve_warmup_seconds", "Seconds the warm-up spent on each batch size "
+                                    "(compile included)", ["batch_size"], registry=r)  # fmt: skip
         self.queue_depth = Gauge("bcg_serve_queue_depth", "Requests waiting for the device", registry=r)
         self.queue_depth.set_function(lambda: float(depth()))
         self.ready = Gauge("bcg_serve_ready", "1 once the warm-up is done and until the server stops", registry=r)

@@ -1,10 +1,15 @@
 """The request body of ``POST /v1/images/generations``, checked before anything is queued.
 
-OpenAI's fields (``prompt``, ``n``, ``size``, ``response_format``, ``model``, ``user``) and this
-server's extensions (``seed``, ``steps``, ``guidance``, ``negative_prompt``, ``lora``). A body
-that is not UTF-8, not JSON or not an object is a 400; a field of the wrong type, out of range,
-or naming what this server does not serve (a size, an adapter, a model) is a 422. Either way
-the answer is one line naming the field, and nothing reaches the queue.
+Every field of OpenAI's images API and this server's extensions (``seed``, ``steps``,
+``guidance``, ``negative_prompt``, ``lora``). Honoured: ``prompt``, ``n``, ``size`` (``auto``: the
+default), ``response_format`` (``b64_json``), ``model``, ``output_format`` (png, jpeg, webp) and
+``output_compression`` (jpeg and webp). Accepted and ignored (:data:`IGNORED`): what a diffusion
+model here has no setting for (``quality``, ``style``, ``background``, ``moderation``, ...); the
+request lists them (``ignored``), and the route says so in the log and the
+``X-Ignored-Parameters`` header. ``stream: true`` is a 422 (no streaming). A body that is not
+UTF-8, not JSON or not an object is a 400; a field of the wrong type, out of range, or naming
+what this server does not serve (a size, an adapter, a model, a format) is a 422. Either way the
+answer is one line naming the field, and nothing reaches the queue.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -21,13 +27,38 @@ from pipelines.cli.constants import MAX_SEED, MAX_STEPS
 
 from .errors import ServeError
 
-__all__ = ["MAX_BODY_BYTES", "MAX_PROMPT_CHARS", "MAX_SEED", "MAX_STEPS", "ImageRequest", "Served", "parse_request"]
+__all__ = [
+    "IGNORED",
+    "MAX_BODY_BYTES",
+    "MAX_PROMPT_CHARS",
+    "MAX_SEED",
+    "MAX_STEPS",
+    "ImageRequest",
+    "Served",
+    "parse_request",
+]
 
 MAX_BODY_BYTES = 1 << 20  # a prompt is text: a megabyte is far beyond any text encoder's reach
 # Characters of a prompt or negative prompt. The text encoders read 512 tokens at most (the CLI
 # cuts longer prompts there); the routes measure every prompt's length, and a longer text would
 # only hold up the event loop in the tokenizer.
 MAX_PROMPT_CHARS = 16384
+# OpenAI's fields that no setting of these pipelines matches: accepted (its client sends them),
+# ignored, and said to be. ``user`` and ``safety_identifier`` are ids for OpenAI's abuse tracking.
+IGNORED = (
+    "quality",
+    "style",
+    "background",
+    "moderation",
+    "complexity",
+    "partial_images",
+    "frame_count",
+    "frame_duration_ms",
+    "svg",
+    "user",
+    "safety_identifier",
+)
+FORMATS = ("png", "jpeg", "webp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,14 +66,17 @@ class Served:
     """What this server serves, which a request is checked against.
 
     ``sizes``: ``(width, height)`` pairs, the first the default; ``max_n``: images per request
-    (``--max-batch``: one request's images always share one pipeline call); ``loras``: adapter
-    names loaded at start.
+    (the largest batch size); ``loras``: adapter names loaded at start; ``cold``: sizes of
+    ``--resolutions`` that the warm-up did not capture and are not served (no
+    ``--capture-on-miss``); ``batch_sizes``: the buckets.
     """
 
     model: str
     sizes: tuple[tuple[int, int], ...]
     max_n: int
     loras: tuple[str, ...] = ()
+    cold: tuple[tuple[int, int], ...] = ()
+    batch_sizes: tuple[int, ...] = ()
 
     @property
     def size_names(self) -> list[str]:
@@ -63,6 +97,9 @@ class ImageRequest:
     guidance: float | None = None
     negative_prompt: str | None = None
     lora: str | None = None
+    output_format: str = "png"
+    output_compression: int | None = None
+    ignored: tuple[str, ...] = ()
 
 
 class _Body(BaseModel):
@@ -74,7 +111,20 @@ class _Body(BaseModel):
     size: str | None = None
     response_format: str = "b64_json"
     model: str | None = None
-    user: str | None = None  # OpenAI's end-user id, for abuse tracking; accepted and unused
+    output_format: str | None = None
+    output_compression: int | None = None
+    stream: bool | None = None
+    quality: str | None = None
+    style: str | None = None
+    background: str | None = None
+    moderation: str | None = None
+    complexity: str | None = None
+    partial_images: int | None = None
+    frame_count: int | None = None
+    frame_duration_ms: int | None = None
+    svg: dict[str, Any] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
     seed: int | None = None
     steps: int | None = None
     guidance: float | None = None
@@ -114,15 +164,34 @@ def _text(name: str, value: str) -> str:
 
 
 def _size(text: str | None, served: Served) -> tuple[int, int]:
-    if text is None:
+    if text is None or text == "auto":
         return served.sizes[0]
     parts = text.lower().split("x")
     size = tuple(int(p) for p in parts) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
+    if size in served.cold:
+        raise ServeError(422, f"size {text!r} was not warmed up (served: {', '.join(served.size_names)}; "
+                         "bcg-serve --capture-on-miss serves it by capturing its first call)", param="size",
+                         code="size_not_warm")  # fmt: skip
     if size not in served.sizes:
         what = "is not served" if size is not None else "is not WIDTHxHEIGHT"
         raise ServeError(422, f"size {text!r} {what} (served: {', '.join(served.size_names)})",
                          param="size", code="unknown_size")  # fmt: skip
     return size  # type: ignore[return-value]
+
+
+def _format(b: _Body) -> tuple[str, int | None, list[str]]:
+    """The output format, its compression, and what of them is ignored."""
+    fmt = b.output_format or "png"
+    if fmt not in FORMATS:
+        raise ServeError(422, f"output_format {fmt!r} is not served: one of {', '.join(FORMATS)}",
+                         param="output_format", code="unsupported_output_format")  # fmt: skip
+    compression = b.output_compression
+    if compression is not None and not 0 <= compression <= 100:
+        raise ServeError(422, f"output_compression must be 0 to 100, got {compression}", param="output_compression",
+                         code="invalid_value")  # fmt: skip
+    if compression is not None and fmt == "png":  # OpenAI's too: PNG is lossless, its compression no choice here
+        return fmt, None, ["output_compression"]
+    return fmt, compression, []
 
 
 def parse_request(body: bytes, served: Served) -> ImageRequest:
@@ -141,9 +210,14 @@ def parse_request(body: bytes, served: Served) -> ImageRequest:
     if not prompt.strip():
         raise ServeError(422, "prompt is empty", param="prompt", code="empty_prompt")
     if not 1 <= b.n <= served.max_n:
-        raise ServeError(422, f"n must be 1 to {served.max_n} (this server's --max-batch), got {b.n}",
+        raise ServeError(422, f"n must be 1 to {served.max_n} (this server's largest batch size), got {b.n}",
                          param="n", code="n_out_of_range")  # fmt: skip
     width, height = _size(b.size, served)
+    if b.stream:
+        raise ServeError(422, "stream is not served: the images come in one answer", param="stream",
+                         code="unsupported_stream")  # fmt: skip
+    fmt, compression, ignored = _format(b)
+    ignored = [name for name in IGNORED if getattr(b, name) is not None] + ignored
     if b.response_format != "b64_json":
         raise ServeError(422, f"response_format {b.response_format!r} is not served: only 'b64_json' (no image "
                          "store to link to)", param="response_format", code="unsupported_response_format")  # fmt: skip
@@ -163,4 +237,5 @@ def parse_request(body: bytes, served: Served) -> ImageRequest:
         known = ", ".join(served.loras) if served.loras else "none are loaded (bcg-serve --lora NAME=FILE)"
         raise ServeError(422, f"lora {b.lora!r} is not loaded (loaded: {known})", param="lora", code="unknown_adapter")
     return ImageRequest(prompt=prompt, n=b.n, width=width, height=height, seed=b.seed, steps=b.steps,
-                        guidance=b.guidance, negative_prompt=negative, lora=b.lora)  # fmt: skip
+                        guidance=b.guidance, negative_prompt=negative, lora=b.lora, output_format=fmt,
+                        output_compression=compression, ignored=tuple(ignored))  # fmt: skip

@@ -13,6 +13,7 @@ batch finishes), ``failed`` (the start failed; the server exits).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -43,24 +44,38 @@ class Service:
         self.served = served
         self.batcher = batcher
         self.timeout = timeout
-        self.metrics = Metrics(batcher.max_batch, lambda: batcher.depth)
+        self.metrics = Metrics(batcher.max_batch, lambda: batcher.depth, served.batch_sizes or None)
         self.phase = "starting"
         self.fatal: str | None = None
         self.fatal_status = 0
         self.engine: Any = None
         self.started = time.time()
-        self.worker = DeviceWorker(batcher, self.metrics, start, self._ready, self._failed)
+        self.worker = DeviceWorker(batcher, self.metrics, start, self._ready, self._failed, admission_wait=timeout)
 
     def start(self) -> None:
         self.worker.start()
 
     def _ready(self, engine: Any) -> None:
         self.engine = engine
+        warm = getattr(engine, "warm_sizes", None)
+        if warm is not None:  # graphs were captured: only their sizes are served (no --capture-on-miss)
+            cold = tuple(s for s in self.served.sizes if s not in warm)
+            self.served = dataclasses.replace(self.served, sizes=tuple(warm), cold=cold)
+            if cold:
+                logger.info("not warmed up, so not served: %s (--capture-on-miss serves them)",
+                            ", ".join(f"{w}x{h}" for w, h in cold))  # fmt: skip
+        admission = getattr(engine, "admission", None)
+        if admission is not None:
+            self.batcher.limit = admission.key_limit
+        for batch, cost in getattr(engine, "warmup_costs", {}).items():
+            self.metrics.warmup_seconds.labels(str(batch)).set(cost.seconds)
+        if hasattr(engine, "graph_memory_bytes"):
+            self.metrics.graph_memory.set(engine.graph_memory_bytes())
         if self.phase == "starting":
             self.phase = "ready"
             self.metrics.ready.set(1)
-            logger.info("ready: serving %s at %s, up to %d image(s) a call", self.served.model,
-                        ", ".join(self.served.size_names), self.batcher.max_batch)  # fmt: skip
+            logger.info("ready: serving %s at %s, batch sizes %s", self.served.model, ", ".join(self.served.size_names),
+                        " ".join(map(str, self.served.batch_sizes or (self.batcher.max_batch,))))  # fmt: skip
 
     def _failed(self, error: BaseException) -> None:
         # The CLI's errors are one line for users already, and carry their exit status.

@@ -4,21 +4,26 @@ adapters loaded, accelerated, and everything warmed up.
 
 Both are the CLI's steps (:mod:`pipelines.cli.prepare`): the same checks, the same pipeline, the
 adapters loaded by :func:`pipelines.lora.load_loras` before the accelerator. The server warms up
-itself: every served size at every batch size a call may have, with and without guidance, for
-every adapter state.
+itself (:mod:`.warmup`): every served size at every batch-size bucket, with and without guidance,
+for every adapter state, after the memory admission (:mod:`.admission`) has checked that the
+largest bucket fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from pipelines.cli import ModelSettings
+
+from .admission import Admission
 from .config import ServeConfig
 from .engine import Engine
 
-__all__ = ["check", "starter"]
+__all__ = ["ServeSettings", "check", "starter"]
 
 logger = logging.getLogger("bcg-serve")
 
@@ -33,21 +38,74 @@ def check(config: ServeConfig) -> tuple[Any, Any]:
     return device, dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class ServeSettings(ModelSettings):
+    """The model flags, and whether the accelerator captures a call it has no graph for
+    (``--capture-on-miss``), which the CLI's flags do not say."""
+
+    capture_on_miss: bool = False
+
+    def accelerate_options(self) -> dict[str, Any]:
+        options = super().accelerate_options()
+        if self.capture_on_miss:
+            options["capture_on_miss"] = True
+        return options
+
+
+def admission_for(config: ServeConfig, prepared: Any) -> Admission:
+    """The admission of ``prepared``'s pipeline: estimates from its components, the budget from
+    ``--memory-budget`` or, on a CUDA device, what it has free now that the weights are loaded."""
+    from pipelines import limits
+    from pipelines.memory_estimate import estimate_activation_bytes
+
+    pipe, device, call = prepared.pipe, prepared.device, prepared.call
+    cfg = call.cfg or call.guidance is None  # the pipeline's own default may run CFG: plan as if it does
+
+    @functools.cache
+    def need(batch: int, size: tuple[int, int], graphs: bool) -> int:
+        return estimate_activation_bytes(pipe, size[0], size[1], batch, cfg, graphs).total
+
+    budget = config.memory_budget
+    if budget is None and device.type == "cuda":
+        budget = limits.available_memory(device)
+
+    def held() -> int:
+        accel = vars(pipe).get("accel")
+        return accel.graph_memory_bytes() if accel is not None else 0
+
+    return Admission(config.batch_sizes, need, budget, held, graphs=config.capture_on_miss)
+
+
 def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine]:
-    """What the device worker runs first: returns the warm engine."""
+    """What the device worker runs first: returns the warm engine, its ``admission`` set and
+    ``warm_sizes`` the sizes whose graphs the warm-up captured (None: every size is served)."""
 
     def start() -> Engine:
         from pipelines.cli import DEFAULT_PROMPT, Workload, prepare_pipeline
 
-        settings = config.settings
+        from .warmup import warm_up
+
+        fields = {f.name: getattr(config.settings, f.name) for f in dataclasses.fields(ModelSettings)}
+        fields.update(warmup=(), capture_on_miss=config.capture_on_miss)  # the server's own warm-up follows
+        settings = ServeSettings(**fields)
         logger.info("building %s (%s) on %s", settings.model, settings.size, device)
-        # The limits are checked for the largest call served; the server's own warm-up follows.
-        workload = Workload(resolutions=config.resolutions, batch_size=config.max_batch, prompts=(DEFAULT_PROMPT,))
-        prepared = prepare_pipeline(dataclasses.replace(settings, warmup=()), workload, device, dtype, progress=False)
-        engine = Engine(prepared)
-        sizes = config.resolutions if settings.warmup is None else settings.warmup
+        # The CLI's limits are checked for one image at the largest size; the buckets are the
+        # admission's to check, with the server's flags in its message.
+        workload = Workload(resolutions=config.resolutions, batch_size=1, prompts=(DEFAULT_PROMPT,))
+        prepared = prepare_pipeline(settings, workload, device, dtype, progress=False)
+        engine = Engine(prepared, config.batch_sizes)
+        sizes = config.resolutions if config.settings.warmup is None else config.settings.warmup
+        graphs = prepared.accelerated and settings.mode == "bcg" and bool(sizes)
+        admission = admission_for(config, prepared)
+        admission.check(list(sizes) if graphs else list(config.resolutions), graphs)
+        engine.admission = admission
         if prepared.accelerated and sizes:
-            engine.warmup(sizes, config.max_batch)
+            costs, captured = warm_up(engine, sizes, config.batch_sizes)
+            engine.warmup_costs = costs
+            if captured:
+                admission.warm = {(b, s) for b in config.batch_sizes for s in sizes}
+                if not config.capture_on_miss:
+                    engine.warm_sizes = tuple(s for s in config.resolutions if s in sizes)
         return engine
 
     return start

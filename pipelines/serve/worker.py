@@ -1,20 +1,25 @@
 """The device worker: the one thread that touches the pipeline.
 
 It builds and warms the engine (so a slow start keeps ``/health`` answering), then takes
-batches from the batcher until it closes, one pipeline call each. A call that fails fails its
-batch's requests only (each future gets a :class:`BatchFailed` with the cause in one line) and
-the worker goes on with the next batch. Pipelines are not thread-safe, so nothing else calls
+batches from the batcher until it closes. A batch is one pipeline call, unless the memory
+admission (:mod:`.admission`) admits fewer images at its size now: then it is split into calls
+of the largest bucket that fits, each request's images kept in order; where no bucket fits now,
+it waits for memory (at most ``admission_wait`` seconds, then its requests fail). A call that
+fails fails its batch's requests only (each future gets a :class:`BatchFailed` with the cause in
+one line) and the worker goes on with the next batch. Pipelines are not thread-safe, so nothing else calls
 them; the library serialises calls per scheduler anyway.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from .admission import split
 from .batcher import Batcher, Work
 from .errors import one_line
 from .metrics import Metrics
@@ -43,6 +48,7 @@ class DeviceWorker(threading.Thread):
         start: Callable[[], Any],
         on_ready: Callable[[Any], None],
         on_fatal: Callable[[BaseException], None],
+        admission_wait: float = 300.0,
     ) -> None:
         super().__init__(name="bcg-serve-device", daemon=True)
         self.batcher = batcher
@@ -52,6 +58,8 @@ class DeviceWorker(threading.Thread):
         self._on_fatal = on_fatal
         self.engine: Any = None
         self.batches = 0
+        self.admission_wait = admission_wait
+        self._poll = 0.05  # seconds between looks at the memory while a batch waits for it
 
     def run(self) -> None:
         try:
@@ -65,15 +73,19 @@ class DeviceWorker(threading.Thread):
             self.serve(batch)
 
     def serve(self, batch: list[Work]) -> None:
-        """One pipeline call for ``batch``; every future gets its images or the failure."""
+        """``batch``'s pipeline call(s); every future gets its images or the failure."""
         m = self.metrics
         t0 = time.monotonic()
         for w in batch:
             m.queue_seconds.observe(t0 - w.arrived)
         images = sum(w.images for w in batch)
-        before = self.engine.denoiser_counts()
+        results: list[list[Any]] = [[] for _ in batch]
         try:
-            results = self.engine.run([w.plan for w in batch])
+            limit = self._admitted(batch[0])
+            for call in split([w.images for w in batch], limit):
+                plans = [_part(batch[p.index].plan, p.start, p.stop) for p in call]
+                for p, made in zip(call, self._call(plans)):
+                    results[p.index].extend(made)
         except Exception as e:  # one batch's failure is that batch's alone
             m.pipeline_calls.labels("failed").inc()
             # The CLI's errors are told for users already (out of memory, NaN pixels, a refused call).
@@ -86,13 +98,60 @@ class DeviceWorker(threading.Thread):
         finally:
             m.observe_batch(time.monotonic() - t0)
             self.batches += 1
-        after = self.engine.denoiser_counts()
-        replays, eager = after[0] - before[0], after[1] - before[1]
-        m.pipeline_calls.labels("graphs" if replays else "eager").inc()
-        m.denoiser_calls.labels("replay").inc(replays)
-        m.denoiser_calls.labels("eager").inc(eager)
+            self._graph_memory()
         m.images.inc(images)
         m.batch_images.observe(images)
         m.batch_requests.observe(len(batch))
         for w, result in zip(batch, results):
             w.future.set_result(result)
+
+    def _call(self, plans: list[Any]) -> list[list[Any]]:
+        """One pipeline call, counted: what ran, its bucket and padding, its seconds per image."""
+        m, engine = self.metrics, self.engine
+        images = sum(len(p.seeds) for p in plans)
+        before = engine.denoiser_counts()
+        t0 = time.monotonic()
+        out = engine.run(plans)
+        seconds = time.monotonic() - t0
+        after = engine.denoiser_counts()
+        replays, eager = after[0] - before[0], after[1] - before[1]
+        m.pipeline_calls.labels("graphs" if replays else "eager").inc()
+        m.denoiser_calls.labels("replay").inc(replays)
+        m.denoiser_calls.labels("eager").inc(eager)
+        bucket = engine.bucket(images)
+        m.batch_size.observe(bucket)
+        m.padded.inc(bucket - images)
+        for _ in range(images):
+            m.image_seconds.observe(seconds / images)
+        return out
+
+    def _admitted(self, head: Work) -> int:
+        """The most images a call of ``head``'s key may have now, waiting while none fits."""
+        admission = getattr(self.engine, "admission", None)
+        if admission is None:
+            return self.batcher.max_batch
+        size = (head.key.width, head.key.height)
+        give_up = time.monotonic() + self.admission_wait
+        said = False
+        while (limit := admission.limit(size)) < 1:
+            if not said:
+                logger.warning("a call at %dx%d waits for device memory (no batch size fits what is free now)", *size)
+                said = True
+            if time.monotonic() > give_up:
+                raise MemoryError(f"no device memory for one image at {size[0]}x{size[1]} within "
+                                  f"{self.admission_wait:g} s")  # fmt: skip
+            time.sleep(self._poll)
+        return min(limit, self.batcher.max_batch)
+
+    def _graph_memory(self) -> None:
+        try:
+            self.metrics.graph_memory.set(self.engine.graph_memory_bytes())
+        except Exception:  # counted where it can be; a metric never fails a batch
+            pass
+
+
+def _part(plan: Any, start: int, stop: int) -> Any:
+    """``plan`` for its images ``start`` to ``stop`` only (their seeds kept)."""
+    if start == 0 and stop == len(plan.seeds):
+        return plan
+    return dataclasses.replace(plan, seeds=plan.seeds[start:stop])

@@ -10,7 +10,7 @@ import pytest
 from pipelines.serve.errors import ServeError
 from pipelines.serve.schema import MAX_SEED, ImageRequest, Served, parse_request
 
-SERVED = Served(model="z-image", sizes=((64, 64), (32, 48)), max_n=4, loras=("style",))
+SERVED = Served(model="z-image", sizes=((64, 64), (32, 48)), max_n=4, loras=("style",), cold=((32, 32),))
 
 
 def parse(body: object) -> ImageRequest:
@@ -23,7 +23,8 @@ def test_a_good_request_keeps_its_values_and_takes_the_defaults() -> None:
     r = parse({"prompt": "a fox", "n": 4, "size": "32x48", "seed": 7, "steps": 3, "guidance": 2,
                "negative_prompt": "", "lora": "style", "response_format": "b64_json", "model": "z-image",
                "user": "u1"})  # fmt: skip
-    assert r == ImageRequest("a fox", 4, 32, 48, seed=7, steps=3, guidance=2.0, negative_prompt="", lora="style")
+    assert r == ImageRequest("a fox", 4, 32, 48, seed=7, steps=3, guidance=2.0, negative_prompt="", lora="style",
+                             ignored=("user",))  # fmt: skip
     assert parse({"prompt": "x", "n": 2, "seed": MAX_SEED - 1}).seed == MAX_SEED - 1  # the last image's seed fits
 
 
@@ -54,7 +55,13 @@ def test_a_good_request_keeps_its_values_and_takes_the_defaults() -> None:
         ({"prompt": "x", "guidance": -1}, 422, "guidance", "finite number"),
         (b'{"prompt": "x", "negative_prompt": "\\udcff"}', 422, "negative_prompt", "not valid UTF-8"),
         ({"prompt": "x", "lora": "other"}, 422, "lora", "'other' is not loaded (loaded: style)"),
-        ({"prompt": "x", "quality": "hd"}, 422, "quality", "Extra inputs are not permitted"),
+        ({"prompt": "x", "quality": 5}, 422, "quality", "valid string"),
+        ({"prompt": "x", "output_format": "gif"}, 422, "output_format", "'gif' is not served: one of png, jpeg, webp"),
+        ({"prompt": "x", "output_format": "jpeg", "output_compression": 101}, 422, "output_compression", "0 to 100"),
+        ({"prompt": "x", "stream": True}, 422, "stream", "stream is not served"),
+        ({"prompt": "x", "size": "32x32"}, 422, "size", "'32x32' was not warmed up (served: 64x64, 32x48; "
+         "bcg-serve --capture-on-miss"),
+        ({"prompt": "x", "colour": "red"}, 422, "colour", "Extra inputs are not permitted"),
         ({"prompt": "x" * 16385}, 422, "prompt", "prompt is 16385 characters; at most 16384"),
         ({"prompt": "x", "negative_prompt": "y" * 20000}, 422, "negative_prompt", "at most 16384"),
     ],
@@ -68,6 +75,18 @@ def test_bad_input_is_refused_in_one_line_naming_the_field(body: object, status:
     line = e.value.json()
     assert b"\n" not in line
     assert json.loads(line)["error"]["message"] == e.value.message
+
+
+def test_every_field_openais_client_sends_is_accepted_and_the_unhonoured_ones_are_named() -> None:
+    fields = dict(quality="hd", style="vivid", background="opaque", moderation="low", complexity="low",
+                  partial_images=0, frame_count=1, frame_duration_ms=10, svg={}, user="u", safety_identifier="s",
+                  stream=False, size="auto", output_format="webp", output_compression=40)  # fmt: skip
+    r = parse({"prompt": "a fox", **fields})
+    assert (r.width, r.height, r.output_format, r.output_compression) == (64, 64, "webp", 40)
+    assert set(r.ignored) == set(fields) - {"stream", "size", "output_format", "output_compression"}
+    png = parse({"prompt": "a fox", "output_format": "png", "output_compression": 50})
+    assert (png.output_format, png.output_compression, png.ignored) == ("png", None, ("output_compression",))
+    assert parse({"prompt": "a fox"}).ignored == ()
 
 
 def test_a_body_past_the_limit_is_refused_unread() -> None:
