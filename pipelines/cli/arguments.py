@@ -13,6 +13,7 @@ from typing import Any
 from . import values
 from .constants import DEFAULT_PROMPT, MAX_STEPS, MEMORY_MARGIN, PROG, accel_options, package_version
 from .errors import CLIError
+from .known_models import video_model_names
 from .model_flags import add_model_arguments, model_epilog
 
 
@@ -43,8 +44,8 @@ limits (checked before the model runs or anything is written; see pipelines/limi
               num_train_timesteps (more steps only repeat the noise levels it was trained on)
   --seed      0 to 2**63 - 1; image i uses seed + i, so the last image's seed must fit too
   --guidance  a finite number, 0 or more
-  --frames    video models only (wan), 4k+1: its VAE packs 4 frames into each latent after
-              the first
+  --frames    video models only ({", ".join(video_model_names())}), 4k+1: the VAE packs 4 frames into
+              each latent after the first
   --size full builds z-image's 10B, qwen-image's 29B, flux's 17B (FLUX.1-dev), wan's 20B
               (Wan2.1-T2V-14B) or wan-1.3b's 7B parameters, text encoders included:
               it needs a CUDA GPU with room for their weights; on a CPU it is refused

@@ -12,7 +12,6 @@ does not take, or one without ``--cache``, is an error rather than silently igno
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .errors import CLIError, RunError, _one_line
+from .extras import install_command, missing
 
 logger = logging.getLogger("bcg-generate")
 
@@ -34,7 +34,23 @@ KNOBS: dict[str, tuple[str, ...]] = {
 # Z-Image-style transformers name their attention modules layers.N.attention, which none of
 # TaylorSeer's default patterns (blocks / transformer_blocks ... attn) match.
 LAYERS_ATTENTION = r"^layers\.\d+\.attention$"
-CACHE_DIT_EXTRA = 'pip install "bcg-diffusers[cache-dit]"'
+CACHE_DIT_EXTRA = install_command("cache-dit")
+# The built-in models on which a cache of diffusers' cannot run, by method, and why: the help
+# says so from here, check_supported refuses them before the build, and
+# tests/pipelines/cli/test_help_claims.py checks the two agree for every model and method.
+NOT_ON: dict[str, tuple[tuple[str, ...], str]] = {
+    "taylorseer": (("wan", "wan-1.3b"), "it finds no attention module it knows there"),
+}
+
+
+def support_text() -> str:
+    """What the help says of which built-in model takes which of diffusers' caches."""
+    refusals = [f"{method} on {' and '.join(models)} ({why})" for method, (models, why) in NOT_ON.items()]
+    # z-image included: its denoiser has no CacheMixin, but accelerate_pipeline opens the caches'
+    # context for it.
+    hooks = ", ".join(m for m in KNOBS if CacheRequest(m).diffusers_hook)
+    text = f"diffusers' caches ({hooks}) run on every built-in model, z-image included"
+    return f"{text}, except {'; '.join(refusals)}" if refusals else text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +87,7 @@ def cache_request(method: str | None, threshold: float | None, interval: int | N
             "--cache magcache needs --cache-ratios R1,R2,...: MagCache skips steps by magnitude ratios calibrated "
             "for each model (diffusers' MagCacheConfig(calibrate=True) prints them)"
         )
-    if method == "dbcache" and importlib.util.find_spec("cache_dit") is None:
+    if method == "dbcache" and missing("cache-dit"):
         raise CLIError(f"--cache dbcache uses cache-dit, which is not installed: {CACHE_DIT_EXTRA}")
     return CacheRequest(method, threshold, interval, tuple(ratios) if ratios is not None else None)
 

@@ -1,5 +1,5 @@
 """Checks that need no model: prompts file, device, --out, existing images, compile cache, limits
-told by configs."""
+told by configs, and --frames by the model's name."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from .constants import VIDEO_SUFFIXES
 from .errors import CLIError, _one_line
+from .known_models import known_model, video_model_names
 
 # Bytes per pixel of one decoded image on the host: the pipeline's float32 RGB array plus the
 # 8-bit copy a PNG is made from. A floor no model can go below, checked before anything is built.
@@ -226,7 +227,10 @@ def check_frames(frames: int | None, pipeline: str, takes_frames: bool, temporal
     if frames is None:
         return
     if not takes_frames:
-        raise CLIError(f"--frames {frames}: {pipeline} makes images, not videos (--frames is for video models: wan)")
+        videos = ", ".join(video_model_names())
+        raise CLIError(
+            f"--frames {frames}: {pipeline} makes images, not videos (--frames is for video models: {videos})"
+        )
     if temporal and temporal > 1 and (frames - 1) % temporal:
         below = (frames - 1) // temporal * temporal + 1
         counts = ", ".join(str(temporal * k + 1) for k in range(5))
@@ -234,6 +238,14 @@ def check_frames(frames: int | None, pipeline: str, takes_frames: bool, temporal
             f"--frames {frames}: {pipeline}'s VAE packs {temporal} frames into each latent frame after the first, "
             f"so a video has {temporal}k+1 frames: use {below} or {below + temporal} (valid: {counts}, ...)"
         )
+
+
+def check_frames_by_name(model: str, frames: int | None) -> None:
+    """``--frames`` against a built-in model, known by its name alone (no torch): CLIError where
+    it cannot make them. Another model's frames are checked once it is built."""
+    known = known_model(model)
+    if known is not None:
+        check_frames(frames, known.pipeline, known.video, known.frames_per_latent)
 
 
 def _looks_like_path(model: str) -> bool:
@@ -257,10 +269,8 @@ def check_model_path(model: str) -> None:
 def _check_embedded(model: str, size: str, device: Any, dtype: Any, resolutions: Sequence[tuple[int, int]],
                     warmup: Sequence[tuple[int, int]], frames: int | None = None) -> None:  # fmt: skip
     """Limits of the built-in models that their configs tell, before building anything."""
-    import inspect
-
     from .. import limits
-    from ..builders import SIZES, canonical_name, pipeline_class, vae_config
+    from ..builders import SIZES, canonical_name
 
     name = canonical_name(model)
     if name is None:
@@ -268,10 +278,7 @@ def _check_embedded(model: str, size: str, device: Any, dtype: Any, resolutions:
         return
     if size not in SIZES:
         return
-    pipeline = pipeline_class(name)
-    takes_frames = "num_frames" in inspect.signature(pipeline.__call__).parameters
-    temporal = vae_config(name, size).get("scale_factor_temporal") if takes_frames else None
-    check_frames(frames, pipeline.__name__, takes_frames, temporal)
+    check_frames_by_name(model, frames)
     limit = limits.embedded_position_limit(name, size)
     check_positions(limit, resolutions, "--resolution")
     check_positions(limit, warmup, "--warmup")

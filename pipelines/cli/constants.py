@@ -24,6 +24,9 @@ CACHES = ("fbc", "taylorseer", "magcache", "dbcache")
 # The files a video model's every frame goes into (pipelines.cli.video), by --out's suffix.
 VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
 
+# A LoRA scale beyond this (either sign) is taken, with a warning: adapters are trained for about 1.
+LORA_SCALE_WARNING = 10.0
+
 # Mirrors of pipelines.limits (which imports torch); tests/pipelines/cli/test_startup.py keeps them equal.
 MAX_SEED = 2**63 - 1
 MAX_STEPS = 1000

@@ -8,6 +8,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from .constants import DEFAULT_RESOLUTION
+from .known_models import known_model
 
 if TYPE_CHECKING:  # accel imports torch: not before it is needed
     from accel import GenerationDefaults
@@ -52,22 +53,18 @@ def generation_defaults(pipe: Any) -> GenerationDefaults:
 
 
 def _is_builtin_video(model: str) -> bool:
-    from ..builders import canonical_name, pipeline_class
-
-    name = canonical_name(model)
-    return name is not None and "num_frames" in inspect.signature(pipeline_class(name).__call__).parameters
+    known = known_model(model)
+    return known is not None and known.video
 
 
 def is_video_model(model: str) -> bool | None:
-    """Whether ``model`` makes videos, known before it is built: a built-in model's pipeline, or a
-    local folder's (its ``model_index.json`` names the class); None for a hub id (or a folder
+    """Whether ``model`` makes videos, known before it is built: a built-in model's (by its name,
+    without torch), or a local folder's (its ``model_index.json`` names the class); None for a hub id (or a folder
     whose class diffusers does not know)."""
     import json
     from pathlib import Path
 
-    from ..builders import canonical_name
-
-    if canonical_name(model) is not None:
+    if known_model(model) is not None:
         return _is_builtin_video(model)
     index = Path(model).expanduser() / "model_index.json"
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import unicodedata
 from collections.abc import Sequence
 
 
@@ -60,11 +61,27 @@ def shard(jobs: Sequence[Job], process_index: int, num_processes: int) -> list[J
 
 
 _NOT_A_WORD = re.compile(r"[^a-z0-9]+")
+# Latin letters that NFKD leaves whole (they are letters of their own, not accented ones), spelled
+# as their languages spell them in ASCII.
+_NO_DECOMPOSITION = str.maketrans({"æ": "ae", "œ": "oe", "ø": "o", "đ": "d", "ð": "d", "þ": "th", "ł": "l", "ı": "i"})
+
+
+def transliterate(text: str) -> str:
+    """``text`` case-folded, its letters without their accents: "Über Straße" -> "uber strasse".
+
+    NFKD splits an accented letter into its base and combining marks, which are then dropped;
+    case folding comes first because it can itself make combining marks ("İ" -> "i̇"). A few Latin
+    letters that do not decompose (æ, ø, ł ...) are spelled out; letters with no ASCII base (CJK,
+    Cyrillic) are left as they are.
+    """
+    decomposed = unicodedata.normalize("NFKD", text.casefold().translate(_NO_DECOMPOSITION))
+    return "".join(c for c in decomposed if not unicodedata.combining(c))
 
 
 def slug(text: str) -> str:
-    """Lower-case ASCII words joined by '-': safe in a file name on any system."""
-    s = _NOT_A_WORD.sub("-", text.lower()).strip("-")
+    """Lower-case ASCII words joined by '-', accented letters kept by their base letter: safe in a
+    file name on any system."""
+    s = _NOT_A_WORD.sub("-", transliterate(text)).strip("-")
     return s or "image"
 
 

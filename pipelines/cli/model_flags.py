@@ -17,21 +17,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from ..lora import LoraError, LoraSpec, check_lora_file
 from . import values
-from .caches import CacheRequest, cache_request
+from .caches import CacheRequest, cache_request, support_text
 from .checks import check_compile_cache
 from .constants import CACHES, DEFAULT_MODEL, DTYPES, accel_options
 from .errors import CLIError
+from .extras import install_command
 
 Size = tuple[int, int]
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Add the model flags to ``parser``, in a group of their own, which is returned."""
+def add_model_arguments(parser: argparse.ArgumentParser, *, named_loras: bool = False) -> argparse._ArgumentGroup:
+    """Add the model flags to ``parser``, in a group of their own, which is returned.
+
+    ``named_loras``: ``--lora`` takes ``NAME=FILE[:SCALE]``, adapters loaded at start and picked
+    by name later (a server's requests), instead of ``FILE[:SCALE]``, adapters that all run.
+    """
     options = accel_options()
     p = parser.add_argument_group("model and acceleration")
     p.add_argument(
@@ -89,7 +95,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         choices=options.QUANTIZE_MODES,
         default=None,
         help="fp8: the denoiser's Linear layers in float8 (lossy; a CUDA GPU of compute capability 8.9 or newer, "
-        "bf16 weights, pip install 'bcg-diffusers[fp8]'); the warmup measures them and keeps the worst in bf16 "
+        f"bf16 weights, {install_command('fp8')}); the warmup measures them and keeps the worst in bf16 "
         f"until the latents are within {options.DEFAULT_FP8_BUDGET:.0%} of bf16".replace("%", "%%"),
     )
     p.add_argument(
@@ -147,16 +153,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         metavar="R1,R2,...",
         help="magcache (required): the model's calibrated magnitude ratios, one per step (resampled to --steps)",
     )
-    p.add_argument(
-        "--lora",
-        type=values.lora,
-        action="append",
-        default=[],
-        metavar="FILE[:SCALE]",
-        help="a LoRA .safetensors file for the denoiser, at SCALE (default 1.0; repeat for several, which run "
-        "together): diffusers' load_lora_weights, then set_adapters; loaded before the step cache and the "
-        "accelerator, and recorded in each image's text",
-    )
+    p.add_argument("--lora", type=values.lora, action="append", default=[], **_lora_help(named_loras))
     p.add_argument(
         "--device", default=None, help="torch device: cpu, cuda, cuda:N (default cuda if available, else cpu)"
     )
@@ -164,6 +161,19 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
         "--dtype", choices=sorted(DTYPES), default=None, help="weights dtype (default bfloat16 on cuda, float32 on cpu)"
     )
     return p
+
+
+def _lora_help(named: bool) -> dict[str, str]:
+    """``--lora``'s metavar and help: what each front end takes, in one place."""
+    loaded = "with diffusers' load_lora_weights before the step cache and the accelerator"
+    if named:
+        return dict(metavar="NAME=FILE[:SCALE]",
+                    help=f"a LoRA .safetensors file for the denoiser, at SCALE (default 1.0; repeat for several), "
+                    f"loaded at start as adapter NAME {loaded}; none is active until a request names one "
+                    '("lora": NAME), and a request without one gets the base model')  # fmt: skip
+    return dict(metavar="FILE[:SCALE]",
+                help=f"a LoRA .safetensors file for the denoiser, at SCALE (default 1.0; repeat for several, which run "
+                f"together), loaded {loaded}, then set_adapters; recorded in each image's text")  # fmt: skip
 
 
 def _compile_cache_line() -> str:
@@ -176,6 +186,11 @@ def _compile_cache_line() -> str:
     return line
 
 
+def _indented(text: str) -> str:
+    """``text`` as an epilog paragraph's continuation: wrapped, each line indented by two."""
+    return textwrap.fill(text, width=98, initial_indent="  ", subsequent_indent="  ")
+
+
 def model_epilog() -> str:
     """The help's paragraphs on the model flags: the step caches and the compile cache."""
     env = accel_options().COMPILE_CACHE_ENV
@@ -184,9 +199,8 @@ step caches (--cache): fbc, diffusers' First Block Cache (--cache-threshold, def
   taylorseer, diffusers' TaylorSeer (--cache-interval, default 5); magcache, diffusers' MagCache
   (--cache-ratios, calibrated for the model, required; --cache-threshold, default 0.06);
   dbcache, cache-dit's DBCache (--cache-threshold, its residual_diff_threshold, default 0.08;
-  pip install "bcg-diffusers[cache-dit]"). diffusers' caches need a denoiser that supports them
-  (qwen-image, flux and wan do; z-image does not in diffusers 0.42; taylorseer finds no
-  attention module it knows in wan).
+  {install_command("cache-dit")}).
+{_indented(support_text() + ".")}
 
 {_compile_cache_line()}
   (--compile-cache DIR, else ${env}, else $XDG_CACHE_HOME or ~/.cache, then

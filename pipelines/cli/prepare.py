@@ -22,6 +22,7 @@ from ..lora import LoraError, LoraSpec, load_loras
 from .caches import CacheRequest, apply_cache, check_supported, denoiser_of
 from .calls import CallSettings, call_settings, generate_frames, graph_replays, mode_ran
 from .checks import _check_embedded, check_positions, largest_first, resolve_device
+from .constants import LORA_SCALE_WARNING
 from .errors import CLIError, RunError, _one_line
 from .images import quantized, run_text
 from .jobs import Job
@@ -226,6 +227,7 @@ def _load_loras(pipe: Any, specs: Sequence[LoraSpec]) -> tuple[LoraSpec, ...]:
         return ()
     import torch
 
+    warn_lora_scales(specs)
     try:
         return tuple(load_loras(pipe, specs))
     except LoraError as e:
@@ -234,6 +236,16 @@ def _load_loras(pipe: Any, specs: Sequence[LoraSpec]) -> tuple[LoraSpec, ...]:
         raise RunError("out of memory loading --lora's adapters") from None
     except Exception as e:  # diffusers and peft raise many kinds; each ends as one line
         raise RunError(f"could not load --lora: {type(e).__name__}: {_one_line(e)[:300]}") from None
+
+
+def warn_lora_scales(specs: Sequence[LoraSpec]) -> None:
+    """One warning line for each adapter whose scale is far outside the usual range: such a
+    scale is allowed (a finite number), but is more likely a typo than a wish for noise."""
+    for spec in specs:
+        if abs(spec.scale) > LORA_SCALE_WARNING:
+            logger.warning("--lora %s: a scale of %g is far outside the usual range (-%g to %g); the adapter will "
+                           "likely swamp the model", spec.path.name, spec.scale, LORA_SCALE_WARNING,
+                           LORA_SCALE_WARNING)  # fmt: skip
 
 
 def _accelerate(pipe: Any, settings: ModelSettings) -> None:

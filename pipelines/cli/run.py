@@ -20,7 +20,7 @@ from typing import Any
 
 from .arguments import build_parser
 from .calls import nan_hint
-from .checks import _check_host_floor, check_existing, check_out, largest_first, read_prompts_file
+from .checks import _check_host_floor, check_existing, check_frames_by_name, check_out, largest_first, read_prompts_file
 from .constants import DEFAULT_PROMPT, PROG
 from .defaults import default_resolution, is_video_model
 from .errors import CLIError, RunError
@@ -31,6 +31,7 @@ from .prepare import Workload, check_model, prepare_pipeline, resolve_device_and
 from .processes import Processes, detect_processes
 from .prompts import TruncationWarnings
 from .summary import shown, summary_line, where_written
+from .terminal import bars_and_logs
 from .video import VideoOutput, plan_video_output, resolve_fps, save_video, settle_video_output, video_text
 
 logger = logging.getLogger("bcg-generate")
@@ -102,29 +103,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # Cheap checks first, before anything is built or written, and those that need no torch
-    # before it is imported.
+    # Cheap checks first, before anything is built or written; those that need only the flags
+    # and the model's name before torch is imported, so that they answer at once.
     prompts = list(args.prompt)
     if args.prompts_file is not None:
         prompts += read_prompts_file(args.prompts_file)
     prompts = prompts or [DEFAULT_PROMPT]
     settings = model_settings(args)
+    check_frames_by_name(args.model, args.frames)
+    resolutions = list(dict.fromkeys(args.resolution or [default_resolution(args.model, args.size)]))
+    n_images = len(prompts) * len(resolutions) * args.batch_size
+    video = is_video_model(args.model)  # None: a hub model, known once built
+    folder, single = check_out(args.out, n_images, video)
+    media = plan_video_output(single, video, args.fps, args.model)
 
     from .. import limits  # imports torch
 
-    # After the import: a built-in model's own default size is known from the builders.
-    resolutions = list(dict.fromkeys(args.resolution or [default_resolution(args.model, args.size)]))
     device, dtype = resolve_device_and_dtype(settings)
-    n_images = len(prompts) * len(resolutions) * args.batch_size
     try:
         limits.check_seeds(args.seed, n_images)
     except limits.LimitError as e:
         raise CLIError(str(e)) from None
     check_model(settings, device, dtype, resolutions, args.frames)
     _check_host_floor(largest_first([*resolutions, *(settings.warmup or [])])[0], args.batch_size, args.frames)
-    video = is_video_model(args.model)  # None: a hub model, known once built
-    folder, single = check_out(args.out, n_images, video)
-    media = plan_video_output(single, video, args.fps, args.model)
 
     procs = detect_processes(cpu=device.type != "cuda")
     _setup_logging(args.quiet, procs)
@@ -163,7 +164,8 @@ def _run(args: argparse.Namespace) -> int:
     workload = Workload(resolutions, args.batch_size, args.steps, args.guidance, args.negative_prompt, args.frames,
                         prompts=[j.prompt for j in mine], warm_sizes=[(j.width, j.height) for j in mine],
                         fps=args.fps)  # fmt: skip
-    prepared = prepare_pipeline(settings, workload, device, dtype, progress=not args.quiet)
+    with bars_and_logs():  # the warm-up's progress bars
+        prepared = prepare_pipeline(settings, workload, device, dtype, progress=not args.quiet)
     call, common = prepared.call, prepared.text()
     if video is None:  # now known: a video model keeps the plan, an image model writes PNGs
         settled = settle_video_output(media, prepared.pipe, single, args.fps)
@@ -176,7 +178,6 @@ def _run(args: argparse.Namespace) -> int:
     fps = resolve_fps(media, prepared.pipe) if every_frame else None
 
     from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
 
     tokens = TruncationWarnings(prepared.pipe)
     hint = nan_hint(args.dtype, args.guidance)
@@ -187,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
     gen_seconds = 0.0
     bar = tqdm(total=sum(len(j.indices) for j in mine), unit="image", desc=f"{procs.tag}generating".strip(),
                disable=args.quiet, position=procs.index if procs.count > 1 else None)  # fmt: skip
-    with logging_redirect_tqdm(), bar:
+    with bars_and_logs(), bar:
         for job in mine:
             count = tokens.check(job.prompt) if writes else None
             if call.negative_prompt is not None and call.cfg and writes:

@@ -24,7 +24,6 @@ the times never drift and the whole is within half a unit of ``frames / fps``.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import inspect
 import json
 import logging
@@ -35,12 +34,13 @@ from typing import Any
 
 from .constants import VIDEO_SUFFIXES
 from .errors import CLIError, RunError, _one_line
+from .extras import install_command, missing
 from .images import write_whole
 
 logger = logging.getLogger("bcg-generate")
 
 DEFAULT_SUFFIX = ".webp"
-EXTRA = 'pip install "bcg-diffusers[video]"'
+EXTRA = install_command("video")
 EXIF_IMAGE_DESCRIPTION = 0x010E
 # Milliseconds in the unit of a frame's time: WebP's are whole milliseconds, GIF's hundredths of a second.
 UNIT_MS = {".webp": 1, ".gif": 10}
@@ -62,10 +62,10 @@ class VideoOutput:
 
 def check_mp4_extra() -> None:
     """CLIError unless imageio and imageio-ffmpeg (with its ffmpeg) are installed."""
-    missing = [name for name in ("imageio", "imageio_ffmpeg") if importlib.util.find_spec(name) is None]
-    if missing:
+    absent = missing("video")
+    if absent:
         raise CLIError(f"--out .mp4 writes H.264 through imageio and imageio-ffmpeg, which are not installed "
-                       f"({', '.join(m.replace('_', '-') for m in missing)}): {EXTRA}, or write .webp")  # fmt: skip
+                       f"({', '.join(absent)}): {EXTRA}, or write .webp")  # fmt: skip
     import imageio_ffmpeg
 
     try:

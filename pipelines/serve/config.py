@@ -98,9 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"""\
 {model_epilog()}
 
---lora NAME=FILE[:SCALE]: each adapter is loaded at start (before the accelerator) and none is
-  active until a request names one ("lora": NAME); a request without one gets the base model.
-
 POST /v1/images/generations takes OpenAI's JSON: prompt (required), n (1 to the largest batch
   size), size (one of --resolutions, default the first), response_format (b64_json),
   output_format (png, jpeg, webp), output_compression (0-100, jpeg and webp); quality, style,
@@ -123,7 +120,7 @@ behind your load balancer. SIGTERM stops accepting, finishes the running batch, 
 waiting requests 503 and exits 0.
 exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 interrupted.""",
     )
-    add_model_arguments(p)
+    add_model_arguments(p, named_loras=True)
     s = p.add_argument_group("server")
     s.add_argument("--resolutions", type=resolution, nargs="+", default=None, metavar="WxH",
                    help=f"the sizes served, WIDTHxHEIGHT; the first is a request's default (default "

@@ -131,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``bcg-serve``; returns the exit status (0 stopped, 1 failed to start, 2 bad input,
     130 interrupted)."""
     from pipelines.cli import CLIError
+    from pipelines.cli.extras import require
 
     try:
         config = parse_args(argv)
+        # Before anything is bound or built: without the extra, serve() would fail on its first
+        # import after the model had been built for seconds.
+        require("serve", PROG)
         _setup_logging(config.quiet)
         from .startup import check, starter
 

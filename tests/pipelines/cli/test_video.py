@@ -5,6 +5,7 @@ refused before the build in one line; no clobbering, and no partial file."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import logging
@@ -205,8 +206,8 @@ def test_bad_input_is_one_line_before_building(
 def test_mp4_without_the_extra_names_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = cli_video.importlib.util.find_spec
-    monkeypatch.setattr(cli_video.importlib.util, "find_spec", lambda n, *a: None if n == "imageio_ffmpeg" else real(n))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "imageio_ffmpeg" else real(n, *a))
     monkeypatch.setattr(cli_prepare, "build_model", lambda *a, **k: pytest.fail("built"))
     assert main([*RUN, "--out", str(tmp_path / "a.mp4")]) == 2
     line = capsys.readouterr().err.strip()
