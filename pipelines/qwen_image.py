@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -112,6 +113,8 @@ class QwenImageRecipe(Recipe):
     )
 
     pads_text = True
+    # The processors build the joint attention mask from it (QwenDoubleStreamAttnProcessor2_0).
+    pad_mask_kwarg = "encoder_hidden_states_mask"
 
     def __init__(self, text_buckets: tuple[int, ...] | None = DEFAULT_TEXT_BUCKETS) -> None:
         if text_buckets is not None and any(b < 1 for b in text_buckets):
@@ -132,6 +135,17 @@ class QwenImageRecipe(Recipe):
         if type(module).__module__ != QWEN_MODULE:
             return lambda: None
         return qwen_rope_in_real_arithmetic()
+
+    def inexact(self) -> tuple[str, str] | None:
+        if not self.buckets or self.padding_refused is not None:
+            return None
+        side = math.isqrt(BUCKET_MAX_IMAGE_TOKENS) * PATCH_PIXELS
+        return (
+            f"up to {side}x{side} the text is padded to buckets and the "
+            "guidance branches joined: attention runs its masked kernel and the image is within bf16 noise of "
+            "the stock pipeline's",
+            "text_buckets=None",
+        )
 
     def bucket(self, length: int) -> int | None:
         """The bucket a text of ``length`` tokens is padded to (None: longer than all)."""
@@ -280,6 +294,11 @@ class QwenImageRecipe(Recipe):
         # The text is split along its length too: right-pad it with masked zeros to a multiple of
         # the degree (exact in real arithmetic, as the buckets are).
         length = text.shape[1]
+        if self.padding_refused is not None:
+            raise ValueError(
+                f"qwen-image: a {length}-token text does not split over {degree} Ulysses ranks and cannot be "
+                f"padded: {self.padding_refused}"
+            )
         return args, _pad_text(kwargs, length + -length % degree)
 
     # -- warm-up ---------------------------------------------------------------------------

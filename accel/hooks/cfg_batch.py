@@ -101,7 +101,12 @@ class CFGBatchHook(ModelHook):
         if branch == 1 and self._pending is not None:
             first_args, first_kwargs, first_out = self._pending
             self._pending = None
-            joined = self.recipe.batch_cfg(module, [(first_args, first_kwargs), (args, kwargs)], degree=self.degree)
+            # Joining pads both texts to one length: not while the processors would attend the padding.
+            joined = (
+                None
+                if self.recipe.padding_refused is not None
+                else self.recipe.batch_cfg(module, [(first_args, first_kwargs), (args, kwargs)], degree=self.degree)
+            )
             if joined is None:
                 self._fill(first_out, forward(*first_args, **first_kwargs))
                 self.alone += 1

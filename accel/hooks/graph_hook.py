@@ -37,6 +37,7 @@ from .follow import Follower
 from .fused import fuse_gelu_epilogues
 from .group_norm import compile_group_norms
 from .options import AcceleratorOptions
+from .padding_gate import refusal
 from .recipe import Recipe
 from .recipe_registry import new_recipe, version_supported
 
@@ -116,6 +117,12 @@ class GraphHook(ModelHook):
         # and reaches the module's forward through ``_after_removal``.
         self._removed = False
         self._after_removal: Callable[[], Callable[..., Any] | None] = lambda: None
+        # Run first at every call of a denoiser, by who installed it (the pipeline's scheduler
+        # still the one the call guard hooks), keyed by installer; weak: the module must not
+        # keep its pipeline's installation alive.
+        self.call_checks: dict[int, weakref.WeakMethod[Callable[[], None]]] = {}
+        # The guard's state the padding gate last looked at (see _gate_padding).
+        self._padding_looked: tuple[bool, int, int] | None = None
         # What removing the hook must undo beyond the registry's own bookkeeping.
         self._drop_registry = False
         self._drop_forward_attr = False
@@ -215,6 +222,10 @@ class GraphHook(ModelHook):
     def new_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self._removed:
             return self._after_removal()(*args, **kwargs)
+        for ref in list(self.call_checks.values()):
+            check = ref()
+            if check is not None:
+                check()
         if self.component:
             # A text encoder runs before the pipeline's per-call check (the scheduler's
             # set_timesteps), so a component checks its weights (offload, LoRA) as it is called.
@@ -222,7 +233,9 @@ class GraphHook(ModelHook):
         # Normalising calls (padding) only serves graph sharing: where nothing can be captured
         # the stock call runs untouched, so CPU results equal eager exactly.
         if self.active and module_device(module).type == "cuda":
-            args, kwargs = self.recipe.prepare(args, kwargs)
+            self._gate_padding(module)
+            if self.recipe.padding_refused is None:
+                args, kwargs = self.recipe.prepare(args, kwargs)
         captures = self.runner.counts.captures
         with contextlib.ExitStack() as stack:
             if self.caches is not None:
@@ -257,6 +270,27 @@ class GraphHook(ModelHook):
         """Keep graphs in step with what they read: weights by address, and the Python state
         that decided what was captured (see :class:`Follower`)."""
         self.follower.follow()
+        module = self.module()
+        if module is not None:
+            self._gate_padding(module)
+
+    def _gate_padding(self, module: torch.nn.Module) -> None:
+        """Let the recipe pad only while every attention processor takes its mask
+        (:mod:`accel.hooks.padding_gate`): looked at again whenever the guard numbers another
+        state, which a processor swapped, edited or wrapped always is."""
+        keyword = self.recipe.pad_mask_kwarg
+        follower = self.follower
+        looked = (follower.watch is not None, follower.epoch, follower.state)
+        if keyword is None or looked == self._padding_looked:
+            return
+        self._padding_looked = looked
+        refused = refusal(module, keyword)
+        if refused != self.recipe.padding_refused:
+            if refused is not None:
+                logger.warning("%s: text is not padded: %s; one graph per text length", self.name, refused)
+            else:
+                logger.info("%s: every attention processor takes %s again; text is padded again", self.name, keyword)
+        self.recipe.padding_refused = refused
 
     @property
     def recompile_drops(self) -> int:

@@ -153,6 +153,17 @@ class CallGuard:
             shadow.undo()
         self._shadowed.clear()
 
+    def hand_over(self, pipe: Any, user: Any, check: Callable[[], None], listeners: list[Any]) -> CallGuard | None:
+        """Move ``user``'s check and the ``listeners`` it owns to the guard of ``pipe``'s scheduler
+        now (its pipeline was given another scheduler); None where that one has nothing to hook
+        (then ``user`` is off this guard and calls are neither serialised nor checked)."""
+        moved = {key: self._listeners.pop(key) for key in [id(x) for x in listeners] if key in self._listeners}
+        self.detach(user)
+        guard = CallGuard.attach(pipe, user, check)
+        if guard is not None:
+            guard._listeners.update(moved)
+        return guard
+
     def begin(self) -> None:
         self.lock.begin()
         for check in list(self._checks.values()):

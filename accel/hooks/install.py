@@ -20,6 +20,8 @@ leaves them in the reverse order (also when an install fails half-way):
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -35,6 +37,8 @@ from .plan import InstallPlan
 from .quantize import Quantization
 
 __all__ = ["Installation", "ParallelSession", "register_parallel_session"]
+
+logger = logging.getLogger(__name__)
 
 
 class ParallelSession(Protocol):
@@ -123,8 +127,37 @@ class Installation:
         assert self.guard is not None
         for name in self.denoisers:
             hook = self.hooks[name]
+            hook.call_checks[id(self)] = weakref.WeakMethod(self._follow_scheduler)
             if hook.caches is not None:
                 self.guard.listen(hook.caches, begin=hook.new_call, end=hook.caches.end_call)
+
+    def _follow_scheduler(self) -> None:
+        """At every denoiser call: ``pipe.scheduler = other`` leaves the guard on a scheduler the
+        pipeline no longer calls, and nothing would be checked where calls start (a state change
+        after it would replay stale graphs). The guard's duties move to the new scheduler, and
+        this call, begun on it unguarded, begins now."""
+        old = self.guard
+        if old is None or getattr(self.pipe, "scheduler", None) is old.scheduler:
+            return
+        mine: list[Any] = [h.caches for n in self.denoisers if (h := self.hooks[n]).caches is not None]
+        mine += [*self.cfg_batch.values(), *([self.parallel] if self.parallel is not None else [])]
+        self.guard = old.hand_over(self.pipe, self, self._follow_weights, mine)
+        for hook in self.cfg_batch.values():
+            hook.users[id(self)] = self.guard
+        if self.parallel is not None:
+            self.parallel.guard = self.guard
+        if self.guard is None:
+            logger.warning(
+                "%s: the new scheduler (%s) has no set_timesteps to hook: calls are no longer checked; graphs are off",
+                self.denoisers[0],
+                type(getattr(self.pipe, "scheduler", None)).__name__,
+            )
+            for name in self.denoisers:
+                self.hooks[name].runner.release(recapture=True)
+                self.hooks[name].deactivate("the pipeline's scheduler cannot be hooked")
+            return
+        logger.info("%s: the pipeline has another scheduler; the call guard moved to it", self.denoisers[0])
+        self.guard.begin()
 
     def _enter_parallel(self) -> None:
         if self.plan.parallel is None:
@@ -169,6 +202,8 @@ class Installation:
                     self.guard.unlisten(caches)
             self.guard.detach(self)
             self.guard = None
+        for name in self.denoisers:
+            self.hooks[name].call_checks.pop(id(self), None)
         for name in reversed(list(self.hooks)):
             module = component(self.pipe, name)
             if module is not None:

@@ -90,6 +90,12 @@ class Recipe:
         diffusers_versions: the diffusers range (PEP 440 specifier) the recipe was tested with;
             outside it the denoiser runs eagerly with a warning.
         pads_text: the recipe takes a ``text_buckets`` argument (``None`` for no padding).
+        pad_mask_kwarg: the keyword of the mask the recipe's padding hands the model's attention
+            (None: it pads nothing attention must ignore). Padding runs only while every
+            attention processor in the module names it (:mod:`accel.hooks.padding_gate`).
+        padding_refused: set by the graph hook: why padding must not run now (a processor does
+            not take ``pad_mask_kwarg``), or None. While it is set :meth:`prepare` and
+            :meth:`batch_cfg` are not called, and :meth:`prepare_context_parallel` must not pad.
         fp8_keep: ``quantize="fp8"``: fnmatch patterns of the Linear layers (qualified names in
             the denoiser) kept in bf16 before anything is measured: those its float8 images are
             known to need in bf16 (:mod:`accel.hooks.layer_select`).
@@ -100,6 +106,8 @@ class Recipe:
     diffusers_versions: ClassVar[str] = ""
     # Whether the recipe pads text to buckets: only then is it built with ``text_buckets=``.
     pads_text: ClassVar[bool] = False
+    pad_mask_kwarg: ClassVar[str | None] = None
+    padding_refused: str | None = None
     fp8_keep: ClassVar[tuple[str, ...]] = ()
 
     # -- installation ----------------------------------------------------------------------
@@ -126,8 +134,14 @@ class Recipe:
 
     # -- per call --------------------------------------------------------------------------
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Normalise a call before it reaches the runner (e.g. pad text to a bucket)."""
+        """Normalise a call before it reaches the runner (e.g. pad text to a bucket); called only
+        where graphs run, and not while :attr:`padding_refused` is set."""
         return args, kwargs
+
+    def inexact(self) -> tuple[str, str] | None:
+        """Where this recipe's calls are not the stock pipeline's bit for bit: what differs (a
+        phrase for ``report()``) and the options that give the stock image; None where they are."""
+        return None
 
     def capture_scope(self, module: torch.nn.Module) -> AbstractContextManager[list]:
         """Entered around warm-up and capture; objects put in the yielded list stay alive

@@ -14,7 +14,7 @@ from .components import component, module_device
 from .graph_hook import GraphHook
 from .install import Installation
 
-__all__ = ["graph_memory_bytes", "report"]
+__all__ = ["graph_memory_bytes", "image_line", "report"]
 
 NOTHING_WARMED_UP = "nothing warmed up yet: call pipe.accel.warmup(...) or pass capture_on_miss=True"
 
@@ -24,6 +24,32 @@ def graph_memory_bytes(hooks: dict[str, GraphHook]) -> int:
     stats = [h.runner.stats() for h in hooks.values()]
     pools = {id(h.runner.pool): h.runner.pool for h in hooks.values() if h.runner.pool is not None}
     return sum(p.resident_bytes() for p in pools.values()) + sum(s.static_bytes + s.boundary_bytes for s in stats)
+
+
+def image_line(installed: Installation, h: GraphHook) -> str:
+    """Whether a denoiser's calls give the stock pipeline's image bit for bit, and if not, why
+    and with which options they would (the report's promise, checked by the GPU tests)."""
+    differs: list[str] = []
+    exact_with: list[str] = []
+    # A recipe normalises calls only where graphs run on CUDA (elsewhere the stock call runs).
+    module = h.module()
+    on_cuda = module is not None and module_device(module).type == "cuda"
+    inexact = h.recipe.inexact() if h.active and on_cuda else None
+    if inexact is not None:
+        differs.append(inexact[0])
+        exact_with.append(inexact[1])
+    if h.compiled:
+        differs.append("its blocks are compiled (graphs give the compiled model's image bit for bit)")
+        exact_with.append("compile=False")
+    if installed.quantization is not None and installed.quantization.quantizer is not None:
+        differs.append(f"its weights are quantized ({installed.quantization.value})")
+        exact_with.append("quantize=None")
+    if not differs:
+        return "    image: the stock pipeline's, bit for bit"
+    return (
+        f"    image: not the stock pipeline's bit for bit: {'; '.join(differs)}; "
+        f"bit for bit with {', '.join(exact_with)}"
+    )
 
 
 def _module_lines(installed: Installation, name: str, h: GraphHook, why_no_graphs: str | None) -> list[str]:
@@ -38,6 +64,10 @@ def _module_lines(installed: Installation, name: str, h: GraphHook, why_no_graph
         f"{s.misses} misses, {s.eager_calls} eager calls, {s.capture_failures} capture failures, "
         f"{s.evictions} evictions, segments per graph {s.segments_per_entry or '-'}"
     ]
+    if not h.component:
+        lines.append(image_line(installed, h))
+    if h.recipe.padding_refused is not None:
+        lines.append(f"    text not padded: {h.recipe.padding_refused}")
     events = h.follower.events
     lines.append(f"    guard, last call: {'; '.join(events) if events else 'nothing changed'}")
     lines += [f"    capture failed: {reason}" for reason in sorted(set(h.runner.blocked.values()))]

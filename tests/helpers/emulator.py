@@ -1,12 +1,23 @@
 """CUDA graphs emulated on the CPU, for tests of code that captures and replays.
 
 A segment records every aten op run while it is open (a ``TorchDispatchMode``) and its replay
-runs them again in order on the same tensor objects, writing each result into the tensor the op
-produced at capture. So, as on a GPU, a replay reads the recorded inputs (static inputs, boundary
-buffers, weights, state slots) as they are *now* and rewrites the recorded outputs, and Python
-code inside a segment does not run again. Unlike a GPU capture, ops also run while recorded (the
-tests need their values), and recorded tensors never share memory; a host sync inside a segment
-(``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``) fails the capture as CUDA would.
+runs them again in order, writing each result into the memory the op produced at capture.
+
+What it models of a real graph:
+
+* a replay reads and writes memory, not Python objects: every tensor an op is recorded with is
+  held as an alias of the memory it had then (same storage, offset, sizes and strides). So a
+  replay reads the recorded inputs (static inputs, boundary buffers, weights, state slots) as
+  that memory holds them *now*: an in-place write, also one through ``.data`` that bumps no
+  version counter, is read; after ``param.data = other`` the parameter has other memory and a
+  replay still reads the old one, as a GPU graph would;
+* Python code inside a segment does not run again;
+* a host sync inside a segment (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``) fails
+  the capture as CUDA would.
+
+What it does not: ops also run while recorded (the tests need their values); recorded tensors
+never share a pool (a freed block is never handed to another tensor), and kernels are the CPU's,
+so a GPU's numerics (which kernel a shape or a mask selects) are the GPU tests' to check.
 
 ``emulate_cuda(monkeypatch)`` makes ``GraphRunner`` and ``bcg.capture`` take CPU tensors.
 """
@@ -18,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from accel.graphs import bcg
 from accel.graphs import runner as runner_mod
@@ -39,8 +51,20 @@ def __torch_dispatch__(self, func, types, args=(), kwargs=None):
     if func in HOST_SYNCS:
         raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({func})")
     out = func(*args, **kwargs)
-    self.ops.append((func, args, kwargs, out))
+    self.ops.append((func, *tree_map_only(torch.Tensor, memory_of, (args, kwargs, out))))
     return out
+
+
+def memory_of(t):
+    # What a graph holds of a tensor: its memory as it is now, not the Python object, whose
+    # memory ``t.data = other`` or ``t.set_(...)`` replaces later. Wrapper subclasses and
+    # inference tensors are held as they are.
+    if type(t) not in PLAIN or t.layout != torch.strided or t.is_inference():
+        return t
+    with torch.no_grad():
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+        )
 
 
 def host_read(name):
@@ -62,6 +86,9 @@ _namespace: dict[str, Any] = {
     "HOST_SYNCS": _HOST_SYNCS,
     "RECORDING": [],
     "ORIGINAL_TENSOR": torch.Tensor,
+    "PLAIN": (torch.Tensor, torch.nn.Parameter),
+    "torch": torch,
+    "tree_map_only": tree_map_only,
 }
 exec(compile(_DISPATCH, "<emulated CUDA capture>", "exec"), _namespace)
 _HOST_READ_METHODS = {name: _namespace["host_read"](name) for name in HOST_READS}

@@ -59,8 +59,12 @@ def test_a_good_request_keeps_its_values_and_takes_the_defaults() -> None:
         ({"prompt": "x", "output_format": "gif"}, 422, "output_format", "'gif' is not served: one of png, jpeg, webp"),
         ({"prompt": "x", "output_format": "jpeg", "output_compression": 101}, 422, "output_compression", "0 to 100"),
         ({"prompt": "x", "stream": True}, 422, "stream", "stream is not served"),
-        ({"prompt": "x", "size": "32x32"}, 422, "size", "'32x32' was not warmed up (served: 64x64, 32x48; "
-         "bcg-serve --capture-on-miss"),
+        (
+            {"prompt": "x", "size": "32x32"},
+            422,
+            "size",
+            "'32x32' was not warmed up (served: 64x64, 32x48; bcg-serve --capture-on-miss",
+        ),
         ({"prompt": "x", "colour": "red"}, 422, "colour", "Extra inputs are not permitted"),
         ({"prompt": "x" * 16385}, 422, "prompt", "prompt is 16385 characters; at most 16384"),
         ({"prompt": "x", "negative_prompt": "y" * 20000}, 422, "negative_prompt", "at most 16384"),
