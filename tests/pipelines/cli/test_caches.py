@@ -34,9 +34,10 @@ def png_text(path: Path) -> dict[str, str]:
 
 class _Calls:
     """Counts the calls of the last block's attention query projection, made in each run, and
-    the order in which the cache and the accelerator were applied."""
+    the order in which the cache and the accelerator were applied. ``last_attention``: where a
+    denoiser keeps that attention module (default Qwen-Image's)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, last_attention: Any = None) -> None:
         import accel
 
         self.attention = 0
@@ -49,7 +50,10 @@ class _Calls:
 
         def build(*args: Any, **kwargs: Any) -> Any:
             pipe = real_build(*args, **kwargs)
-            pipe.transformer.transformer_blocks[-1].attn.to_q.register_forward_hook(self._count)
+            attention = (
+                last_attention(pipe.transformer) if last_attention else pipe.transformer.transformer_blocks[-1].attn
+            )
+            attention.to_q.register_forward_hook(self._count)
             return pipe
 
         def apply(*args: Any, **kwargs: Any) -> str:
@@ -200,11 +204,16 @@ def test_help_states_each_methods_own_defaults() -> None:
         assert f"residual_diff_threshold, default {dbcache['residual_diff_threshold']:g};" in text
 
 
-@pytest.mark.parametrize("method", ["fbc", "magcache"])
-def test_diffusers_caches_run_on_z_image_too(method: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["fbc", "taylorseer", "magcache"])
+def test_diffusers_caches_run_on_z_image_too(method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Z-Image has no CacheMixin in diffusers 0.42: accelerate_pipeline gives its caches their
-    cache context and the block's argument name, so the diffusers way works for it as well."""
-    argv = ["--model", "z-image", "--resolution", "64x64", "--quiet", "--steps", "4", "--cache", method]
-    argv += ["--cache-threshold", "1e9"] + (["--cache-ratios", "1,1,1,1"] if method == "magcache" else [])
-    assert main([*argv, "--out", str(tmp_path / "z.png")]) == 0
+    cache context and the block's argument name, so the diffusers way works for it as well (the
+    help says so: tests/pipelines/cli/test_help_claims.py)."""
+    calls = _Calls(monkeypatch, last_attention=lambda t: t.layers[-1].attention)
+    steps = 6
+    knobs = {"fbc": ["--cache-threshold", "1e9"], "taylorseer": ["--cache-interval", "2"],
+             "magcache": ["--cache-threshold", "1e9", "--cache-ratios", "1,1,1,1"]}  # fmt: skip
+    argv = ["--model", "z-image", "--resolution", "64x64", "--quiet", "--steps", str(steps), "--cache", method]
+    assert main([*argv, *knobs[method], "--out", str(tmp_path / "z.png")]) == 0
     assert png_text(tmp_path / "z.png")["cache"].startswith(method)
+    assert 0 < calls.attention < steps  # guidance 0: one denoiser call a step; some skipped the block

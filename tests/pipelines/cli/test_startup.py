@@ -49,6 +49,34 @@ def test_help_and_argument_errors_import_no_torch() -> None:
     assert "'many' is not an integer" in errors[0] and "positive multiples of 16" in errors[1]
 
 
+def test_what_the_flags_and_the_models_name_tell_is_refused_before_torch(tmp_path: Path) -> None:
+    """--frames 17 for z-image once waited 4.5 s for torch and diffusers before it was refused."""
+    out = str(tmp_path / "x.png")
+    proc = _python(f"""
+        import sys
+        from pipelines.cli import main
+        codes = [main(["--prompt", "x", "--frames", "17", "--out", {out!r}]),
+                 main(["--model", "Z_Image", "--frames", "5", "--out", {out!r}]),
+                 main(["--model", "wan", "--frames", "6", "--out", {out!r}]),
+                 main(["--model", "flux", "--fps", "8", "--out", {out!r}]),
+                 main(["--out", {str(tmp_path / "x.jpg")!r}])]
+        print(codes, [m for m in {HEAVY!r} if m in sys.modules])
+    """)
+    assert proc.stdout.strip() == "[2, 2, 2, 2, 2] []", proc.stdout[-2000:] + proc.stderr[-2000:]
+    errors = proc.stderr.strip().splitlines()
+    assert errors == [
+        "bcg-generate: error: --frames 17: ZImagePipeline makes images, not videos (--frames is for video models: "
+        "wan, wan-1.3b)",
+        "bcg-generate: error: --frames 5: ZImagePipeline makes images, not videos (--frames is for video models: "
+        "wan, wan-1.3b)",
+        "bcg-generate: error: --frames 6: WanPipeline's VAE packs 4 frames into each latent frame after the first, "
+        "so a video has 4k+1 frames: use 5 or 9 (valid: 1, 5, 9, 13, 17, ...)",
+        "bcg-generate: error: --fps 8 sets a video's frame rate, but flux makes images",
+        f"bcg-generate: error: --out {str(tmp_path / 'x.jpg')!r}: only PNG is written; use {out!r} (or a folder)",
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ctrl_c_while_the_libraries_load_is_one_line(tmp_path: Path) -> None:
     """The first seconds of a run import torch and diffusers; a Ctrl-C then once printed a
     35-56 line traceback. The import of torch is made to raise KeyboardInterrupt, as a Ctrl-C
