@@ -173,6 +173,7 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
 
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # graphs are captured on the current device
+    warn_lora_scales(settings.loras)  # before the build, which may take minutes
     pipe = build_model(settings.model, settings.size, device, dtype)
     pipe.set_progress_bar_config(disable=True)
     # Whatever changes the weights belongs here: the limits below read them, and the step cache
@@ -227,7 +228,6 @@ def _load_loras(pipe: Any, specs: Sequence[LoraSpec]) -> tuple[LoraSpec, ...]:
         return ()
     import torch
 
-    warn_lora_scales(specs)
     try:
         return tuple(load_loras(pipe, specs))
     except LoraError as e:

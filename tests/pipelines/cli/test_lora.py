@@ -7,6 +7,7 @@ refused before the build are in test_run.py's BEFORE_BUILD.)"""
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,22 @@ def test_a_server_loads_named_adapters_through_the_model_flags(tmp_path: Path) -
     assert prepared.text()["lora"] == "ink.safetensors:0.5, ink.safetensors:1"
     activate(prepared.pipe, prepared.loras[:1])
     assert prepared.pipe.get_active_adapters() == ["ink"]
+
+
+@pytest.mark.parametrize("scale, warned", [("10", False), ("-10", False), ("10.5", True), ("-1e9", True)])
+def test_a_scale_far_outside_the_usual_range_is_one_warning_before_the_build(
+    scale: str, warned: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scale of 1e9 was taken without a word. It is allowed (a finite number), but more likely a
+    typo: one line, said before the build (which may take minutes), in both tools' prepare_pipeline."""
+    lora = make_lora_file("z-image", tmp_path / "style.safetensors")
+
+    def stop(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_prepare, "build_model", stop)
+    with caplog.at_level(logging.WARNING, logger="bcg-generate"):
+        assert main(["--lora", f"{lora}:{scale}", "--out", str(tmp_path / "o"), *FAST]) == 130
+    said = [r.getMessage() for r in caplog.records if "--lora" in r.getMessage()]
+    expected = f"--lora style.safetensors: a scale of {float(scale):g} is far outside the usual range (-10 to 10)"
+    assert [m.startswith(expected) for m in said] == ([True] if warned else []), said

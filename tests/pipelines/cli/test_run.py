@@ -564,6 +564,25 @@ def test_prompts_starting_with_a_dash_and_unicode(tmp_path: Path) -> None:
     assert png_text(tmp_path / names[1])["prompt"] == "一只红狐狸 🦊"
 
 
+@pytest.mark.parametrize(
+    "prompt, name",
+    [
+        ("ein Fuchs über Schnee", "ein-fuchs-uber-schnee"),  # once ein-fuchs-ber-schnee
+        ("naïve café", "naive-cafe"),  # once na-ve-caf
+        ("Crème Brûlée!", "creme-brulee"),
+        ("Straße", "strasse"),
+        ("Ærøskøbing", "aeroskobing"),  # letters NFKD leaves whole, spelled out
+        ("Łódź", "lodz"),
+        ("İstanbul", "istanbul"),  # case folding makes a combining dot, dropped too
+        ("ﬁne ½", "fine-1-2"),  # compatibility forms: NFKD, not NFD
+        ("Привет fox", "fox"),  # no ASCII base: left out
+        ("一只红狐狸 🦊", "image"),
+    ],
+)
+def test_file_names_keep_accented_words_by_their_base_letters(prompt: str, name: str) -> None:
+    assert slug(prompt) == name
+
+
 def test_compile_options_reach_accelerate_pipeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import accel
 
