@@ -1,16 +1,13 @@
-"""Where one pipeline call spends its time: the typed result (:class:`Breakdown`) and its table.
+"""Where one pipeline call spends its time: the typed result (:class:`Breakdown`).
 
-Pure data, no torch: :mod:`benchkit.rows` stores a breakdown on a row, :mod:`benchkit.report`
-writes the table, :mod:`benchkit.phases` measures it.
+Pure data, no torch, no other module of benchkit: :mod:`benchkit.rows` stores a breakdown on a
+row, :mod:`benchkit.breakdown_table` writes its table, :mod:`benchkit.phases` measures it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .rows import CaseRow
+from typing import Any
 
 # (key, table heading, what it is); disjoint, in call order; together with "other" they are the call.
 PHASES: tuple[tuple[str, str, str], ...] = (
@@ -24,7 +21,6 @@ PHASES: tuple[tuple[str, str, str], ...] = (
 )
 PHASE_KEYS = tuple(key for key, _, _ in PHASES)
 CLOCKS = {"cuda": "cuda events", "host": "host clock"}
-TITLE = "### Where a pipeline call spends its time"
 
 
 @dataclasses.dataclass
@@ -67,56 +63,3 @@ class Breakdown:
             f"call {self.call_ms:.1f} ms ({self.clock}): " + ", ".join(parts) + f"; outside the denoiser "
             f"{self.outside_denoiser_ms:.1f} ms ({self.outside_denoiser_share:.0%})"
         )
-
-
-def _cell(b: Breakdown, key: str) -> str:
-    phase = b.phases.get(key)
-    return "-" if phase is None else f"{phase.ms:.1f} ({phase.share:.0%})"
-
-
-def _calls(b: Breakdown) -> str:
-    text, denoiser = b.phases.get("text_encoder"), b.phases.get("denoiser")
-    return f"{text.calls if text else '-'} / {denoiser.calls if denoiser else '-'}"
-
-
-def breakdown_table(rows: list[CaseRow]) -> list[str]:
-    """The rows' breakdowns, one table line each; nothing when none has one."""
-    rows = [r for r in rows if r.e2e_breakdown is not None]
-    if not rows:
-        return []
-    heads = [label for _, label, _ in PHASES]
-    L = [TITLE, ""]
-    L.append(
-        "| resolution | variant | call ms | "
-        + " | ".join(f"{h} ms" for h in heads)
-        + " | outside the denoiser ms | calls (text / denoiser) |"
-    )
-    L.append("|---|---|---|" + "---|" * (len(heads) + 2))
-    for r in rows:
-        b = r.e2e_breakdown
-        L.append(
-            f"| {r.resolution} | {r.variant} | {b.call_ms:.1f} | "
-            + " | ".join(_cell(b, key) for key in PHASE_KEYS)
-            + f" | {b.outside_denoiser_ms:.1f} ({b.outside_denoiser_share:.0%}) | {_calls(b)} |"
-        )
-    L.append("")
-    clocks = sorted({r.e2e_breakdown.clock for r in rows})
-    how = (
-        "CUDA events recorded on the current stream at each phase's start and end, one synchronize after the call"
-        if clocks == [CLOCKS["cuda"]]
-        else "host clocks (no GPU)"
-        if clocks == [CLOCKS["host"]]
-        else "per row: " + ", ".join(clocks)
-    )
-    L.append(
-        "One more end-to-end call per variant after the timed ones, split by hooks removed afterwards (forward "
-        "pre/post hooks on the text encoder and the denoiser; wrappers on encode_prompt, the loop's progress bar, "
-        f"vae.decode and image_processor.postprocess), timed with {how}. Each cell: ms (share of the call); the "
-        "phases do not overlap and sum to the call. "
-        + "; ".join(f"{label}: {what}" for _, label, what in PHASES)
-        + ". Outside the denoiser = call minus the denoiser's calls."
-    )
-    notes = [f"{r.resolution} {r.variant}: {'; '.join(r.e2e_breakdown.notes)}" for r in rows if r.e2e_breakdown.notes]
-    if notes:
-        L += ["", *(f"- {n}" for n in notes)]
-    return [*L, ""]

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .breakdown import breakdown_table
+from .breakdown_table import breakdown_table
 from .registry import COMPILED
 from .rows import CACHE_ORDER, CaseRow, SeriesPoint, cache_state, split_cases
 
