@@ -16,6 +16,7 @@ from tests.helpers.emulator import emulate_pipelines
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_lora_switch as bench  # noqa: E402
+from benchkit.lora_run import VARIANTS  # noqa: E402
 
 
 def test_lora_switch_bench_counts_captures_and_matches_stock(
@@ -29,7 +30,7 @@ def test_lora_switch_bench_counts_captures_and_matches_stock(
     (result,) = data["results"]
     assert result["setup"]["graphs"] and result["setup"]["warmup_captures"] > 0
     rows = {r["variant"]: r for r in result["rows"]}
-    assert list(rows) == list(bench.VARIANTS)
+    assert list(rows) == list(VARIANTS)
     assert all(r["status"] == "ok" for r in rows.values()), [r.get("reason") for r in rows.values()]
     assert rows["plain"]["captures"] == [0, 0]
     assert rows["hot-swap"]["captures"] == [0, 0] and rows["hot-swap"]["differs_from_plain"]
@@ -46,7 +47,7 @@ def test_lora_switch_bench_counts_captures_and_matches_stock(
     for key in ("torch", "diffusers", "peft", "device_name", "git_commit"):
         assert data["env"][key]
     md = (tmp_path / "lora.md").read_text()
-    assert md.count("\n| ") == 1 + len(bench.VARIANTS) and "| hot-swap |" in md and "FAILED" not in md
+    assert md.count("\n| ") == 1 + len(VARIANTS) and "| hot-swap |" in md and "FAILED" not in md
 
 
 def test_lora_switch_bench_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ import pytest
 from tests.helpers.ranks import ROOT, launch_ranks
 
 sys.path.insert(0, str(ROOT / "scripts"))
-import bench_parallel
+from benchkit import parallel_calls, parallel_profile
 
 
 @pytest.mark.parametrize(
@@ -33,7 +33,7 @@ import bench_parallel
     ],
 )
 def test_kernel_kinds(name: str, kind: str) -> None:
-    assert bench_parallel.kernel_kind(name) == kind
+    assert parallel_profile.kernel_kind(name) == kind
 
 
 def test_two_processes_write_latency_and_profile_tables(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_two_processes_write_latency_and_profile_tables(tmp_path: Path) -> None:
     assert rows["cfg graphs"]["diff"] == 0  # the two guidance branches on two processes, bit for bit
     for label, row in rows.items():
         ms = row["profile_ms"]
-        assert set(ms) == set(bench_parallel.KIND_NAMES) and sum(ms.values()) > 0
+        assert set(ms) == set(parallel_profile.KIND_NAMES) and sum(ms.values()) > 0
         # the one-process variants exchange nothing; the parallel ones do
         assert (ms["communication"] > 0) == (label != "1 GPU eager" and label != "1 GPU graphs"), (label, ms)
     assert ms["attention"] > 0 and ms["gemm"] > 0
@@ -73,8 +73,8 @@ def test_two_processes_write_latency_and_profile_tables(tmp_path: Path) -> None:
 def test_decoded_images_are_compared_pixel_by_pixel() -> None:
     from PIL import Image
 
-    a = bench_parallel.as_tensor([Image.new("RGB", (4, 2), (10, 20, 30)), Image.new("RGB", (4, 2), (0, 0, 0))])
+    a = parallel_calls.as_tensor([Image.new("RGB", (4, 2), (10, 20, 30)), Image.new("RGB", (4, 2), (0, 0, 0))])
     assert a.shape == (2, 2, 4, 3) and a.dtype.is_floating_point
     assert a[0, 1, 3].tolist() == [10.0, 20.0, 30.0] and a[1].abs().sum() == 0
-    b = bench_parallel.as_tensor([Image.new("RGB", (4, 2), (10, 20, 31)), Image.new("RGB", (4, 2), (0, 0, 0))])
+    b = parallel_calls.as_tensor([Image.new("RGB", (4, 2), (10, 20, 31)), Image.new("RGB", (4, 2), (0, 0, 0))])
     assert (a - b).abs().max() == 1  # one level of one channel: a difference, not "exact"
