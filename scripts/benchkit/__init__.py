@@ -1,5 +1,6 @@
-"""The pieces of scripts/bench.py (and the table of scripts/bench_breadth.py), one module per responsibility.
+"""The code of the benchmarks in scripts/, one module per job; each scripts/bench_*.py is its entry point.
 
+scripts/bench.py:
 settings      constants, resolutions, how each model is run, progress lines
 cli           the command line (``build_parser``, ``resolve_config``) and the compile-cache folder
 environment   device and versions written beside every number
@@ -8,7 +9,8 @@ measure       clocks, GPU-busy fraction, memory watch, output differences
 calls         the pipeline side: recipes, ``accelerate_pipeline``, step 0's recorded denoiser call
 model_bench   one model: a case per resolution (every variant on the same call), end to end, memory series
 phases        one end-to-end call split into phases: hooks and wrappers on the pipeline, CUDA events
-breakdown     that split's typed result (:class:`Breakdown`) and its table in results.md
+breakdown     that split's typed result (:class:`Breakdown`)
+breakdown_table  its table in results.md
 variants      eager, bcg, bcg-exact, graph
 compiled      compile, compile-ro, compile-regional, bcg+compile
 registry      every variant by name (name -> function), in the order a case runs them
@@ -16,9 +18,34 @@ run           the measuring loop over models, and ``save`` (results.json, result
 report        results.md
 plots         step_time.png, graph_memory.png
 merge         one report from several runs (``--merge``)
-breadth_table breadth.md, the table of scripts/bench_breadth.py
+
+scripts/bench_breadth.py:
+breadth_cli       its flags and the defaults that depend on the device
+breadth_parent    one child process per family within its timeout; breadth.json and breadth.md
+breadth_family    the child: one family built and measured, its result file after every variant
+breadth_calls     timed calls at a family's geometry, per step count; per step and fixed time
+breadth_variants  graphs and compiled graphs: warm-up, counters, equality with eager, why no graph
+breadth_table     breadth.md
+
+scripts/bench_lora_switch.py:
+lora_run      its flags and the loop over models; lora.json and lora.md
+lora_files    three random LoRAs saved as a trainer saves them
+lora_bench    one model: the pipeline, its reference, the variants as timed samples
+lora_report   the bars and equalities, and lora.md
+
+scripts/bench_parallel.py:
+parallel_run      its flags and the run on every rank
+parallel_calls    the variants (one GPU, cfg, ulysses; eager, graphs, compiled), one variant timed and profiled
+parallel_profile  a profiled call's time by kernel kind, and the GPU's idle stretches
+parallel_report   device and versions, the tables, results.json and results.md
+
+scripts/bench_caches.py: cache_run (flags, the run, results.md), cache_bench (step caches with and
+without graphs on one pipeline). scripts/bench_fp8.py: fp8_run, fp8_bench (bf16 and float8 rows).
+scripts/bench_guard.py: guard_timing. scripts/bench_vae.py: vae_decode. scripts/profile_step.py:
+kernels (a profiled step's kernels by kind).
 
 Nested call arguments and outputs are walked with ``accel.graphs.tree`` (``tensors``, ``clone``), the
-library's one traversal. Nothing here imports diffusers at import time, so the compile-cache
-folder can be set first.
+library's one traversal. Most modules import torch, accel and diffusers at import time (benchkit.cli
+too, through the registry of variants); ``cli.setup_compile_cache`` sets the compile-cache folders
+before anything compiles.
 """

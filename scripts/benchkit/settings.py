@@ -25,6 +25,11 @@ def say(msg: str) -> None:
     print(f"[{time.perf_counter() - T_START:7.1f}s] {msg}", flush=True)
 
 
+def say_clock(msg: str) -> None:
+    """A progress line stamped with the time of day (scripts/bench_caches.py, scripts/bench_fp8.py)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
 def parse_resolution(text: str) -> tuple[int, int]:
     """ "512" -> (512, 512); "768x512" -> (768, 512) (width x height)."""
     try:

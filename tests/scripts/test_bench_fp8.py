@@ -18,15 +18,17 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_fp8_bench_runs_every_row_and_writes_its_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = importlib.util.spec_from_file_location("bench_fp8_script", ROOT / "scripts" / "bench_fp8.py")
     bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    monkeypatch.setitem(bench.BACKENDS, "torchao", lambda: GridQuantizer(levels=32))
+    spec.loader.exec_module(bench)  # puts scripts/ on sys.path
+    from benchkit.fp8_run import BACKENDS, VARIANTS
+
+    monkeypatch.setitem(BACKENDS, "torchao", lambda: GridQuantizer(levels=32))
     out = tmp_path / "fp8"
     argv = ["--only", "z-image", "--size", "tiny", "--steps", "2", "--resolution", "32", "--runs", "1"]
     bench.main([*argv, "--out", str(out)])
 
     result = json.loads((out / "results.json").read_text())
     rows = result["rows"]
-    assert [r["variant"] for r in rows] == list(bench.VARIANTS)
+    assert [r["variant"] for r in rows] == list(VARIANTS)
     assert all(r["status"] == "ok" for r in rows), [r.get("reason") for r in rows]
     eager, compiled, fp8, cached = rows
     assert eager["latents"] == {"max_abs": 0.0, "rel_l2": 0.0} and eager["image"]["psnr_db"] == float("inf")

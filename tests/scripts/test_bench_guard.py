@@ -12,6 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_guard  # noqa: E402
+from benchkit.guard_timing import PARTS  # noqa: E402
 
 
 def test_bench_guard_on_tiny_models_writes_every_part_for_both(tmp_path: Path, capsys) -> None:
@@ -22,7 +23,7 @@ def test_bench_guard_on_tiny_models_writes_every_part_for_both(tmp_path: Path, c
     assert set(rows) == {"qwen-image", "z-image"}
     for row in rows.values():
         assert row["watched_dicts"] > row["modules"] > 10 and row["tensors"] > 10
-        for part in (*bench_guard.PARTS, "look"):
+        for part in (*PARTS, "look"):
             assert row[f"{part}_ms"] > 0
     table = (tmp_path / "guard.md").read_text()
     assert table.count("| qwen-image (tiny) |") == 1 and "follow()" in table

@@ -1,0 +1,113 @@
+"""The command line of scripts/bench_fp8.py and its run: per model the bf16 rows, then each float8
+backend's rows on a fresh bf16 model; results.json and results.md after every row."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accel.hooks import quantizers
+from accel.hooks.scaled_mm import ScaledMMFloat8
+
+from .calls import register_recipes
+from .environment import collect_env
+from .fp8_bench import Bench
+from .settings import parse_resolution, res_name
+
+MODELS = ("z-image", "qwen-image")
+VARIANTS = ("bf16-eager", "bf16-compiled-graphs", "fp8-compiled-graphs", "fp8-dbcache-compiled-graphs")
+BACKENDS: dict[str, Any] = {"torchao": quantizers.TorchAOFloat8, "scaled-mm": ScaledMMFloat8}
+
+
+def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}, torchao {env.get('torchao')}, "
+        f"cache-dit {env.get('cache_dit')}, commit {env['git_commit']}{' (dirty)' if env['git_dirty'] else ''}, "
+        f"{env['date']}; {args.size} size, end to end (decoded to PIL), median of {args.runs}; fp8_budget "
+        f"{args.fp8_budget}",
+        "",
+        "| model | variant | res | s | x bf16 eager | setup s | latents max abs / rel | image max abs / rel / PSNR "
+        "| vs no graphs | layers fp8 / bf16 | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    eager = {(r["model"], r["resolution"]): r.get("seconds") for r in rows if r["variant"] == "bf16-eager"}
+    for r in rows:
+        s, base = r.get("seconds"), eager.get((r["model"], r["resolution"]))
+        lat, img, sel = r.get("latents") or {}, r.get("image") or {}, r.get("selection") or {}
+        layers = f"{sel['quantized']} / {sel['kept_by_recipe'] + len(sel['kept_measured'])}" if sel else ""
+        lines.append(
+            f"| {r['model']} | {r['variant']} | {r['resolution']} | {s or ''} | "
+            f"{f'{base / s:.2f}' if s and base else ''} | {r.get('setup_s', '')} | "
+            f"{lat.get('max_abs', '')} / {lat.get('rel_l2', '')} | "
+            f"{img.get('max_abs', '')} / {img.get('rel_l2', '')} / {img.get('psnr_db', '')} | "
+            f"{r.get('vs_no_graphs', '')} | {layers} | {r['status']} {r.get('reason', '')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None, description: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--only", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--fp8-backend", nargs="+", choices=sorted(BACKENDS), default=["torchao"])
+    p.add_argument("--size", choices=("full", "tiny"), default=None, help="default: full on CUDA, tiny on CPU")
+    p.add_argument("--resolution", type=parse_resolution, default=(1024, 1024))
+    p.add_argument("--steps", type=int, default=None, help="default: 9 (Z-Image), 20 (Qwen-Image)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--fp8-budget", type=float, default=None, help="default: the library's")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    args.size = args.size or ("full" if torch.cuda.is_available() else "tiny")
+    if args.fp8_budget is None:
+        from accel.hooks.options import DEFAULT_FP8_BUDGET
+
+        args.fp8_budget = DEFAULT_FP8_BUDGET
+    return args
+
+
+def run(args: argparse.Namespace) -> None:
+    """Every model of ``args``; the last table printed."""
+    register_recipes()
+    device = torch.device("cuda" if torch.cuda.is_available() and args.size == "full" else "cpu")
+    env = collect_env(device)
+    for package in ("torchao", "cache-dit"):
+        with contextlib.suppress(Exception):
+            import importlib.metadata
+
+            env[package.replace("-", "_")] = importlib.metadata.version(package)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    md = ""
+
+    def write(row: dict[str, Any]) -> None:
+        nonlocal md
+        rows.append(row)
+        # After every row: a run cut off by a time limit keeps what it measured.
+        shown = vars(args) | {"resolution": res_name(args.resolution)}
+        (out / "results.json").write_text(json.dumps({"env": env, "args": shown, "rows": rows}, indent=1, default=str))
+        md = markdown(env, args, rows)
+        (out / "results.md").write_text(md)
+
+    for model in args.only:
+        bench = Bench(args, model)
+        bench.build()
+        for variant in (v for v in args.variants if v.startswith("bf16")):
+            write(bench.run(variant, "bf16"))
+        for i, backend in enumerate(args.fp8_backend):
+            if i:
+                bench.build()  # the previous backend's float8 layers stay: a fresh bf16 model
+            original = quantizers.QUANTIZERS["fp8"]
+            quantizers.QUANTIZERS["fp8"] = BACKENDS[backend]
+            try:
+                for variant in (v for v in args.variants if v.startswith("fp8")):
+                    write(bench.run(variant, backend))
+            finally:
+                quantizers.QUANTIZERS["fp8"] = original
+        bench.pipe = None
+    print(md)
