@@ -1,4 +1,5 @@
-# Wait up to $1 seconds for the driver, then pack what it wrote so far into $OUT.
+# Wait up to $1 seconds for scripts/device/driver.sh, then pack what it wrote so far (/tmp/res)
+# into $OUT/res.tar.gz:  bash scripts/device/wait.sh SECONDS
 end=$(( $(date +%s) + $1 ))
 while [ ! -e /tmp/res/ALL_DONE ] && [ $(date +%s) -lt $end ]; do sleep 5; done
 cat /tmp/res/progress.txt 2>/dev/null

@@ -1,5 +1,10 @@
 # Runs the device steps one after another; survives between calls while the machine is warm.
-cd "$(dirname "$0")/.."
+# Start it in a process session of its own, e.g.
+#   STEPS="cuda-tests guard" setsid nohup bash scripts/device/driver.sh > /dev/null 2>&1 &
+# with the steps to run in $STEPS (default: cuda-tests caches-q caches-z; also fp8, guard). Each
+# step's log, progress.txt (UTC) and, at the end, ALL_DONE go to /tmp/res; scripts/device/wait.sh
+# waits for it and packs /tmp/res into $OUT.
+cd "$(dirname "$0")/../.."
 mkdir -p /tmp/res
 step() {
   local name=$1 limit=$2; shift 2

@@ -1,5 +1,9 @@
 """The steps of test_compile's compiled session after an uncompiled one, with the device memory
-before every capture (run from the project root on a GPU machine; see compile-steps-alone.txt)."""
+before every capture, in a process of their own (on a GPU machine; the output of one run is
+samples/gpu-run-2026-12-02b/compile-steps-alone.txt).
+
+    python3 scripts/device/compile_steps_alone.py
+"""
 
 import gc
 import logging
@@ -9,7 +13,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, ".")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the project root
 from accel import accelerate_pipeline
 from accel.graphs import pool as pool_mod
 from pipelines.builders import build_pipeline
