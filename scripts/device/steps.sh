@@ -27,5 +27,6 @@ for spec in "$@"; do
   echo "$(date -u +%H:%M:%S) start $name" >> "$out/progress.txt"
   t0=$(date +%s)
   timeout "$limit" bash -c "$cmd" > "$out/$name.log" 2>&1
-  echo "$(date -u +%H:%M:%S) end $name rc=$? $(( $(date +%s) - t0 ))s" >> "$out/progress.txt"
+  rc=$?  # before anything else resets it (124: the time limit)
+  echo "$(date -u +%H:%M:%S) end $name rc=$rc $(( $(date +%s) - t0 ))s" >> "$out/progress.txt"
 done
