@@ -248,9 +248,16 @@ class _Capture:
     capturing = True
 
     def __init__(
-        self, graph: BreakableCUDAGraph, pool: Any, error_mode: str, device: torch.device, memo: Memo | None = None
+        self,
+        graph: BreakableCUDAGraph,
+        pool: Any,
+        error_mode: str,
+        device: torch.device,
+        memo: Memo | None = None,
+        watch: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.graph = graph
+        self.watch = watch
         self.pool = pool
         self.error_mode = error_mode
         self.device = device
@@ -309,7 +316,8 @@ class _Capture:
             if not kind.decision:
                 out = tree.clone(out)  # this chain's own boundary buffer, outside the pool
         else:
-            out = self._run(fn, args, kwargs, kind)
+            with self.watch(f"break {name!r}") if self.watch is not None else contextlib.nullcontext():
+                out = self._run(fn, args, kwargs, kind)
         value = check_decision(out, name) if kind.decision else structure_key(out) if kind.keyed else None
         self.graph.breaks.append(
             _Break(
@@ -346,6 +354,7 @@ def capture(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "thread_local",
     memo: Memo | None = None,
+    watch: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> Iterator[BreakableCUDAGraph]:
     """Capture the code in the ``with`` block into ``graph`` as segments and breaks.
 
@@ -354,8 +363,9 @@ def capture(
     capture stream (a fresh side stream if omitted; capture is illegal on the default stream).
     The caller warms the code up eagerly first and freezes the garbage collector around a
     capture session. ``memo``: the call being captured already ran its first breaks (see
-    :func:`rerun`); they take their values from it. On error the graph is reset and the error
-    propagates.
+    :func:`rerun`); they take their values from it. ``watch(what)``: entered around every break's
+    run (what the caller must see no break do: :mod:`accel.graphs.stores`). On error the graph is
+    reset and the error propagates.
     """
     if is_capturing():
         raise BreakError("a breakable capture is already active in this thread")
@@ -363,7 +373,7 @@ def capture(
         raise BreakError("this BreakableCUDAGraph already holds a capture; call reset() first")
     stream = stream if stream is not None else torch.cuda.Stream()
     pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-    cap = _Capture(graph, pool, capture_error_mode, stream.device, memo.fresh() if memo is not None else None)
+    cap = _Capture(graph, pool, capture_error_mode, stream.device, memo.fresh() if memo is not None else None, watch)
     with torch.cuda.stream(stream), _run_capture(cap):
         yield graph
 

@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import bcg, tree
+
+if TYPE_CHECKING:
+    from .stores import Stores
 
 __all__ = ["Chain", "GraphTree", "PathMiss"]
 
@@ -55,13 +58,15 @@ class PathMiss(Exception):
 
 @dataclasses.dataclass
 class Chain:
-    """One captured path: its breakable graph and the output buffers its last segment writes."""
+    """One captured path: its breakable graph, the output buffers its last segment writes, and
+    what it stores into the containers the call is given (:mod:`accel.graphs.stores`; None: nothing)."""
 
     graph: bcg.BreakableCUDAGraph
     output: Any
     keepalive: list[Any]
     capture_seconds: float
     replays: int = 0
+    stores: Stores | None = None
     flat_output: tree.Flat = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +120,15 @@ class GraphTree:
 
     def boundary_bytes(self) -> int:
         return sum(c.graph.boundary_bytes() for c in self.chains.values())
+
+    def stored_bytes(self) -> int:
+        """Bytes one replay of every chain copies into the containers a call is given."""
+        return sum(c.stores.nbytes() for c in self.chains.values() if c.stores is not None)
+
+    @property
+    def stores(self) -> bool:
+        """Whether a chain stores into the containers the call is given."""
+        return any(c.stores is not None for c in self.chains.values())
 
     def prefers(self, path: tuple[Any, ...]) -> None:
         """Start the next replay on the chain of ``path``."""

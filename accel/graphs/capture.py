@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import bcg, tree
+from . import bcg, stores, tree
 from .branches import Chain, GraphTree
 from .config import RunnerConfig
+from .copyback import PoolMap
 from .entries import Entry, StepState
 from .errors import BreakError
+from .signature import LITERALS
 
 if TYPE_CHECKING:
     from .pool import GraphPool
@@ -117,40 +119,6 @@ def _as_one_call(state: StepState | None) -> Iterator[Callable[[], None]]:
         state.restore(snapshot)
 
 
-def _items(container: list | dict) -> tuple[Any, ...]:
-    """What a list or dict holds, by identity (keys too, for a dict)."""
-    if isinstance(container, dict):
-        return tuple((k, id(v)) for k, v in container.items())
-    return tuple(id(v) for v in container)
-
-
-def _container_contents(tree: Any, path: str = "") -> list[tuple[str, Any, tuple[Any, ...]]]:
-    """(path, container, :func:`_items`) for every list and dict in ``tree``."""
-    out: list[tuple[str, Any, tuple[Any, ...]]] = []
-    if isinstance(tree, (list, dict)):
-        out.append((path, tree, _items(tree)))
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            out += _container_contents(v, f"{path}[{k!r}]")
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            out += _container_contents(v, f"{path}[{i}]")
-    return out
-
-
-def _check_containers_unchanged(name: str, before: list[tuple[str, Any, tuple[Any, ...]]]) -> None:
-    """BreakError where the call stored into a list or dict it was given: a replay runs no Python,
-    so the caller's container would keep what it held (a causal VAE's per-frame feature cache
-    would stay empty, and every frame decode as the first)."""
-    for path, container, items in before:
-        if _items(container) != items:
-            where = "args" + path[3:] if path.startswith("[0]") else "kwargs" + path[3:]
-            raise BreakError(
-                f"{name}: the call stores into a container it is given ({where}), which a replay would not: "
-                "it cannot be captured"
-            )
-
-
 def attempt(
     target: Target,
     entry: Entry,
@@ -160,8 +128,8 @@ def attempt(
     verified: bool,
 ) -> Chain:
     """One warm-up and capture of a path of ``entry``'s signature (the first if ``memo`` is
-    None); raises on any failure (nothing kept). ``check_budget`` raises when the new graph
-    would not fit; ``verified``: the chain must equal an eager run (:func:`verify`)."""
+    None); raises on any failure (nothing kept). ``check_budget`` raises when the new graph would not
+    fit; ``verified``: the chain must equal an eager run (:func:`verify`)."""
     fn, name, config, pool = target.fn, target.name, target.config, target.pool
     sig, static_inputs = entry.signature, entry.static_inputs
     captured = fn
@@ -175,28 +143,37 @@ def attempt(
             with pool.lock, opened as keepalive:
                 caller = torch.cuda.current_stream(pool.device)
                 pool.stream.wait_stream(caller)
-                # Fresh containers for every run: a callee that fills a list it is given
-                # (a causal VAE's feature cache) must find it as the caller built it.
+                # Fresh containers for every run (rebuilt from the signature): a callee that fills
+                # a list it is given (a causal VAE's feature cache) finds it as the caller built it.
+                warm: stores.Recording | None = None
                 with torch.cuda.stream(pool.stream):
                     for _ in range(config.warmup_runs):
                         args, kwargs = sig.rebuild(static_inputs)
-                        before = _container_contents((args, kwargs))
+                        given = stores.Given(args, kwargs)
                         with bcg.rerun(memo):
-                            fn(*args, **kwargs)
+                            out = fn(*args, **kwargs)
                         restore()
-                        _check_containers_unchanged(name, before)
+                        warm = stores.record(given, name, static_inputs, sig.objects, out, pool.device).let_go()
+                        del args, kwargs, given, out  # what the run stored is not kept through the capture
                 pool.stream.synchronize()
                 pool.make_room()
                 args, kwargs = sig.rebuild(static_inputs)
-                with bcg.capture(graph, pool=pool.handle_for(graph), stream=pool.stream, memo=memo):
+                given = stores.Given(args, kwargs)
+                watch = given.unchanged_by if given.found else None
+                handle = pool.handle_for(graph)
+                with bcg.capture(graph, pool=handle, stream=pool.stream, memo=memo, watch=watch):
                     output = captured(*args, **kwargs)
+                done = stores.record(given, name, static_inputs, sig.objects, output, pool.device)
+                done.check_against(warm, name)
+                kept = stores.Stores(done, PoolMap(handle, pool.device)) if done.stored else None
+                del args, kwargs, given, done
                 caller.wait_stream(pool.stream)
                 pool.stream.synchronize()
                 restore()
             if graph.num_segments > config.max_segments:
                 raise BreakError(f"{graph.num_segments} segments exceed max_segments={config.max_segments}")
             check_budget(graph)
-            chain = Chain(graph, output, list(keepalive), time.perf_counter() - t0)
+            chain = Chain(graph, output, list(keepalive), time.perf_counter() - t0, stores=kept)
             if verified:
                 verify(fn, name, pool, entry, chain, memo, restore)
         return chain
@@ -214,23 +191,36 @@ def verify(
     memo: bcg.Memo | None,
     restore: Callable[[], None],
 ) -> None:
-    """Raise unless one replay of ``chain`` equals an eager run of the same inputs bit for bit.
+    """Raise unless one replay of ``chain`` equals an eager run of the same inputs bit for bit: its
+    output, and what it leaves in the containers it was given.
 
     Breaks found automatically are only as safe as the function's purity, which nothing can
     prove from outside; this comparison is the evidence, for the warmed inputs.
     """
-    args, kwargs = entry.signature.rebuild(entry.static_inputs)
+    sig = entry.signature
+    args, kwargs = sig.rebuild(entry.static_inputs)
     with torch.inference_mode(False), torch.no_grad():
         with bcg.rerun(memo):
-            expected = tree.clone(fn(*args, **kwargs))
+            expected = tree.clone((fn(*args, **kwargs), _containers(args, kwargs)))
         restore()
         trial = GraphTree()
         trial.add(chain)
-        got = entry.replay(pool, trial, None, memo)
+        args, kwargs = sig.rebuild(entry.static_inputs)
+        got = (entry.replay(pool, trial, None, memo, call=(args, kwargs, None)), _containers(args, kwargs))
         restore()
-    want, have = tree.tensors(expected), tree.tensors(got)
-    same = len(want) == len(have) and all(
-        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, have)
-    )
+    (want, want_key), (have, have_key) = tree.flatten_key(expected), tree.flatten_key(got)
+    same = want_key == have_key and all(_same_leaf(a, b) for a, b in zip(want, have))
     if not same:
         raise BreakError(f"{name}: the graph's output differs from an eager run of the same inputs")
+
+
+def _containers(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The containers a call was given, which it may have stored into."""
+    return [c for _, c in stores.Given(args, kwargs).found]
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        both = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return both and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return a is b or (type(a) is type(b) and isinstance(a, LITERALS) and a == b)

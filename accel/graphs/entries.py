@@ -35,6 +35,9 @@ class RunnerStats:
     call with decisions (``path_captures`` of them). ``path_misses``: replays that took a
     decision value without a graph; ``path_switches``: replays that moved to another path's chain
     at a decision. ``paths_per_entry``: the captured decision paths of each signature.
+    ``stored_bytes``: what one replay of every chain copies into the containers its call is given
+    (a causal VAE's feature cache; :mod:`accel.graphs.stores`): copies the caller owns and frees,
+    allocated outside the pool; the graphs pin none of it.
     """
 
     captures: int = 0
@@ -53,6 +56,7 @@ class RunnerStats:
     pool_bytes: int = 0
     static_bytes: int = 0
     boundary_bytes: int = 0
+    stored_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -95,9 +99,18 @@ class Entry:
     def static_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.static_inputs)
 
-    def replay(self, pool: Any, graphs: GraphTree, leaves: list[torch.Tensor] | None, memo: Any = None) -> Any:
+    def replay(
+        self,
+        pool: Any,
+        graphs: GraphTree,
+        leaves: list[torch.Tensor] | None,
+        memo: Any = None,
+        call: tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor] | None] | None = None,
+    ) -> Any:
         """Replay ``graphs`` (this entry's tree, or a chain on trial) on the current stream
         (``leaves`` copied into the static inputs first) and return a copy of its output.
+        ``call``: the call's ``(args, kwargs, tensors)``, whose containers get what the chain stores
+        (:mod:`accel.graphs.stores`; ``tensors`` None: the static inputs stand for its tensors).
 
         Ordered after the pool's last replay, so the inputs are not rewritten under a replay
         still reading them; marked done only after the copy, so no later replay (on any stream)
@@ -115,6 +128,9 @@ class Entry:
                 # The output buffers are rewritten by the next replay of any graph in the pool,
                 # so nothing returned may alias them.
                 out = chain.flat_output.clone()
+                if chain.stores is not None and call is not None:
+                    args, kwargs, inputs = call
+                    chain.stores.apply(args, kwargs, inputs if inputs is not None else self.static_inputs, out)
             finally:  # a break that failed leaves segments in flight: order after them too
                 pool.mark_replay_done(stream)
         return out
@@ -217,5 +233,6 @@ class EntryStore:
         if memory:
             s.static_bytes = sum(e.static_bytes() for e in entries)
             s.boundary_bytes = sum(e.tree.boundary_bytes() for e in entries)
+            s.stored_bytes = sum(e.tree.stored_bytes() for e in entries)
             s.pool_bytes = pool_bytes
         return s

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import bcg
+from . import bcg, stores
 from .branches import PathMiss, path_label
 from .capture import CaptureScope, Target, capture_session
 from .config import RunnerConfig
@@ -38,6 +38,15 @@ from .sites import BreakSite
 __all__ = ["GraphMemoryBudgetError", "GraphRunner", "RunnerConfig", "RunnerStats", "StepState", "capture_session"]
 
 logger = logging.getLogger(__name__)
+
+
+class _GivenTwice(Exception):
+    """A call gives one container twice: a graph that stores into it would not store as eagerly."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(field)
+        self.field = field
+
 
 _said_no_cuda = False
 
@@ -100,7 +109,9 @@ class GraphRunner:
         entry = self.store.get(key)
         if entry is not None:
             try:
-                return self._replay(entry, leaves)
+                return self._replay(entry, leaves, args, kwargs)
+            except _GivenTwice as twice:
+                return self._eager_given_twice(key, twice, args, kwargs)
             except PathMiss as miss:
                 return self._on_path_miss(entry, miss, args, kwargs)
             except bcg.CopyBackError as exc:
@@ -120,7 +131,10 @@ class GraphRunner:
             entry = self._capture(key, sig, leaves)
             if entry is not None:
                 entry.refill = stale and not self._capturing
-                return self._replay(entry, leaves)
+                try:
+                    return self._replay(entry, leaves, args, kwargs)
+                except _GivenTwice as twice:
+                    return self._eager_given_twice(key, twice, args, kwargs)
         else:
             self.counts.misses += 1
             if key not in self._said:  # the reason compares against every entry: only when said
@@ -140,7 +154,7 @@ class GraphRunner:
             with self.lock:
                 chain = self.policy.capture_path(self._target(), entry, miss)
             if chain is not None:
-                return self._replay(entry, None, memo=miss.memo)
+                return self._replay(entry, flatten(args, kwargs)[1], args, kwargs, memo=miss.memo, copied=True)
         self._say_once(
             ("path", entry.key, path),
             f"{self.name}: no graph for decision path {path_label(path)} of a captured call; running it eagerly"
@@ -167,11 +181,35 @@ class GraphRunner:
         assert self.pool is not None
         return Target(self.fn, self.name, self.config, self.pool, self.capture_scope, self.state, self.entry)
 
-    def _replay(self, entry: Entry, leaves: list[torch.Tensor] | None, memo: bcg.Memo | None = None) -> Any:
-        out = entry.replay(self.pool, entry.tree, leaves, memo)
+    def _replay(
+        self,
+        entry: Entry,
+        leaves: list[torch.Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        memo: bcg.Memo | None = None,
+        copied: bool = False,
+    ) -> Any:
+        """Replay ``entry`` for this call (``copied``: its inputs are in the static inputs already)."""
+        if entry.tree.stores:
+            twice = stores.given_twice(args, kwargs)
+            if twice is not None:
+                raise _GivenTwice(twice)
+        out = entry.replay(self.pool, entry.tree, None if copied else leaves, memo, call=(args, kwargs, leaves))
         self.store.used(entry)
         self.counts.replays += 1
         return out
+
+    def _eager_given_twice(
+        self, key: Hashable, twice: _GivenTwice, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        self._say_once(
+            ("given-twice", key),
+            f"{self.name}: {twice.field} is a container given twice in one call, which its graph stores into as "
+            "two; this call runs eagerly",
+        )
+        self.counts.eager_calls += 1
+        return self.fn(*args, **kwargs)
 
     def _say_once(self, key: Hashable, message: str, level: int = logging.INFO) -> None:
         if key not in self._said:

@@ -22,10 +22,10 @@ import torch
 
 from . import tree
 
-__all__ = ["Signature", "describe_diff", "flatten"]
+__all__ = ["LITERALS", "Signature", "describe_diff", "flatten"]
 
 # Matched by value: immutable, so a graph that baked one in serves any equal one (torch.Size too).
-_LITERALS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, torch.Size)
+LITERALS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, torch.Size)
 _BY_IDENTITY = "identity"  # first item of an identity leaf key; tensor and literal keys start with a type
 
 
@@ -71,7 +71,7 @@ def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Signature, l
             tensors.append(leaf)
             tensor_at.append(i)
             template[i] = None
-        elif isinstance(leaf, _LITERALS):
+        elif isinstance(leaf, LITERALS):
             keys.append((type(leaf), leaf))
         else:
             keys.append((_BY_IDENTITY, type(leaf), id(leaf)))
