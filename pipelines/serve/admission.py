@@ -11,7 +11,14 @@ While serving, a call at a (bucket, size) the warm-up captured is admitted (its 
 measured, and the pool holds it); any other (a size captured on first use, or run eagerly) must
 fit what the budget leaves beside the graphs now. A batch larger than what fits is split into
 calls of the largest bucket that does (:func:`split`); one that fits at no bucket waits
-(:mod:`.worker`). Nothing is dropped.
+(:mod:`.worker`). A call that runs out of memory all the same (the estimate was low) is not
+lost either: its bucket is marked as not fitting at that size (:meth:`Admission.refuse`) and the
+worker makes the same images again in calls of a smaller bucket. Only a single image that runs
+out of memory fails its request.
+
+The warm-up measures what each (bucket, size) it ran took (:meth:`Admission.measured`, the
+device's peak above what was allocated before the call): where a measurement exists it replaces
+the estimate.
 
 The budget is ``--memory-budget``, else the device's free memory once the weights are loaded
 (none on a CPU: everything is admitted). Estimates and the budget are plain callables, so the
@@ -27,7 +34,7 @@ from typing import Any
 
 from pipelines.memory_estimate import format_bytes
 
-__all__ = ["Admission", "AdmissionError", "split"]
+__all__ = ["Admission", "AdmissionError", "OutOfMemory", "Part", "split"]
 
 logger = logging.getLogger("bcg-serve")
 
@@ -40,6 +47,21 @@ class AdmissionError(Exception):
     """A configuration whose largest call cannot fit the budget: one line, exit status 2."""
 
     status = 2
+
+
+class OutOfMemory(Exception):
+    """A pipeline call of ``images`` images at bucket ``bucket`` and ``size`` ran out of device
+    memory (the engine raises it; the worker makes its images again in smaller calls). Its
+    message is one line for the client (``status`` 1: told as it is)."""
+
+    status = 1
+
+    def __init__(self, images: int, bucket: int, size: Size) -> None:
+        super().__init__(f"out of device memory making {images} image(s) at {_names([size])} in a call of batch "
+                         f"{bucket}")  # fmt: skip
+        self.images = images
+        self.bucket = bucket
+        self.size = size
 
 
 def _names(sizes: Iterable[Size]) -> str:
@@ -63,6 +85,31 @@ class Admission:
         self.held = held
         self.graphs = graphs
         self.warm: set[tuple[int, Size]] = set()
+        self.refused: set[tuple[int, Size]] = set()
+        self._measured: dict[tuple[int, Size], int] = {}
+
+    def measured(self, peaks: dict[tuple[int, Size], int]) -> None:
+        """Peaks the warm-up measured, by (bucket, size): they replace the estimates, and each is
+        logged beside its estimate (how far off the estimate was, for the next configuration)."""
+        for (batch, size), peak in sorted(peaks.items()):
+            logger.info("memory: batch %d at %s measured %s at its peak (estimated %s)", batch, _names([size]),
+                        format_bytes(peak), format_bytes(self.need(batch, size, self.graphs)))  # fmt: skip
+        self._measured.update(peaks)
+
+    def bytes_for(self, batch: int, size: Size, graphs: bool) -> int:
+        """What a call of ``batch`` at ``size`` needs: measured where the warm-up ran it, else estimated."""
+        measured = self._measured.get((batch, size))
+        return measured if measured is not None else self.need(batch, size, graphs)
+
+    def refuse(self, bucket: int, size: Size) -> None:
+        """``bucket`` ran out of memory at ``size``: no later call there uses it (nor a larger one)."""
+        for b in self.batch_sizes:
+            if b >= bucket:
+                self.refused.add((b, size))
+                self.warm.discard((b, size))
+        left = [b for b in self.batch_sizes if (b, size) not in self.refused]
+        logger.warning("out of memory at batch %d, %s: calls there run at batch sizes %s from now on", bucket,
+                       _names([size]), " ".join(map(str, left)) or "none (each image alone fails)")  # fmt: skip
 
     def check(self, sizes: Sequence[Size], graphs: bool) -> None:
         """AdmissionError, naming what to lower, where the largest bucket at any of ``sizes``
@@ -81,25 +128,23 @@ class Admission:
             return
         size, need = max(too_big, key=lambda t: t[1])
         fits = [b for b in self.batch_sizes if self.need(b, size, graphs) <= self.budget]
-        lower = f"--batch-sizes {' '.join(map(str, fits))}" if fits else "no batch size fits it"
         sizes_fit = [s for s in sizes if self.need(largest, s, graphs) <= self.budget]
-        drop = (
-            f", or --resolutions {_names(sizes_fit)}"
-            if sizes_fit
-            else f", or smaller --resolutions than {_names([size])}"
-        )
+        ways = [f"--batch-sizes {' '.join(map(str, fits))}"] if fits else []
+        ways.append(f"--resolutions {_names(sizes_fit)}" if sizes_fit else f"--resolutions below {_names([size])}")
+        alone = "" if fits else f" (one image alone needs about {format_bytes(self.need(1, size, graphs))})"
         raise AdmissionError(f"batch {largest} at {_names([size])} needs about {format_bytes(need)} of device memory "
-                             f"but the budget is {format_bytes(self.budget)}: lower to {lower}{drop} "
+                             f"but the budget is {format_bytes(self.budget)}{alone}: lower to {', or '.join(ways)} "
                              "(or raise --memory-budget)")  # fmt: skip
 
     def limit(self, size: Size) -> int:
         """The most images one call at ``size`` may have now: the largest bucket that fits (0:
         none does now; the call waits)."""
+        allowed = [b for b in reversed(self.batch_sizes) if (b, size) not in self.refused]
         if self.budget is None:
-            return self.batch_sizes[-1]
+            return allowed[0] if allowed else 1  # nothing known fits: one image at a time, its failure told
         left = self.budget - self.held()
-        for b in reversed(self.batch_sizes):
-            if (b, size) in self.warm or self.need(b, size, self.graphs) <= left:
+        for b in allowed:
+            if (b, size) in self.warm or self.bytes_for(b, size, self.graphs) <= left:
                 return b
         return 0
 

@@ -11,7 +11,8 @@ its own seed only, whichever requests share its call; and batch-size buckets: a 
 runs at the smallest bucket of at least k (``batch_sizes``), the rows added repeating the last
 image (its prompt, negative prompt and seed, so its text length and batch key), then dropped. The
 call's shapes are then the bucket's, which the warm-up captured: an image equals the same request
-made in any other call of its bucket, bit for bit.
+made in any other call of its bucket, bit for bit. A call that runs out of device memory is
+:class:`~.admission.OutOfMemory` (the worker makes its images again in smaller calls).
 
 Only the device worker's thread calls :meth:`Engine.run` and :meth:`Engine.warmup`;
 :meth:`Engine.plan` reads only what is fixed once the engine exists, so the routes call it.
@@ -28,12 +29,13 @@ import secrets
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pipelines.cli import CallSettings, Job, PreparedPipeline, call_settings, run_text
+from pipelines.cli import CallSettings, Job, PreparedPipeline, RunError, call_settings, run_text
 from pipelines.cli.calls import generate_images, graph_replays, mode_ran, nan_hint
 from pipelines.cli.images import image_texts, quantized
 from pipelines.cli.prompts import TokenCount, count_tokens
 from pipelines.lora import LoraSpec, activate
 
+from .admission import OutOfMemory
 from .batcher import BatchKey
 from .encode import encode_all
 from .errors import ServeError
@@ -174,6 +176,7 @@ class Engine:
         self.admission: Any = None
         self.warm_sizes: tuple[tuple[int, int], ...] | None = None
         self.warmup_costs: dict[int, Any] = {}
+        self.warmup_seconds = 0.0
         self.pipe = prepared.pipe
         self.device = prepared.device
         self.adapters = Adapters(self.pipe, prepared.loras)
@@ -218,12 +221,18 @@ class Engine:
         return accel.graph_memory_bytes() if accel is not None else 0
 
     def denoiser_counts(self) -> tuple[int, int]:
-        """(graph replays, eager calls) of the denoisers so far; zeros where nothing is counted."""
-        try:
-            stats = self.pipe.accel.stats().values()
-        except AttributeError:
+        """(graph replays, eager calls) of the denoisers so far; zeros where nothing is counted.
+
+        The denoisers only: ``accel.stats()`` also counts the components it captures (the text
+        encoder, the VAE decoder), which run eagerly by design where they cannot be captured
+        (Qwen-Image's VAE decoder) or where a prompt's token length was not warmed up (the
+        text encoder's shapes are the prompt's own), and would count a replaying call as eager."""
+        accel = vars(self.pipe).get("accel")
+        if accel is None:
             return 0, 0
-        return sum(s.replays for s in stats), sum(s.eager_calls for s in stats)
+        stats = accel.stats()
+        counted = [stats[name] for name in accel.recipes if name in stats]
+        return sum(s.replays for s in counted), sum(s.eager_calls for s in counted)
 
     def run(self, plans: Sequence[Plan]) -> list[list[Generated]]:
         """One pipeline call for ``plans`` (one :class:`BatchKey`), at their bucket; per plan, its images."""
@@ -251,7 +260,14 @@ class Engine:
             kwargs["negative_prompt"] = negatives
         self.adapters.select(key.lora)
         before = graph_replays(self.pipe) if p.accelerated else None
-        images = generate_images(self.pipe, kwargs, job, nan_hint(p.settings.dtype, r.guidance), p.cache)
+        try:
+            images = generate_images(self.pipe, kwargs, job, nan_hint(p.settings.dtype, r.guidance), p.cache)
+        except RunError as e:  # the CLI's out-of-memory line keeps the error it replaced as its context
+            if isinstance(e.__context__, torch.OutOfMemoryError):
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()  # the failed call's blocks, for the smaller calls that follow
+                raise OutOfMemory(len(seeds) - pad, len(seeds), (r.width, r.height)) from None
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         ran = mode_ran(self.pipe, p.settings.mode, before)

@@ -1,13 +1,14 @@
 """The server's Prometheus metrics, in a registry of its own (``GET /metrics``).
 
 Counters: requests by answer status, images generated, requests dropped before they ran (by
-reason), pipeline calls by what ran (``graphs`` where a denoiser graph replayed, ``eager``
-where none did, ``failed``) and denoiser forwards by kind (``replay``, ``eager``, from the
-accelerator's counters), and the rows a call ran beyond its images to reach its bucket (padded).
-Histograms: images and requests per pipeline call (the batching), the bucket each call ran at,
-seconds per request (arrival to answer), in the queue, per pipeline call and per image (a call's
-seconds over its images). Gauges: queue depth, readiness, graph memory held (set after the
-warm-up and each call) and each bucket's warm-up seconds.
+reason), pipeline calls by what ran (``graphs`` where a denoiser graph replayed, ``eager`` where
+none did, ``failed``, ``out_of_memory``: made again in smaller calls), denoiser forwards by kind
+(``replay``, ``eager``, from the accelerator's counters), and the rows a call ran beyond its
+images to reach its bucket (padded). Histograms: images and requests per pipeline call (the
+batching), the bucket each call ran at, seconds per request (arrival to answer), in the queue,
+per pipeline call and per image (a call's seconds over its images). Gauges: queue depth,
+readiness, graph memory held (set after the warm-up and each call) and each bucket's warm-up
+seconds.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class Metrics:
         self.dropped = Counter("bcg_serve_dropped", "Requests dropped before their images were computed, by "
                                "reason (disconnected, timeout, shutdown)", ["reason"], registry=r)  # fmt: skip
         self.pipeline_calls = Counter("bcg_serve_pipeline_calls", "Pipeline calls, by what ran: graphs (a denoiser "
-                                      "graph replayed), eager, failed", ["ran"], registry=r)  # fmt: skip
+                                      "graph replayed), eager, failed, out_of_memory (made again smaller)", ["ran"],
+                                      registry=r)  # fmt: skip
         self.denoiser_calls = Counter("bcg_serve_denoiser_calls", "Denoiser forwards by kind: replay (a CUDA graph) "
                                       "or eager", ["kind"], registry=r)  # fmt: skip
         self.batch_images = Histogram("bcg_serve_batch_images", "Images per pipeline call", buckets=counts, registry=r)
@@ -69,7 +71,7 @@ class Metrics:
             self.requests.labels(status)  # present at 0, so a scrape sees the whole set from the start
         for reason in ("disconnected", "timeout", "shutdown"):
             self.dropped.labels(reason)
-        for ran in ("graphs", "eager", "failed"):
+        for ran in ("graphs", "eager", "failed", "out_of_memory"):
             self.pipeline_calls.labels(ran)
         for kind in ("replay", "eager"):
             self.denoiser_calls.labels(kind)

@@ -100,9 +100,10 @@ def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine
         admission.check(list(sizes) if graphs else list(config.resolutions), graphs)
         engine.admission = admission
         if prepared.accelerated and sizes:
-            costs, captured = warm_up(engine, sizes, config.batch_sizes)
-            engine.warmup_costs = costs
-            if captured:
+            warm = warm_up(engine, sizes, config.batch_sizes)
+            engine.warmup_costs, engine.warmup_seconds = warm.costs, warm.seconds
+            admission.measured(warm.peaks)
+            if warm.captured:
                 admission.warm = {(b, s) for b in config.batch_sizes for s in sizes}
                 if not config.capture_on_miss:
                     engine.warm_sizes = tuple(s for s in config.resolutions if s in sizes)

@@ -4,9 +4,14 @@ where the model has it, for every adapter state; timed and measured per bucket.
 One ``pipe.accel.warmup`` call per adapter state takes every bucket at once: with ``--compile``
 the accelerator then compiles every case before it captures any, so no later bucket's recompile
 drops an earlier bucket's graphs, and the largest case is captured first, its pool blocks reused
-by the smaller ones. Its report is per size; the server's cost is per bucket, so each pipeline
-call the warm-up makes is timed by its batch size (:class:`CallClock`), with the graph memory it
-added. An out-of-memory warm-up ends the start in one line naming the bucket and size it was at.
+by the smaller ones. The blocks are compiled with dynamic shapes, so the largest bucket's compile
+serves the others (dynamo specialises a size of 1, so bucket 1 compiles once more; measured on
+the CPU with the tiny Z-Image: 7 graphs for buckets 1 2 4 and for 1 2 4 8, 5 for 4 alone). Its
+report is per size; the server's cost is per bucket, so each pipeline call the warm-up makes is
+timed by its batch size (:class:`CallClock`), with the graphs dynamo compiled in it, the graph
+memory it added and, on a GPU, its peak memory (which the admission then uses instead of its
+estimate). An out-of-memory warm-up ends the start in one line naming the bucket and size it was
+at.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 from pipelines.cli import RunError
 from pipelines.memory_estimate import format_bytes
 
-__all__ = ["BucketCost", "CallClock", "warm_up"]
+__all__ = ["BucketCost", "CallClock", "WarmUp", "compiled_graphs", "warm_up"]
 
 logger = logging.getLogger("bcg-serve")
 
@@ -32,12 +37,23 @@ Size = tuple[int, int]
 
 @dataclasses.dataclass
 class BucketCost:
-    """What warming up one bucket cost: seconds (compile included), pipeline calls, graph memory added."""
+    """What warming up one bucket cost: seconds (compile included), pipeline calls, graphs dynamo
+    compiled, graph memory added, and the largest peak of device memory above what was allocated
+    before a call (0 where not measured: a CPU)."""
 
     batch: int
     seconds: float = 0.0
     calls: int = 0
+    compiled: int = 0
     graph_bytes: int = 0
+    peak_bytes: int = 0
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (what ``accel``'s warm-up report counts)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def call_batch(kwargs: dict[str, Any]) -> int:
@@ -62,12 +78,31 @@ class CallClock:
     the class: the class's ``__call__`` is wrapped for the duration, and put back after.
     """
 
-    def __init__(self, pipe: Any, graph_bytes: Callable[[], int], sync: Callable[[], None]) -> None:
+    def __init__(self, pipe: Any, graph_bytes: Callable[[], int], device: Any = None) -> None:
         self.pipe = pipe
         self.graph_bytes = graph_bytes
-        self.sync = sync
+        self.device = device if device is not None and device.type == "cuda" else None
         self.costs: dict[int, BucketCost] = {}
+        # The peak of each (batch, (width, height)) the warm-up called, on a GPU.
+        self.peaks: dict[tuple[int, Size], int] = {}
         self.current: tuple[int, int | None, int | None] | None = None
+
+    def _start(self) -> int:
+        import torch
+
+        if self.device is None:
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def _peak(self, before: int) -> int:
+        import torch
+
+        if self.device is None:
+            return 0
+        torch.cuda.synchronize(self.device)
+        return max(torch.cuda.max_memory_allocated(self.device) - before, 0)
 
     @contextmanager
     def timing(self) -> Iterator[CallClock]:
@@ -81,14 +116,21 @@ class CallClock:
             if pipe is not clock.pipe:
                 return call(pipe, *args, **kwargs)
             batch = call_batch(kwargs)
-            clock.current = (batch, kwargs.get("width"), kwargs.get("height"))
+            width, height = kwargs.get("width"), kwargs.get("height")
+            clock.current = (batch, width, height)
             cost = clock.costs.setdefault(batch, BucketCost(batch))
-            held, t0 = clock.graph_bytes(), time.perf_counter()
+            held, graphs, allocated = clock.graph_bytes(), compiled_graphs(), clock._start()
+            t0 = time.perf_counter()
             out = call(pipe, *args, **kwargs)
-            clock.sync()
+            peak = clock._peak(allocated)
             cost.seconds += time.perf_counter() - t0
             cost.calls += 1
+            cost.compiled += compiled_graphs() - graphs
             cost.graph_bytes += clock.graph_bytes() - held
+            cost.peak_bytes = max(cost.peak_bytes, peak)
+            if peak and width is not None and height is not None:
+                key = (batch, (int(width), int(height)))
+                clock.peaks[key] = max(clock.peaks.get(key, 0), peak)
             clock.current = None
             return out
 
@@ -108,10 +150,20 @@ def _cfg_above(pipe: Any) -> float:
     return generation_defaults(pipe).cfg_above
 
 
-def warm_up(engine: Any, sizes: Sequence[Size], batch_sizes: Sequence[int]) -> tuple[dict[int, BucketCost], bool]:
+@dataclasses.dataclass
+class WarmUp:
+    """What the warm-up did: its cost per bucket, whether anything was captured (False where
+    graphs do not run: a CPU, mode eager), the measured peaks by (bucket, size) and its seconds."""
+
+    costs: dict[int, BucketCost]
+    captured: bool
+    peaks: dict[tuple[int, Size], int]
+    seconds: float
+
+
+def warm_up(engine: Any, sizes: Sequence[Size], batch_sizes: Sequence[int]) -> WarmUp:
     """Capture every size at every bucket for every adapter state (none, then each adapter);
-    logs each size's and each bucket's cost. Returns the costs by bucket and whether anything
-    was captured (False where graphs do not run: a CPU, mode eager)."""
+    logs each size's and each bucket's cost."""
     import torch
 
     pipe, d = engine.pipe, engine.prepared.call
@@ -119,9 +171,7 @@ def warm_up(engine: Any, sizes: Sequence[Size], batch_sizes: Sequence[int]) -> t
     kwargs: dict[str, Any] = dict(batch_sizes=sorted(batch_sizes), cfg=cfg, progress=False)
     if d.frames is not None:
         kwargs["num_frames"] = d.frames
-    device = engine.device
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    clock = CallClock(pipe, pipe.accel.graph_memory_bytes, sync)
+    clock = CallClock(pipe, pipe.accel.graph_memory_bytes, engine.device)
     captured = False
     names = ", ".join(f"{w}x{h}" for w, h in sizes)
     buckets = " ".join(map(str, sorted(batch_sizes)))
@@ -147,8 +197,10 @@ def warm_up(engine: Any, sizes: Sequence[Size], batch_sizes: Sequence[int]) -> t
     engine.adapters.select(None)
     for b in sorted(clock.costs, reverse=True):
         c = clock.costs[b]
-        logger.info("warm-up of batch size %d: %.2f s in %d call(s), graph memory +%s", b, c.seconds, c.calls,
-                    format_bytes(max(c.graph_bytes, 0)))  # fmt: skip
-    logger.info("warm-up: %.2f s in all, graph memory %s", time.perf_counter() - t0,
-                format_bytes(pipe.accel.graph_memory_bytes()))  # fmt: skip
-    return clock.costs, captured
+        compiled = f", {c.compiled} graph(s) compiled" if c.compiled else ""
+        peak = f", peak +{format_bytes(c.peak_bytes)}" if c.peak_bytes else ""
+        logger.info("warm-up of batch size %d: %.2f s in %d call(s)%s, graph memory +%s%s", b, c.seconds, c.calls,
+                    compiled, format_bytes(max(c.graph_bytes, 0)), peak)  # fmt: skip
+    seconds = time.perf_counter() - t0
+    logger.info("warm-up: %.2f s in all, graph memory %s", seconds, format_bytes(pipe.accel.graph_memory_bytes()))
+    return WarmUp(clock.costs, captured, clock.peaks, seconds)

@@ -5,9 +5,12 @@ batches from the batcher until it closes. A batch is one pipeline call, unless t
 admission (:mod:`.admission`) admits fewer images at its size now: then it is split into calls
 of the largest bucket that fits, each request's images kept in order; where no bucket fits now,
 it waits for memory (at most ``admission_wait`` seconds, then its requests fail). A call that
-fails fails its batch's requests only (each future gets a :class:`BatchFailed` with the cause in
-one line) and the worker goes on with the next batch. Pipelines are not thread-safe, so nothing else calls
-them; the library serialises calls per scheduler anyway.
+runs out of memory all the same is made again in calls of a smaller bucket (its bucket refused
+at that size from then on), so its requests lose nothing; only one image at the smallest bucket
+that runs out of memory fails. A call that fails fails its batch's requests only (each future
+gets a :class:`BatchFailed` with the cause in one line) and the worker goes on with the next
+batch. Pipelines are not thread-safe, so nothing else calls them; the library serialises calls
+per scheduler anyway.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .admission import split
+from .admission import OutOfMemory, split
 from .batcher import Batcher, Work
 from .errors import one_line
 from .metrics import Metrics
@@ -81,11 +84,7 @@ class DeviceWorker(threading.Thread):
         images = sum(w.images for w in batch)
         results: list[list[Any]] = [[] for _ in batch]
         try:
-            limit = self._admitted(batch[0])
-            for call in split([w.images for w in batch], limit):
-                plans = [_part(batch[p.index].plan, p.start, p.stop) for p in call]
-                for p, made in zip(call, self._call(plans)):
-                    results[p.index].extend(made)
+            self._compute(batch, results)
         except Exception as e:  # one batch's failure is that batch's alone
             m.pipeline_calls.labels("failed").inc()
             # The CLI's errors are told for users already (out of memory, NaN pixels, a refused call).
@@ -104,6 +103,29 @@ class DeviceWorker(threading.Thread):
         m.batch_requests.observe(len(batch))
         for w, result in zip(batch, results):
             w.future.set_result(result)
+
+    def _compute(self, batch: list[Work], results: list[list[Any]]) -> None:
+        """Every image of ``batch`` into ``results``, in calls of what the admission admits now:
+        one call if it all fits; after an out-of-memory call, the images it had again, smaller."""
+        done = [0] * len(batch)  # images of each request made so far
+        while any(d < w.images for d, w in zip(done, batch)):
+            left = [(i, d) for i, (d, w) in enumerate(zip(done, batch)) if d < w.images]
+            limit = self._admitted(batch[0])
+            call = split([batch[i].images - d for i, d in left], limit)[0]
+            parts = [(left[p.index][0], left[p.index][1] + p.start, left[p.index][1] + p.stop) for p in call]
+            plans = [_part(batch[i].plan, start, stop) for i, start, stop in parts]
+            try:
+                made = self._call(plans)
+            except OutOfMemory as e:
+                admission = getattr(self.engine, "admission", None)
+                if admission is None or e.bucket <= admission.batch_sizes[0]:
+                    raise  # one image at the smallest bucket: nothing smaller to try
+                admission.refuse(e.bucket, e.size)
+                self.metrics.pipeline_calls.labels("out_of_memory").inc()
+                continue
+            for (i, _, stop), images in zip(parts, made):
+                results[i].extend(images)
+                done[i] = stop
 
     def _call(self, plans: list[Any]) -> list[list[Any]]:
         """One pipeline call, counted: what ran, its bucket and padding, its seconds per image."""
