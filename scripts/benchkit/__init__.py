@@ -41,8 +41,15 @@ parallel_report   device and versions, the tables, results.json and results.md
 
 scripts/bench_caches.py: cache_run (flags, the run, results.md), cache_bench (step caches with and
 without graphs on one pipeline). scripts/bench_fp8.py: fp8_run, fp8_bench (bf16 and float8 rows).
-scripts/bench_guard.py: guard_timing. scripts/bench_vae.py: vae_decode. scripts/profile_step.py:
-kernels (a profiled step's kernels by kind).
+scripts/bench_guard.py: guard_timing. scripts/bench_vae.py: vae_decode.
+
+scripts/profile_step.py:
+kernels         what a kernel does, from its name (float8 GEMMs and quantization apart)
+timeline        a profiled step's time by kernel and kind, busy and idle
+profiler        one profiler session and the kernels and step windows read out of it
+gemm_shapes     the step's Linear products by shape, float8 or bf16, each timed alone
+floor           the floor those products imply at the peak rates, beside the profile
+profile_report  profile.md
 
 Nested call arguments and outputs are walked with ``accel.graphs.tree`` (``tensors``, ``clone``), the
 library's one traversal. Most modules import torch, accel and diffusers at import time (benchkit.cli

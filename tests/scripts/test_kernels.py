@@ -1,5 +1,6 @@
-"""scripts/benchkit/kernels.py: kernel kinds read from names recorded on H100/H200 traces, the
-busy-interval union and idle time on synthetic intervals, and the per-step summary."""
+"""scripts/benchkit/kernels.py and timeline.py: kernel kinds read from names recorded on
+H100/H200 traces (float8 products and quantization among them), the busy-interval union and idle
+time on synthetic intervals, and the per-step summary."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-from benchkit.kernels import KINDS, DeviceEvent, busy_ns, clip, fused_ops, idle_ns, kind, summarize, union
+from benchkit.kernels import GROUPS, KINDS, fused_ops, kind
+from benchkit.timeline import DeviceEvent, busy_ns, clip, idle_ns, summarize, union
 
 # Names as CUPTI records them (demangled; long template arguments shortened where they say nothing).
 NAMES = {
@@ -27,6 +29,27 @@ NAMES = {
     "void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float, 128, 16, 4, 4, false, false>(cublasGemvParamsEx<int, cublasGemvTensorStridedBatched<__nv_bfloat16 const>, float>)": "gemm",
     "triton_tem_fused_addmm_0": "gemm",
     "triton_tem_fused_mm_3": "gemm",
+    # float8 products (torch._scaled_mm): cuBLASLt's nvjet with two float8 operands ("qq") and its
+    # xmma e4m3 kernels, as public traces name them; not yet recorded here, and of the form torch's
+    # sources give: CUTLASS's rowwise template (RowwiseScaledMM.cu, arguments shortened), an
+    # inductor template
+    "nvjet_qqtst_128x256_128x6_2x1_2cta_v_bz_TNT": "fp8_gemm",
+    "nvjet_qqtst_112x128_128x7_2x1_v_bz_coopA_algo2_TNN": "fp8_gemm",
+    "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas": "fp8_gemm",
+    "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int>, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::MainloopSm90TmaGmmaWarpSpecializedFP8<2, cute::tuple<cute::C<1>, cute::C<2>, cute::C<1>>, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum>, cutlass::float_e4m3_t, cutlass::float_e4m3_t>>>>(...)": "fp8_gemm",
+    "triton_tem_fused__scaled_mm_4": "fp8_gemm",
+    # float8 quantization of activations: inductor's amax reductions (alone or fused into their
+    # producer) and scale-clamp-cast kernels as public traces name them; of the form the sources
+    # give (not recorded here): a norm fused with its output's quantization, ATen's cast to float8
+    # (its element type in the name), a library's quantizer
+    "triton_red_fused_abs_amax_9": "quant",
+    "triton_red_fused_abs_amax_mul_silu_3": "quant",
+    "triton_red_fused_abs_amax_transpose_view_3": "quant",
+    "triton_red_fused__to_copy_abs_clamp_max_mul_pow_reciprocal_relu_view_7": "quant",
+    "triton_poi_fused__to_copy_clamp_div_mul_round_view_15": "quant",
+    "triton_red_fused__to_copy_abs_add_amax_clamp_div_mean_mul_pow_rsqrt_2": "quant",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#14}::operator()() const::{lambda(c10::BFloat16)#1}, at::detail::Array<char*, 2>, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(int, at::detail::Array<char*, 2>) [c10::Float8_e4m3fn]": "quant",
+    "quantize_fp8_kernel_generic": "quant",
     # attention: torch's flash and memory-efficient backends, cuDNN SDPA, FlashAttention-3
     "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, false, false, false, false, true, true, false>(pytorch_flash::Flash_fwd_params)": "attention",
     "void pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, cutlass::bfloat16_t>, false, false, false, true, true, false>(pytorch_flash::Flash_fwd_params)": "attention",
@@ -56,6 +79,8 @@ NAMES = {
     # other pointwise and reduction kernels
     "triton_poi_fused__to_copy_add_mul_0": "elementwise",
     "triton_poi_fused_add_div_mul_where_6": "elementwise",
+    "triton_poi_fused__to_copy_clamp_max_exp_mul_sub_12": "elementwise",  # clamped exp: no float8 scale
+    "triton_poi_fused__to_copy_clamp_sub_3": "elementwise",
     "triton_red_fused_sum_1": "elementwise",
     "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, at::detail::Array<char*, 3> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, at::detail::Array<char*, 3>)": "elementwise",
     "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&)::{lambda(int)#1})": "elementwise",
@@ -87,7 +112,7 @@ def test_kind_of_real_kernel_names(name: str) -> None:
 
 
 def test_every_kind_is_exercised_and_nothing_falls_outside_the_kinds() -> None:
-    assert set(NAMES.values()) == set(KINDS)
+    assert set(NAMES.values()) == set(KINDS) == set(GROUPS)
     rng = random.Random(0)
     alphabet = "abcdefghijklmnopqrstuvwxyz_<>:0123456789 "
     for _ in range(300):

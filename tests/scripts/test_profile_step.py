@@ -66,6 +66,22 @@ def test_cpu_run_writes_its_files_and_says_no_kernel_was_recorded(zimage) -> Non
     assert any(str(e.get("name", "")).startswith("profile_step/") for e in trace["traceEvents"])
 
 
+def test_cpu_run_lists_the_steps_products_its_floor_and_the_call_outside(zimage) -> None:
+    _, result, md, _ = zimage
+    gemms = result["gemms"]
+    assert gemms and all(g["dtype"] == "bf16" and g["tflops_alone"] is None for g in gemms)  # rates on CUDA only
+    assert all(g["flop_per_step"] > 0 and g["calls_per_step"] >= 1 for g in gemms)
+    f = result["floor"]["bf16"]
+    assert f["tflop_per_step"]["bf16"] == pytest.approx(sum(g["flop_per_step"] for g in gemms) / 1e12, abs=1e-6)
+    assert f["tflop_per_step"]["fp8"] == 0 and f["floor_ms"][0] <= f["floor_ms"][1]
+    out = result["outside"]
+    assert out["steps"] == 9 and out["graphs"]["phases"]["denoiser"]["calls"] == 9
+    assert out["graphs"]["phases"]["vae_decode"]["calls"] == 1 and out["eager_decoder"]["call_ms"] > 0
+    for title in ("## The step's matrix products by shape", "## Floor: bf16", "## The call outside the denoiser"):
+        assert title in md, title
+    assert "| VAE decode |" in md and "| bf16 |" in md
+
+
 def test_qwen_image_step_is_both_guidance_calls(tmp_path) -> None:
     script = _load()
     p = script.build_parser()
@@ -95,11 +111,18 @@ def test_bad_arguments_are_one_line_and_status_2(argv, message, tmp_path, capsys
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only refusal")
-def test_full_size_needs_cuda(tmp_path, capsys) -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--size", "full"], "--size full needs a CUDA device"),
+        (["--quantize", "fp8"], "--quantize fp8 needs a CUDA device"),
+    ],
+)
+def test_full_size_and_float8_need_cuda(argv, message, tmp_path, capsys) -> None:
     script = _load()
     with pytest.raises(SystemExit) as exc:
-        script.main(["--model", "z-image", "--size", "full", "--out", str(tmp_path)])
-    assert exc.value.code == 2 and "--size full needs a CUDA device" in capsys.readouterr().err
+        script.main(["--model", "z-image", *argv, "--out", str(tmp_path)])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 # -- the GPU side, on a synthetic profile ------------------------------------------------------
@@ -127,11 +150,13 @@ class _Event:
 
 
 GEMM = "nvjet_tst_192x192_64x3_2x1_v_bz_coopB_NNT"
+FP8_GEMM = "nvjet_qqtst_128x256_128x6_2x1_2cta_v_bz_TNT"
+QUANT = "triton_red_fused_abs_amax_mul_silu_3"
 ATTN = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0"
 COPY = "Memcpy DtoD (Device -> Device)"
 
 
-def _synthetic_profile(steps: int) -> tuple[SimpleNamespace, list[tuple[str, int, int]]]:
+def _synthetic_profile(steps: int, fp8: bool = False) -> tuple[SimpleNamespace, list[tuple[str, int, int]]]:
     """A settling step and ``steps`` steps (windows listed out of order, 10 and more of them
     numbered past 9), each with a few kernels, a memcpy, a GPU-side annotation, a synchronisation
     and a runtime call."""
@@ -144,7 +169,10 @@ def _synthetic_profile(steps: int) -> tuple[SimpleNamespace, list[tuple[str, int
         start = t
         events.append(_Event("cudaGraphLaunch", "cpu", "cuda_runtime", t + 1, t + 5))
         cursor = t + 10
-        for name, activity in ((COPY, "gpu_memcpy"), (GEMM, "kernel"), (ATTN, "kernel"), (GEMM, "kernel")):
+        step_kernels = ((COPY, "gpu_memcpy"), (GEMM, "kernel"), (ATTN, "kernel"), (GEMM, "kernel"))
+        if fp8:
+            step_kernels = ((QUANT, "kernel"), (FP8_GEMM, "kernel"), (ATTN, "kernel"), (GEMM, "kernel"))
+        for name, activity in step_kernels:
             dur = rng.randint(50, 500)
             events.append(_Event(name, "cuda", activity, cursor, cursor + dur))
             kernels.append((name, cursor, cursor + dur))
@@ -173,12 +201,55 @@ def test_timeline_reads_kernels_and_windows_and_leaves_the_settling_step_out() -
 
 def test_markdown_of_a_gpu_profile() -> None:
     script = _load()
-    from benchkit.kernels import summarize
-
     prof, kernels = _synthetic_profile(3)
+    result = _gpu_result(script, prof)
+    md = script.markdown(result, top=2)
+    assert md.startswith("# Per-kernel profile: z-image 1024x1024, compiled, CUDA graphs")
+    assert "NVIDIA H200 (cuda, driver 570.0, CUDA 12.8)" in md and "bcg-diffusers abc1234" in md
+    summary = result["profile"]
+    gemm_ms = sum(e - s for n, s, e in kernels if n == GEMM) / 3 / 1e6
+    assert f"| gemm | GEMM | 2 | {gemm_ms:.3f} |" in md
+    assert f"| idle | | | {summary['idle_ms']:.3f} |" in md
+    totals: dict[str, int] = {}
+    for name, s, e in kernels:
+        totals[name] = totals.get(name, 0) + e - s
+    first, second, third = sorted(totals, key=lambda name: -totals[name])
+    top = md.split("## Top 2 kernels", 1)[1]
+    assert top.index(f"`{first}`") < top.index(f"`{second}`") and f"`{third}`" not in top
+    assert "| 1 |" in top and "| 2 |" in top and "| 3 |" not in top
+
+
+def test_markdown_of_a_float8_profile_beside_bf16_with_its_floor() -> None:
+    from benchkit.floor import floor
+    from benchkit.gemm_shapes import GemmRow
+
+    script = _load()
+    result = _gpu_result(script, _synthetic_profile(3, fp8=True)[0])
+    bf16 = _gpu_result(script, _synthetic_profile(3)[0])
+    result["config"]["quantize"] = "fp8"
+    result["setup"]["quantization"] = "fp8 (torchao float8): 8 Linear layers in float8, 1 in bf16"
+    result["beside"] = {"variant": "bf16", **{k: bf16[k] for k in ("setup", "timing", "profile")}}
+    rows = [GemmRow(4096, 3072, 12288, True, 4, ["blocks.0.ff"], 1210.0), GemmRow(32, 256, 3072, False, 2, ["t"])]
+    kinds = result["profile"]["kinds"]
+    assert kinds["fp8_gemm"]["ms_per_step"] > 0 and kinds["quant"]["ms_per_step"] > 0
+    result["gemms"] = [r.as_dict() for r in rows]
+    result["floor"] = {"fp8": floor(kinds, result["profile"]["idle_ms"], rows, 0.002)}
+    md = script.markdown(result, top=3)
+    assert md.startswith("# Per-kernel profile: z-image 1024x1024, compiled, CUDA graphs, fp8")
+    assert "8 Linear layers in float8" in md and "The bf16 step beside it" in md
+    fp8_ms, bf16_ms = kinds["fp8_gemm"]["ms_per_step"], bf16["profile"]["kinds"]["fp8_gemm"]["ms_per_step"]
+    assert f"| fp8_gemm | GEMM | 1 | {fp8_ms:.3f} |" in md and bf16_ms == 0
+    assert "| quant | fp8 quantization | 1 |" in md
+    assert "| fp8 | 4096 | 3072 | 12288 | 4 |" in md and "| 1210 |" in md
+    assert "## Floor: fp8" in md and "| fp8_gemm |" in md.split("## Floor: fp8")[1]
+
+
+def _gpu_result(script, prof) -> dict:
+    from benchkit.timeline import summarize
+
     events, windows, counts = script.timeline(prof)
     summary = summarize(events, windows)
-    result = {
+    return {
         "env": {
             "device": "cuda",
             "device_name": "NVIDIA H200",
@@ -218,16 +289,3 @@ def test_markdown_of_a_gpu_profile() -> None:
         "profile": summary,
         "notes": [],
     }
-    md = script.markdown(result, top=2)
-    assert md.startswith("# Per-kernel profile: z-image 1024x1024, compiled, CUDA graphs")
-    assert "NVIDIA H200 (cuda, driver 570.0, CUDA 12.8)" in md and "bcg-diffusers abc1234" in md
-    gemm_ms = sum(e - s for n, s, e in kernels if n == GEMM) / 3 / 1e6
-    assert f"| gemm | GEMM | 2 | {gemm_ms:.3f} |" in md
-    assert f"| idle | | | {summary['idle_ms']:.3f} |" in md
-    totals: dict[str, int] = {}
-    for name, s, e in kernels:
-        totals[name] = totals.get(name, 0) + e - s
-    first, second, third = sorted(totals, key=lambda name: -totals[name])
-    top = md.split("## Top 2 kernels", 1)[1]
-    assert top.index(f"`{first}`") < top.index(f"`{second}`") and f"`{third}`" not in top
-    assert "| 1 |" in top and "| 2 |" in top and "| 3 |" not in top

@@ -1,0 +1,178 @@
+"""profile.md of scripts/profile_step.py: the header (device, versions, commit), the step's time by
+kernel kind (the bf16 step beside a float8 one), the top kernels, the step's products by shape,
+the floor they imply, and the call outside the denoiser."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .breakdown import PHASES
+from .kernels import DESCRIPTIONS, KINDS
+
+__all__ = ["markdown"]
+
+
+def _cell(text: str, limit: int = 160) -> str:
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
+
+
+def _header(result: dict[str, Any]) -> list[str]:
+    env, cfg, setup_ = result["env"], result["config"], result["setup"]
+    compiled = "compiled" if setup_["compiled_blocks"] else "not compiled"
+    if not cfg["graphs"]:
+        graphs = "graphs off (kernel by kernel)"
+    elif setup_["captures"]:
+        graphs = "CUDA graphs"
+    else:
+        graphs = f"no graphs ({setup_['warmup_skipped'] or 'nothing captured'})"
+    quant = f", {cfg['quantize']}" if cfg.get("quantize") else ""
+    cuda = env["device"] == "cuda"
+    L = [f"# Per-kernel profile: {cfg['model']} {cfg['resolution']}, {compiled}, {graphs}{quant}", ""]
+    L.append(
+        f"**Device:** {env['device_name']} ({env['device']}"
+        + (f", driver {env['driver']}, CUDA {env['cuda']}" if cuda else "")
+        + ")  "
+    )
+    L.append(
+        f"**Versions:** torch {env['torch']}, diffusers {env['diffusers']}, transformers {env['transformers']}, "
+        f"python {env['python']}; bcg-diffusers {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}  "
+    )
+    L.append(
+        f"**Run:** {env['date']}; {setup_['describe']}; size {cfg['size']}, {cfg['dtype']}; "
+        f"{cfg['steps']} profiled steps after {cfg['warmup_calls']} warm-up and {cfg['steps']} timed ones; "
+        f"a step = {cfg['calls_per_step']} denoiser call(s) ({'; '.join(cfg['calls'])})  "
+    )
+    L.append(
+        f"**Setup:** warm-up {setup_['warmup_s']} s (compile {setup_['compile_s']} s, "
+        f"{setup_['compiled_blocks']} compiled blocks), {setup_['captures']} graph(s), {setup_['graph_mb']} MiB of graphs"
+        + (f"; {setup_['quantization']}" if setup_.get("quantization") else "")
+    )
+    return [*L, ""]
+
+
+def _kinds(result: dict[str, Any], beside: dict[str, Any] | None) -> list[str]:
+    timing, prof, cuda = result["timing"], result["profile"], result["env"]["device"] == "cuda"
+    clock = "CUDA events" if cuda else "wall clock"
+    per_step = (
+        f"**ms per denoiser step:** {timing['step_ms']:.2f} unprofiled (median, {clock}); {prof['step_ms']:.2f} "
+        "profiled (mean window: first launch to the end of the step's synchronisation)"
+    )
+    if prof["events"]:
+        per_step += (
+            f", of which device busy {prof['busy_ms']:.2f}, idle {prof['idle_ms']:.2f} ({prof['idle_share']:.1%}; "
+            f"{prof['gaps_ms']:.2f} between the first and the last kernel)"
+        )
+    L = [per_step + "."]
+    if beside is not None:
+        L.append(f"The bf16 step beside it (same pipeline, compiled graphs): {beside['timing']['step_ms']:.2f} ms.")
+    L.append("")
+    L += [f"> {note}\n" for note in result["notes"]]
+    head = "| kind | group | kernels/step | ms/step | share of step |" + (" bf16 ms/step |" if beside else "")
+    L += [head + " what |", "|---|---|--:|--:|--:|" + ("--:|" if beside else "") + "---|"]
+    other = beside["profile"]["kinds"] if beside else {}
+    for k in KINDS:
+        row = prof["kinds"][k]
+        extra = f" {other[k]['ms_per_step']:.3f} |" if beside else ""
+        L.append(
+            f"| {k} | {row['group']} | {row['count_per_step']:g} | {row['ms_per_step']:.3f} | "
+            f"{row['share']:.1%} |{extra} {DESCRIPTIONS[k]} |"
+        )
+    idle = (f"{prof['idle_ms']:.3f}", f"{prof['idle_share']:.1%}") if prof["events"] else ("-", "-")
+    extra = f" {beside['profile']['idle_ms']:.3f} |" if beside else ""
+    L.append(f"| idle | | | {idle[0]} | {idle[1]} |{extra} step window minus the union of busy intervals |")
+    if prof["overlap_ms"] > 0:
+        L += ["", f"Kernels overlapped on several streams for {prof['overlap_ms']:.3f} ms per step (counted in each)."]
+    return L
+
+
+def _top(prof: dict[str, Any], top: int) -> list[str]:
+    L = ["", f"## Top {top} kernels", ""]
+    kernels = list(prof["kernels"].items())[:top]
+    if not kernels:
+        return [*L, "No CUDA kernel recorded."]
+    L += ["| # | kind | calls/step | ms/step | share | kernel |", "|--:|---|--:|--:|--:|---|"]
+    for i, (kname, k) in enumerate(kernels, 1):
+        L.append(
+            f"| {i} | {k['kind']} | {k['count'] / prof['steps']:g} | {k['ms_per_step']:.3f} | "
+            f"{k['share']:.1%} | {_cell(kname)} |"
+        )
+    return L
+
+
+def _gemms(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    L = ["", "## The step's matrix products by shape", ""]
+    L += [
+        "M rows (tokens x batch), K in, N out; TFLOP/s measured alone (float8: `torch._scaled_mm` rowwise, "
+        "fast accumulation, quantization left out; bf16: `F.linear`).",
+        "",
+        "| dtype | M | K | N | calls/step | GFLOP/step | TFLOP/s alone | ms/step alone | layers | e.g. |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+    ]
+    for r in rows:
+        rate = "-" if r["tflops_alone"] is None else f"{r['tflops_alone']:g}"
+        ms = "-" if r["ms_per_step_alone"] is None else f"{r['ms_per_step_alone']:.3f}"
+        L.append(
+            f"| {r['dtype']} | {r['m']} | {r['k']} | {r['n']} | {r['calls_per_step']} | {r['gflop_per_step']:.1f} | "
+            f"{rate} | {ms} | {r['layers']} | {_cell(r['example'], 60)} |"
+        )
+    return L
+
+
+def _floor(name: str, f: dict[str, Any]) -> list[str]:
+    lo, hi = f["floor_ms"]
+    peaks = ", ".join(f"{d} {p[0]:g}-{p[1]:g}" for d, p in f["peaks_tflops"].items())
+    achieved = ", ".join(f"{d} {v:g}" for d, v in f["achieved_tflops"].items() if v)
+    L = [
+        "",
+        f"## Floor: {name}",
+        "",
+        f"GEMMs at the measured peak ({peaks} TFLOP/s), every other kernel as measured, no idle time: "
+        f"**{lo:.2f}-{hi:.2f} ms** per step; measured {f['step_ms']:.2f} ms, "
+        f"{f['ratio'][1]:.2f}x-{f['ratio'][0]:.2f}x the floor"
+        + (f"; each shape at its own rate alone: {f['at_shapes_ms']:.2f} ms" if f["at_shapes_ms"] else "")
+        + f". Achieved in the step: {achieved or '-'} TFLOP/s.",
+        "",
+        "| kind | measured ms | floor ms | excess ms |",
+        "|---|--:|--:|--:|",
+    ]
+    L += [
+        f"| {r['kind']} | {r['measured_ms']:.3f} | {r['floor_ms']:.3f} | {r['excess_ms']:.3f} |" for r in f["by_kind"]
+    ]
+    if f["holder"]:
+        L += ["", f"What is left is held mostly by **{f['holder']}**."]
+    return L
+
+
+def _outside(out: dict[str, Any]) -> list[str]:
+    L = ["", "## The call outside the denoiser", ""]
+    L.append(f"One end-to-end call ({out['steps']} steps, decoded), {out['graphs']['clock']}; ms (share of the call):")
+    L += ["", "| phase | decoder graphs | decoder eager |", "|---|--:|--:|"]
+    for key, label, _ in PHASES:
+        a, b = out["graphs"]["phases"][key], out["eager_decoder"]["phases"][key]
+        L.append(f"| {label} | {a['ms']:.1f} ({a['share']:.0%}) | {b['ms']:.1f} ({b['share']:.0%}) |")
+    a, b = out["graphs"], out["eager_decoder"]
+    L.append(f"| **call** | {a['call_ms']:.1f} | {b['call_ms']:.1f} |")
+    L += ["", f"Decoder replays in the graphs call: {out['decoder_replays']}; the rest of the loop is the scheduler "
+          "and guidance."]  # fmt: skip
+    return L
+
+
+def markdown(result: dict[str, Any], top: int) -> str:
+    """profile.md of ``result`` (the dict profile.json holds)."""
+    beside = result.get("beside")
+    L = _header(result) + _kinds(result, beside) + _top(result["profile"], top)
+    L += _gemms(result.get("gemms", []))
+    for name, f in result.get("floor", {}).items():
+        L += _floor(name, f)
+    if result.get("outside"):
+        L += _outside(result["outside"])
+    L += [
+        "",
+        "Method: see the docstring of scripts/profile_step.py. Shares are of the profiled step's wall time; "
+        "kinds from scripts/benchkit/kernels.py (a fused Triton kernel takes the kind of its dominant op).",
+        "",
+    ]
+    return "\n".join(L)

@@ -1,0 +1,89 @@
+"""scripts/benchkit/gemm_shapes.py and floor.py on the CPU: a step's Linear calls by shape, float8
+or bf16, and the floor a profile implies, checked by hand."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from benchkit.floor import PEAKS, floor
+from benchkit.gemm_shapes import GemmRow, gemm_rows, measure_rates, record_linears
+from benchkit.kernels import KINDS
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.out = torch.nn.Linear(32, 32)
+        self.text = torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        q = self.qkv(x)[..., :32]
+        return self.out(q) + self.text(t).mean(1, keepdim=True)
+
+
+def test_linear_calls_by_shape_and_dtype() -> None:
+    model = torch.nn.Sequential()
+    model.add_module("a", Block())
+    model.add_module("b", Block())
+    x, t = torch.randn(2, 10, 32), torch.randn(2, 7, 16)
+    calls = record_linears(model, lambda: [m(x, t) for m in model])
+    assert calls["a.qkv"] == [(20, 32, 96)] and calls["b.text"] == [(14, 16, 32)]
+    assert all(not m._forward_pre_hooks for m in model.modules())  # hooks removed
+    rows = gemm_rows(calls, fp8_layers=["a.qkv", "b.qkv", "a.out"])
+    by = {(r.m, r.k, r.n, r.fp8): r for r in rows}
+    assert by[(20, 32, 96, True)].calls == 2 and by[(20, 32, 96, True)].layers == ["a.qkv", "b.qkv"]
+    assert by[(20, 32, 32, True)].layers == ["a.out"] and by[(20, 32, 32, False)].layers == ["b.out"]
+    assert by[(14, 16, 32, False)].calls == 2
+    assert [r.gflop_per_step for r in rows] == sorted((r.gflop_per_step for r in rows), reverse=True)
+    assert by[(20, 32, 96, True)].flops == 2 * 20 * 32 * 96
+    measure_rates(rows, torch.device("cpu"))  # measured on CUDA only
+    assert all(r.tflops is None for r in rows)
+    d = by[(20, 32, 96, True)].as_dict()
+    assert d["dtype"] == "fp8" and d["layers"] == 2 and d["tflops_alone"] is None and d["ms_per_step_alone"] is None
+
+
+def _kinds(**ms: float) -> dict[str, dict[str, float]]:
+    return {k: {"ms_per_step": ms.get(k, 0.0)} for k in KINDS}
+
+
+def test_floor_by_hand() -> None:
+    # 1.25 TFLOP of float8 products and 0.15 of bf16 per step.
+    rows = [
+        GemmRow(4096, 3072, 12288, True, 0, []),
+        GemmRow(4096, 3072, 3072, False, 0, []),
+    ]
+    rows[0].calls = round(1.25e12 / rows[0].flops)
+    rows[1].calls = round(0.15e12 / rows[1].flops)
+    fp8_tflop = rows[0].flops * rows[0].calls / 1e12
+    bf16_tflop = rows[1].flops * rows[1].calls / 1e12
+    kinds = _kinds(fp8_gemm=1.4, gemm=0.3, quant=0.12, attention=0.5, norm=0.08)
+    f = floor(kinds, idle_ms=0.05, rows=rows, step_ms=2.6)
+    fp8_lo, fp8_hi = PEAKS["fp8"]
+    bf_lo, bf_hi = PEAKS["bf16"]
+    rest = 0.12 + 0.5 + 0.08
+    low = fp8_tflop / fp8_hi * 1e3 + bf16_tflop / bf_hi * 1e3 + rest
+    high = fp8_tflop / fp8_lo * 1e3 + bf16_tflop / bf_lo * 1e3 + rest
+    assert f["floor_ms"] == [pytest.approx(low, abs=1e-3), pytest.approx(high, abs=1e-3)]
+    assert f["ratio"] == [pytest.approx(2.6 / low, abs=1e-3), pytest.approx(2.6 / high, abs=1e-3)]
+    assert f["achieved_tflops"]["fp8"] == pytest.approx(fp8_tflop / 1.4e-3, abs=0.1)
+    assert f["rest_ms"] == pytest.approx(rest) and f["at_shapes_ms"] is None  # rates not measured
+    by = {r["kind"]: r for r in f["by_kind"]}
+    assert by["fp8_gemm"]["floor_ms"] == pytest.approx(fp8_tflop / fp8_lo * 1e3, abs=1e-3)
+    assert by["quant"]["excess_ms"] == 0 and by["idle"]["excess_ms"] == pytest.approx(0.05)
+    assert f["holder"] == "fp8_gemm"  # 1.4 ms against about 1.08 at the low end of the peak
+    rows[0].tflops, rows[1].tflops = 1250.0, 750.0
+    at_shapes = fp8_tflop / 1250 * 1e3 + bf16_tflop / 750 * 1e3 + rest
+    assert floor(kinds, 0.05, rows, 2.6)["at_shapes_ms"] == pytest.approx(at_shapes, abs=1e-3)
+
+
+def test_floor_of_a_step_without_kernels_or_products() -> None:
+    f = floor(_kinds(), idle_ms=3.0, rows=[], step_ms=3.0)
+    assert f["floor_ms"] == [0.0, 0.0] and f["ratio"] == [None, None] and f["holder"] == "idle"
+    assert f["achieved_tflops"] == {"fp8": None, "bf16": None}
