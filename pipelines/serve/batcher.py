@@ -9,6 +9,12 @@ waited ``max_wait`` seconds, so joining never delays a request by more than that
 that waited longer while the device was busy leaves with whatever can join it at once. The
 oldest request always leaves, even when its own images exceed the limit: the worker splits it.
 
+It waits only while company is likely: while requests have been arriving (a running mean of the
+gaps between arrivals) at most ``max_wait`` apart. A lone client sending one request after
+another gets no company in ``max_wait``, and waiting would only add it to every answer; under
+load the gaps are short and the wait applies (and the queue fills while the device is busy
+anyway).
+
 Each request carries a :class:`concurrent.futures.Future`. Taking it into a batch marks it
 running (``set_running_or_notify_cancel``); a request cancelled before that (its client left,
 or its time ran out) is dropped and never computed. Requests of other keys keep their places.
@@ -29,6 +35,10 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BatchKey", "Batcher", "Closed", "QueueFull", "Work"]
+
+
+# Weight of the newest gap between arrivals in their running mean: about the last five count.
+_GAP_WEIGHT = 0.2
 
 
 class QueueFull(Exception):
@@ -94,6 +104,9 @@ class Batcher:
         self._queue: collections.deque[Work] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        # A running mean of the seconds between arrivals; 0 until two have come: wait, as asked.
+        self._gap = 0.0
+        self._last_arrival: float | None = None
 
     @property
     def depth(self) -> int:
@@ -116,6 +129,10 @@ class Batcher:
                 raise Closed
             if len(self._queue) >= self.max_queue:
                 raise QueueFull
+            if self._last_arrival is not None:
+                gap = max(work.arrived - self._last_arrival, 0.0)
+                self._gap = gap if self._gap == 0.0 else (1 - _GAP_WEIGHT) * self._gap + _GAP_WEIGHT * gap
+            self._last_arrival = work.arrived
             self._queue.append(work)
             self._cond.notify_all()
 
@@ -160,7 +177,7 @@ class Batcher:
                 room = self._room(head.key)
                 batch = self._joinable(head, room)
                 now = time.monotonic()
-                deadline = head.arrived + self.max_wait
+                deadline = head.arrived + (self.max_wait if self._gap <= self.max_wait else 0.0)
                 if sum(w.images for w in batch) < room and now < deadline:
                     self._cond.wait(deadline - now)  # more may arrive; woken by each submit
                     continue

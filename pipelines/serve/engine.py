@@ -14,7 +14,7 @@ call's shapes are then the bucket's, which the warm-up captured: an image equals
 made in any other call of its bucket, bit for bit. A call that runs out of device memory is
 :class:`~.admission.OutOfMemory` (the worker makes its images again in smaller calls).
 
-Only the device worker's thread calls :meth:`Engine.run` and :meth:`Engine.warmup`;
+Only the device worker's thread calls :meth:`Engine.make` and :meth:`Engine.run`;
 :meth:`Engine.plan` reads only what is fixed once the engine exists, so the routes call it.
 """
 
@@ -37,11 +37,11 @@ from pipelines.lora import LoraSpec, activate
 
 from .admission import OutOfMemory
 from .batcher import BatchKey
-from .encode import encode_all
+from .encode import encode
 from .errors import ServeError
 from .schema import MAX_SEED, ImageRequest
 
-__all__ = ["Engine", "Generated", "Plan", "TextCases", "bucket_for"]
+__all__ = ["Engine", "Generated", "Made", "Plan", "TextCases", "bucket_for"]
 
 logger = logging.getLogger("bcg-serve")
 
@@ -54,6 +54,25 @@ class Generated:
     b64_json: str
     seed: int
     tokens: TokenCount | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Made:
+    """One image as its call made it (PIL), with its PNG text, seed, tokens and the file format
+    its request asked for. Encoding takes tens of milliseconds an image at 512x512 (PNG, zlib), so
+    the device worker hands these on and the routes' threads encode (:meth:`encode`): the device
+    starts the next call meanwhile."""
+
+    image: Any
+    text: dict[str, str]
+    seed: int
+    tokens: TokenCount | None
+    output_format: str = "png"
+    output_compression: int | None = None
+
+    def encode(self) -> Generated:
+        data = encode(self.image, self.text, self.output_format, self.output_compression)
+        return Generated(base64.b64encode(data).decode("ascii"), self.seed, self.tokens)
 
 
 def bucket_for(images: int, batch_sizes: Sequence[int] | None) -> int:
@@ -234,8 +253,9 @@ class Engine:
         counted = [stats[name] for name in accel.recipes if name in stats]
         return sum(s.replays for s in counted), sum(s.eager_calls for s in counted)
 
-    def run(self, plans: Sequence[Plan]) -> list[list[Generated]]:
-        """One pipeline call for ``plans`` (one :class:`BatchKey`), at their bucket; per plan, its images."""
+    def make(self, plans: Sequence[Plan]) -> list[list[Made]]:
+        """One pipeline call for ``plans`` (one :class:`BatchKey`), at their bucket; per plan, its
+        images, not yet encoded (the worker leaves that to the routes' threads)."""
         import torch
 
         first, p = plans[0], self.prepared
@@ -271,7 +291,8 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         ran = mode_ran(self.pipe, p.settings.mode, before)
-        out, start = [], 0
+        out: list[list[Made]] = []
+        start = 0
         for q in plans:
             n = len(q.seeds)
             mine = Job(q.request.prompt, r.width, r.height, tuple(range(n)), q.seeds)
@@ -279,12 +300,15 @@ class Engine:
                               quantized(self.pipe))  # fmt: skip
             tokens = self._tokens(q)
             texts = image_texts(mine, common, ran, p.settings.mode, tokens)
-            encoded = encode_all(
-                images[start : start + n], texts, q.request.output_format, q.request.output_compression
-            )
-            out.append([Generated(base64.b64encode(b).decode("ascii"), s, tokens) for b, s in zip(encoded, q.seeds)])
+            fmt, compression = q.request.output_format, q.request.output_compression
+            out.append([Made(image, text, seed, tokens, fmt, compression)
+                        for image, text, seed in zip(images[start : start + n], texts, q.seeds)])  # fmt: skip
             start += n
         return out
+
+    def run(self, plans: Sequence[Plan]) -> list[list[Generated]]:
+        """:meth:`make` and every image encoded: one pipeline call and its files, per plan."""
+        return [[m.encode() for m in made] for made in self.make(plans)]
 
     def _tokens(self, plan: Plan) -> Any:
         try:

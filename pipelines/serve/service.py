@@ -3,7 +3,8 @@
 A generation request is planned by the engine, queued, and waited on until the first of: its
 images, its client leaving, or ``timeout`` seconds since it arrived. A request that gives up
 while still queued is taken out and never computed; one whose batch already runs is left to
-finish and its images are thrown away.
+finish and its images are thrown away. The device worker hands on images, not files: a request's
+files are encoded here, in a thread of the event loop's pool, while the device makes the next call.
 
 Phases: ``starting`` (model loading and warm-up; generation answers 503), ``ready``,
 ``stopping`` (after SIGTERM: nothing new is queued, what waited is answered 503, the running
@@ -135,11 +136,14 @@ class Service:
             gone.cancel()
         if result in done:
             try:
-                return result.result()
+                made = result.result()
             except BatchFailed as e:
                 raise ServeError(500, str(e), code="generation_failed") from None
             except Closed:
                 raise self._unavailable() from None
+            # Off the event loop and off the device worker: zlib releases the GIL, so the encoding
+            # of one request's files overlaps the next call and other requests' encoding.
+            return await asyncio.to_thread(lambda: [m.encode() for m in made])
         reason = "disconnected" if gone in done else "timeout"
         if self.batcher.cancel(work):
             self.metrics.dropped.labels(reason).inc()

@@ -66,6 +66,22 @@ def test_the_oldest_waits_at_most_max_wait_for_company() -> None:
     assert time.monotonic() - t0 < 0.25
 
 
+def test_a_lone_client_is_not_made_to_wait_for_company_that_does_not_come() -> None:
+    b = Batcher(max_queue=16, max_batch=4, max_wait=0.5)
+    for ago in (3.0, 2.0):  # requests a second apart: one client, one after another
+        b.submit(work(A, 1, f"{ago}", ago=ago))
+        assert len(names(b.next_batch())) == 1
+    b.submit(work(A, 1, "now"))
+    t0 = time.monotonic()
+    assert names(b.next_batch()) == ["now"] and time.monotonic() - t0 < 0.25  # no wait: none comes in 0.5 s
+    for i in range(6):  # then a burst: requests close together, company likely again
+        b.submit(work(A, 1, f"burst{i}"))
+        b.next_batch()
+    b.submit(work(A, 1, "waits"))
+    t0 = time.monotonic()
+    assert names(b.next_batch()) == ["waits"] and time.monotonic() - t0 >= 0.4
+
+
 def test_a_full_queue_refuses_and_queues_nothing() -> None:
     b = Batcher(max_queue=2, max_batch=4, max_wait=0.0)
     b.submit(work(A))
