@@ -51,6 +51,8 @@ gemm_shapes     the step's Linear products by shape, float8 or bf16, each timed 
 floor           the floor those products imply at the peak rates, beside the profile
 profile_report  profile.md
 
+scripts/bench_restart.py: restart_child (one process's compile=True warm-up with a given cache folder).
+
 Nested call arguments and outputs are walked with ``accel.graphs.tree`` (``tensors``, ``clone``), the
 library's one traversal. Most modules import torch, accel and diffusers at import time (benchkit.cli
 too, through the registry of variants); ``cli.setup_compile_cache`` sets the compile-cache folders
