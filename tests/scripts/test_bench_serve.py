@@ -1,5 +1,6 @@
-"""scripts/bench_serve.py at its smallest on the CPU: the loop, the batched and the unbatched
-server runs, the table and the JSON it writes (speed is reported, never asserted)."""
+"""scripts/bench_serve.py at its smallest on the CPU (the tiny model): bcg-serve's flags pass
+through, and the pipeline's own rate, each bucket's call, the loop, the batched and the unbatched
+server runs, the ratios, the table and the JSON are written (speed is reported, never asserted)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.ranks import ROOT
+from tests.pipelines.serve.server import make_lora
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_serve
@@ -15,15 +19,48 @@ import bench_serve
 
 def test_a_tiny_run_writes_every_variant(tmp_path: Path, few_threads: None) -> None:
     out = tmp_path / "serve"
-    argv = ["--resolution", "32", "--steps", "1", "--requests", "8", "--clients", "1", "4", "--repeats", "1"]
+    argv = ["--resolutions", "32x32", "--batch-sizes", "1", "2", "4", "--steps", "1", "--requests", "8",
+            "--clients", "1", "4", "--repeats", "1", "--pipeline-calls", "2"]  # fmt: skip
     assert bench_serve.main([*argv, "--out", str(out), "--device", "cpu"]) == 0
     result = json.loads((out / "serve.json").read_text())
-    rows = {(r["variant"], r["clients"]): r for r in result["rows"]}
-    assert sorted(rows) == [("batched", 1), ("batched", 4), ("loop", 1), ("unbatched", 1), ("unbatched", 4)]
-    for r in rows.values():
-        assert r["requests"] == 8 and r["images_per_s"] > 0 and 0 < r["p50_ms"] <= r["p95_ms"]
-    assert rows[("unbatched", 4)]["requests_per_call"] == 1.0  # --max-batch 1: never joined
-    assert 1.0 <= rows[("batched", 4)]["requests_per_call"] <= 4.0
-    assert result["settings"]["resolution"] == "32x32" and result["env"]["torch"]
+    rows = {(r["variant"], r["clients"], r.get("batch")): r for r in result["rows"]}
+    assert sorted(rows) == [("batched", 1, None), ("batched", 4, None), ("bucket", 1, 1), ("bucket", 1, 2),
+                            ("bucket", 1, 4), ("loop", 1, None), ("pipeline", 1, None), ("unbatched", 1, None),
+                            ("unbatched", 4, None)]  # fmt: skip
+    for (variant, _, batch), r in rows.items():
+        assert r["images_per_s"] > 0 and 0 < r["p50_ms"] <= r["p95_ms"]
+        expected = {"pipeline": 2, "bucket": batch}.get(variant, 8)
+        assert r["images"] == expected, (variant, r)
+    assert rows[("unbatched", 4, None)]["requests_per_call"] == 1.0  # calls of one image: never joined
+    assert 1.0 <= rows[("batched", 4, None)]["requests_per_call"] <= 4.0
+    ratios = result["ratios"]
+    assert {"batched_over_unbatched_4_clients", "batched_4_over_pipeline_images_per_s",
+            "batched_1_p50_over_pipeline_p50"} <= set(ratios)  # fmt: skip
+    assert result["settings"]["resolution"] == "32x32" and result["settings"]["batch_sizes"] == [1, 2, 4]
+    assert result["env"]["torch"] and result["build_seconds"] > 0
     table = (out / "serve.md").read_text()
-    assert "| batched | 4 |" in table and "batched / unbatched images/s: 1 client(s)" in table
+    assert (
+        "| batched | 4 | 4 |" in table and "| pipeline | 1 |" in table and "batched_over_unbatched_4_clients" in table
+    )
+
+
+def test_a_lora_is_named_by_every_request_and_variants_can_be_picked(tmp_path: Path, few_threads: None) -> None:
+    lora = make_lora(tmp_path)
+    out = tmp_path / "serve"
+    argv = ["--resolutions", "32x32", "--steps", "1", "--requests", "4", "--clients", "2", "--repeats", "1",
+            "--pipeline-calls", "1", "--variants", "pipeline", "batched", "--lora", f"style={lora}"]  # fmt: skip
+    assert bench_serve.main([*argv, "--out", str(out), "--device", "cpu"]) == 0
+    result = json.loads((out / "serve.json").read_text())
+    assert sorted((r["variant"], r["clients"]) for r in result["rows"]) == [("batched", 2), ("pipeline", 1)]
+    assert result["settings"]["lora"] == "style" and list(result["ratios"]) == ["batched_2_over_pipeline_images_per_s"]
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [(["--batch-sizes", "0"], "--batch-sizes: must be at least 1"), (["--quantize", "fp8"], "--quantize fp8")],
+)
+def test_bad_flags_are_one_line_and_status_2(argv: list[str], says: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    assert bench_serve.main([*argv, "--device", "cpu", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err

@@ -1,0 +1,81 @@
+"""scripts/bench_serve.py's report: the median of the repeats, the ratios the bars are stated in
+(each within one run), and serve.md.
+
+The ratios: the server's images/s over the pipeline's own single-call rate (``pipeline``), batched
+over unbatched at the same number of clients, and the one-client p50 over one pipeline call's
+p50. Speed is reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["markdown", "median_rows", "ratios", "warmup_rows"]
+
+
+def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (variant, clients, batch), the repeat with the median images/s, and every repeat's."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["variant"], r["clients"], r.get("batch")), []).append(r)
+    out = []
+    for runs in groups.values():
+        runs = sorted(runs, key=lambda r: r["images_per_s"])
+        out.append(dict(runs[len(runs) // 2], repeats=len(runs), images_per_s_all=[r["images_per_s"] for r in runs]))
+    return out
+
+
+def _find(rows: Sequence[dict[str, Any]], variant: str, clients: int | None = None) -> dict[str, Any] | None:
+    return next((r for r in rows if r["variant"] == variant and (clients is None or r["clients"] == clients)), None)
+
+
+def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The ratios of the median rows, by name (only those whose two rows ran)."""
+    out: dict[str, float] = {}
+    pipe = _find(rows, "pipeline")
+    for r in rows:
+        if r["variant"] not in ("batched", "unbatched"):
+            continue
+        c = r["clients"]
+        if pipe is not None:
+            out[f"{r['variant']}_{c}_over_pipeline_images_per_s"] = round(r["images_per_s"] / pipe["images_per_s"], 3)
+        unbatched = _find(rows, "unbatched", c)
+        if r["variant"] == "batched" and unbatched is not None:
+            out[f"batched_over_unbatched_{c}_clients"] = round(r["images_per_s"] / unbatched["images_per_s"], 3)
+        if c == 1 and pipe is not None:
+            out[f"{r['variant']}_1_p50_over_pipeline_p50"] = round(r["p50_ms"] / pipe["p50_ms"], 3)
+    return out
+
+
+def warmup_rows(engine: Any) -> list[dict[str, Any]]:
+    """What warming up each bucket cost (:class:`pipelines.serve.warmup.BucketCost`), largest first."""
+    return [dict(batch=b, seconds=round(c.seconds, 3), calls=c.calls, compiled_graphs=c.compiled,
+                 graph_mib=round(c.graph_bytes / 2**20, 1), peak_mib=round(c.peak_bytes / 2**20, 1))
+            for b, c in sorted(engine.warmup_costs.items(), reverse=True)]  # fmt: skip
+
+
+def markdown(rows: Sequence[dict[str, Any]], warm: Sequence[dict[str, Any]], result: dict[str, Any]) -> str:
+    """serve.md: the settings, the warm-up per bucket, the runs, the ratios, the device."""
+    lines = [f"# bcg-serve: {result['settings']['argv']}", "",
+             f"build {result['build_seconds']:.1f} s, warm-up {result['warmup_seconds']:.1f} s", ""]  # fmt: skip
+    if warm:
+        lines += [
+            "| warm-up of batch | seconds | calls | graphs compiled | graph MiB | peak MiB |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [f"| {w['batch']} | {w['seconds']:.2f} | {w['calls']} | {w['compiled_graphs']} | {w['graph_mib']} | "
+                  f"{w['peak_mib']} |" for w in warm]  # fmt: skip
+        lines.append("")
+    lines += [
+        "| variant | clients | batch | images/s | p50 ms | p95 ms | requests a call |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        batch = r.get("batch") or r.get("max_batch") or ""
+        lines.append(f"| {r['variant']} | {r['clients']} | {batch} | {r['images_per_s']:.2f} | {r['p50_ms']:.0f} | "
+                     f"{r['p95_ms']:.0f} | {r['requests_per_call'] or ''} |")  # fmt: skip
+    lines += ["", "ratios (one run): " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()), ""]
+    lines += [f"settings: {json.dumps(result['settings'])}", f"env: {json.dumps(result['env'])}", ""]
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""scripts/bench_serve.py's timed runs, all on one warm engine (:class:`pipelines.serve.engine.Engine`).
+
+* :func:`pipeline_rate`: the pipeline's own call, one image at a time, as ``bcg-generate`` makes
+  it (no PNG, no server): the single-call rate everything else is compared with;
+* :func:`bucket_rates`: one call of each batch-size bucket through the engine (PNGs included);
+* :func:`loop`: one request after another through the engine, no HTTP;
+* :func:`served`: a real server on a loopback port (uvicorn in a thread) over the same engine,
+  with clients sending their share of the requests one after another.
+
+Device work runs on a thread of its own, as the server's device worker: on a CPU, torch's OpenMP
+threads run differently from the main thread (on a loaded machine a call took 10x longer there).
+Each run returns a row: images/s, p50/p95 latency and, for the server, requests per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["Settings", "bucket_rates", "loop", "pipeline_rate", "served"]
+
+PROMPT = "a red fox in the snow, take {i}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every timed request asks for: size, steps, and the adapter (None: none)."""
+
+    width: int
+    height: int
+    steps: int
+    lora: str | None = None
+
+    @property
+    def size(self) -> str:
+        return f"{self.width}x{self.height}"
+
+    def body(self, i: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"prompt": PROMPT.format(i=i), "seed": i, "size": self.size, "steps": self.steps}
+        if self.lora is not None:
+            body["lora"] = self.lora
+        return body
+
+    def request(self, i: int, n: int = 1) -> Any:
+        from pipelines.serve.schema import ImageRequest
+
+        return ImageRequest(PROMPT.format(i=i), n, self.width, self.height, seed=i, steps=self.steps, lora=self.lora)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def row(variant: str, clients: int, seconds: float, latencies: Sequence[float], images: int,
+        calls: float | None = None, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    """One result row; ``latencies`` are seconds per request (or per call)."""
+    return dict(variant=variant, clients=clients, requests=len(latencies), images=images, seconds=round(seconds, 4),
+                images_per_s=round(images / seconds, 3), p50_ms=round(1000 * percentile(latencies, 0.5), 2),
+                p95_ms=round(1000 * percentile(latencies, 0.95), 2),
+                requests_per_call=round(len(latencies) / calls, 3) if calls else None, **extra)  # fmt: skip
+
+
+def on_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a thread of its own (see the module docstring); its exception is raised here."""
+    out: list[Any] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # told in the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return out[0]
+
+
+def _sync(engine: Any) -> None:
+    if engine.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(engine.device)
+
+
+def pipeline_rate(engine: Any, s: Settings, calls: int) -> dict[str, Any]:
+    """``calls`` calls of the pipeline itself, one image each, with the request's settings."""
+    from pipelines.cli import Job
+
+    def run() -> dict[str, Any]:
+        engine.adapters.select(s.lora)
+        took: list[float] = []
+        for i in range(calls):
+            plan = engine.plan(s.request(i))
+            _sync(engine)
+            t0 = time.perf_counter()
+            engine.prepared.generate(Job(plan.request.prompt, s.width, s.height, (0,), plan.seeds), call=plan.call)
+            took.append(time.perf_counter() - t0)
+        return row("pipeline", 1, sum(took), took, calls)
+
+    return on_thread(run)
+
+
+def bucket_rates(engine: Any, s: Settings, repeats: int = 2) -> list[dict[str, Any]]:
+    """Per bucket, one call of that many images through the engine (its last of ``repeats``; the
+    first calls at a shape pay for allocations the others do not)."""
+
+    def run() -> list[dict[str, Any]]:
+        rows = []
+        for b in engine.batch_sizes or (1,):
+            took = []
+            for r in range(repeats):
+                plans = [engine.plan(s.request(1000 * r + i)) for i in range(b)]
+                t0 = time.perf_counter()
+                engine.run(plans)
+                took.append(time.perf_counter() - t0)
+            rows.append(row("bucket", 1, took[-1], took[-1:], b, batch=b))
+        return rows
+
+    return on_thread(run)
+
+
+def loop(engine: Any, s: Settings, requests: int) -> dict[str, Any]:
+    """One request after another through the engine: the server's calls and PNGs, no HTTP."""
+
+    def run() -> dict[str, Any]:
+        took = []
+        for i in range(requests):
+            t0 = time.perf_counter()
+            engine.run([engine.plan(s.request(i))])
+            took.append(time.perf_counter() - t0)
+        return row("loop", 1, sum(took), took, requests)
+
+    return on_thread(run)
+
+
+def served(engine: Any, s: Settings, max_batch: int, max_wait: float, clients: Sequence[int], requests: int,
+           variant: str, say: Callable[[str], None]) -> list[dict[str, Any]]:  # fmt: skip
+    """A real server over ``engine`` on a free loopback port, calls of at most ``max_batch``
+    images, and a client run per count in ``clients``."""
+    import httpx
+    import uvicorn
+
+    from pipelines.serve.app import create_app
+    from pipelines.serve.batcher import Batcher
+    from pipelines.serve.schema import Served
+    from pipelines.serve.service import Service
+
+    loras = tuple(engine.adapters.names())
+    batcher = Batcher(max(64, 2 * max(clients)), max_batch, max_wait)
+    service = Service(Served("bench", ((s.width, s.height),), max_batch, loras, batch_sizes=engine.batch_sizes or ()),
+                      batcher, lambda: engine, timeout=600)  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning",
+                                           access_log=False, lifespan="off"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    service.start()
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started or service.phase != "ready":
+        if not thread.is_alive() or service.phase == "failed" or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start ({service.fatal})")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    rows = []
+    try:
+        for count in clients:
+            calls_before = service.worker.batches
+            latencies: list[float] = []
+
+            async def client(who: int, c: httpx.AsyncClient, count: int = count, out: list[float] = latencies) -> None:
+                for i in range(who, requests, count):
+                    t0 = time.perf_counter()
+                    r = await c.post("/v1/images/generations", json=s.body(i))
+                    if r.status_code != 200:
+                        raise RuntimeError(f"request {i}: {r.status_code} {r.text}")
+                    out.append(time.perf_counter() - t0)
+
+            async def run(count: int = count) -> None:
+                limits = httpx.Limits(max_connections=count)
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as c:
+                    await asyncio.gather(*(client(k, c) for k in range(count)))
+
+            t0 = time.perf_counter()
+            asyncio.run(run())
+            seconds = time.perf_counter() - t0
+            rows.append(row(variant, count, seconds, latencies, requests, service.worker.batches - calls_before,
+                            max_batch=max_batch))  # fmt: skip
+            r = rows[-1]
+            say(f"{variant:>9} {count:>2} client(s): {r['images_per_s']:.2f} images/s, p50 {r['p50_ms']:.0f} ms, "
+                f"p95 {r['p95_ms']:.0f} ms, {r['requests_per_call']} requests a call")  # fmt: skip
+    finally:
+        service.stop()
+        server.should_exit = True
+        thread.join(60)
+        service.worker.join(60)
+    return rows
