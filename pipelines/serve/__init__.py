@@ -1,14 +1,16 @@
 """bcg-serve: an HTTP server whose pipeline keeps its graphs warm for as long as it lives.
 
-    bcg-serve --model z-image --resolutions 512x512 1024x1024 --max-batch 4
+    bcg-serve --model z-image --resolutions 512x512 1024x1024 --batch-sizes 1 2 4 8 --compile
     curl -s localhost:8000/v1/images/generations -d '{"prompt": "a red fox", "size": "512x512"}'
 
-OpenAI's ``POST /v1/images/generations`` (PNGs as ``b64_json``, with ``seed``, ``steps``,
-``guidance``, ``negative_prompt`` and ``lora`` as extensions), ``GET /v1/models``, ``/health``,
-``/ready`` and ``/metrics``. Requests that can share one pipeline call (same size, steps,
-guidance, negative prompt or not, adapter) are joined, up to ``--max-batch`` images, waiting
-at most ``--max-wait-ms``; each image keeps its own seed. One worker thread owns the device;
-requests wait in a bounded queue (``--queue``; beyond, 429).
+OpenAI's ``POST /v1/images/generations`` (PNG, JPEG or WebP as ``b64_json``, with ``seed``,
+``steps``, ``guidance``, ``negative_prompt`` and ``lora`` as extensions), ``GET /v1/models``,
+``/health``, ``/ready`` and ``/metrics``. Requests that can share one pipeline call (same size,
+steps, guidance, negative prompt or not, adapter, text length) are joined, up to the largest
+batch-size bucket that fits the device's memory, waiting at most ``--max-wait-ms``; a call runs
+at the smallest bucket that holds its images (the warm-up captured only the buckets), and each
+image keeps its own seed. One worker thread owns the device; requests wait in a bounded queue
+(``--queue``; beyond, 429).
 
 It lives in ``pipelines`` beside the CLI, a front end like it: it takes the CLI's model flags,
 builds and accelerates the pipeline with the CLI's steps, writes the CLI's PNG text, and reaches
@@ -21,8 +23,11 @@ config      the flags (the CLI's model flags, the server's), checked as read
 schema      the request body, checked: 400/422 in one line, nothing queued
 errors      the one-line JSON error every non-200 answer is
 batcher     the bounded queue, and compatible requests joined into one call
-engine      a request planned against the model's defaults; a batch made into PNGs, its
-            adapter picked
+admission   which batch-size buckets fit the device's memory, at start and per call
+engine      a request planned against the model's defaults; a batch made into images at its
+            bucket, its adapter picked
+encode      an image as the file its request asked for (png, jpeg, webp)
+warmup      every size at every bucket captured, timed and measured per bucket
 worker      the device worker: the one thread that calls the pipeline
 service     phases, and one request's way through the queue (timeout, disconnect)
 metrics     Prometheus counters, gauges and histograms

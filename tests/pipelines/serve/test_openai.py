@@ -100,7 +100,7 @@ def test_output_compression_changes_the_lossy_files(client: Any, fmt: str) -> No
 
 
 def test_a_prompt_cut_at_the_text_encoders_limit_is_logged_and_said(server: ServerProcess, client: Any) -> None:
-    long = " ".join(["a red fox in the snow"] * 150)  # about 900 tokens: the tiny model reads 512
+    long = " ".join(["a red fox in the snow"] * 150)  # 1958 tokens in the tiny Z-Image's template; it reads 512
     raw = client.images.with_raw_response.generate(prompt=long, size="32x32", extra_body=FAST)
     item = raw.parse().data[0]
     cut = item.model_extra["prompt_truncated"]
