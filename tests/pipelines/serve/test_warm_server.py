@@ -22,7 +22,7 @@ from tests.pipelines.serve.test_buckets import prompt_of_warm_length
 
 EMULATED = [sys.executable, "-m", "tests.pipelines.serve.emulated_server"]
 FLAGS = ["--device", "cpu", "--resolutions", "32x32", "64x64", "--warmup", "32x32", "--batch-sizes", "1", "2", "4",
-         "--max-wait-ms", "200"]  # fmt: skip
+         "--max-wait-ms", "1000"]  # fmt: skip
 
 
 def warm_prompt() -> str:
