@@ -83,8 +83,9 @@ def use_compile_cache(folder: Path | None) -> tuple[Path, Callable[[], None]]:
     compile; a folder set by the user's own environment wins when ``folder`` is None, and a
     ``TRITON_CACHE_DIR`` of theirs always does.
     """
-    if folder is None and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]), lambda: None
+    theirs = _users_inductor_cache()
+    if folder is None and theirs is not None:
+        return Path(theirs), lambda: None
     folder = Path(folder) if folder is not None else default_compile_cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     why = "the compile cache folder (compile=True)"
@@ -92,6 +93,21 @@ def use_compile_cache(folder: Path | None) -> tuple[Path, Callable[[], None]]:
     if "TRITON_CACHE_DIR" not in os.environ:
         held.append(patch(os.environ, "TRITON_CACHE_DIR", str(folder / "triton"), why=why, where="item"))
     return folder, lambda: [p.undo() for p in reversed(held)] and None
+
+
+def _users_inductor_cache() -> str | None:
+    """``TORCHINDUCTOR_CACHE_DIR`` where the user set it, else None. Importing dynamo (diffusers
+    does) writes inductor's default folder (under the system's temporary folder) into the
+    environment, and that was taken for the user's choice: the persistent cache then lived where a
+    fresh container starts empty, and ``BCG_COMPILE_CACHE`` was never read."""
+    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not value:
+        return None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # a torch without it writes nothing there of its own
+        return value
+    return None if os.path.abspath(value) == os.path.abspath(default_cache_dir()) else value
 
 
 # torch.amp's functions that dynamo puts into a graph for a ``with torch.autocast(...)`` block.

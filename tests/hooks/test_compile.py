@@ -65,6 +65,25 @@ def test_the_compile_cache_folder_is_set_only_until_undone(tmp_path, monkeypatch
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and os.environ["TRITON_CACHE_DIR"] == "/theirs"
 
 
+def test_the_folder_dynamo_writes_into_the_environment_is_not_taken_for_the_users(monkeypatch, tmp_path) -> None:
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from accel.hooks.compile import use_compile_cache
+
+    monkeypatch.setenv("BCG_COMPILE_CACHE", str(tmp_path / "ours"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing dynamo leaves
+    folder, undo = use_compile_cache(None)
+    assert folder == tmp_path / "ours" and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    undo()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "theirs"))  # the user's own
+    folder, undo = use_compile_cache(None)
+    assert folder == tmp_path / "theirs"
+    undo()
+
+
 def test_compiled_modules_are_called_with_floats_specialised_and_no_duck_sizing() -> None:
     """Dynamo's first trace of a block with symbolic floats is thrown away (inductor cannot
     tensorify them) and traced again; a compiled module's calls specialise floats from the start,
