@@ -33,13 +33,13 @@ from .graphs.patches import patch, unpatched
 from .graphs.pool import GraphPool
 from .graphs.runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
-from .hooks.fused import addmm_gelu_tanh, fusable_linear
-from .hooks.generic_recipe import GenericRecipe
-from .hooks.guard import BusyError
+from .hooks.compiled.fused import addmm_gelu_tanh, fusable_linear
+from .hooks.fp8.quantizers import QuantizeError, check_quantize
 from .hooks.options import AcceleratorOptions
-from .hooks.quantizers import QuantizeError, check_quantize
-from .hooks.recipe import GenerationDefaults, Recipe, RecipeError, check_heads_divisible
-from .hooks.recipe_registry import diffusers_in, recipe_for, register_recipe
+from .hooks.recipes.generic import GenericRecipe
+from .hooks.recipes.recipe import GenerationDefaults, Recipe, RecipeError, check_heads_divisible
+from .hooks.recipes.registry import diffusers_in, recipe_for, register_recipe
+from .hooks.state.guard import BusyError
 from .hooks.warmup import WarmupReport
 from .parallel import ParallelConfigError, ParallelError
 

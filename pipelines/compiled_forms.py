@@ -12,7 +12,7 @@ promised bit for bit on CUDA (a fused multiply-add may round once where the comp
 twice): applied only with ``compile=True``, whose rule is graphs equal to the same compiled model
 without graphs. The code it replaces is diffusers 0.42's (the recipe pins that range).
 
-Measured on one H200 (samples/bench/compiled-forms/): with the GELU epilogue of accel.hooks.fused,
+Measured on one H200 (samples/bench/compiled-forms/): with the GELU epilogue of accel.hooks.compiled.fused,
 Qwen-Image's 1024x1024 step 135.3 -> 131.8 ms. Z-Image rotates the same way, inside a closure of
 its attention processor; the same form there measured no change (96.1 ms), so it is not applied.
 """

@@ -25,7 +25,7 @@ latents' and the decoded image's (8-bit pixels) largest absolute difference, rel
 and, for the image, PSNR. Compiled rows also give ``vs_no_graphs``: the latents' largest difference
 from the same compiled (quantized, cached) pipeline with its graphs switched off, 0 when bit-equal.
 ``--fp8-backend scaled-mm`` swaps torchao's tensor subclass for the opaque ``scaled_mm`` op
-(accel/hooks/scaled_mm.py). Writes ``results.json`` and ``results.md`` to ``--out`` after every row.
+(accel/hooks/fp8/scaled_mm.py). Writes ``results.json`` and ``results.md`` to ``--out`` after every row.
 """
 
 from __future__ import annotations

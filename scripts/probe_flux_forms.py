@@ -10,7 +10,7 @@ guidance 3.5, decoded (``output_type="pt"``). Variants side by side, each a medi
 * ``eager``: the stock pipeline;
 * ``compiled``: ``accelerate_pipeline(pipe, compile=True)`` as it is: FLUX.1's single-stream
   form (pipelines/flux.py) and the decoder's GroupNorms through inductor
-  (accel/hooks/group_norm.py);
+  (accel/hooks/compiled/group_norm.py);
 * ``compiled-stock-single``: the same with the single-stream blocks as diffusers wrote them;
 * ``compiled-stock-norms``: the same with the decoder's GroupNorms as ATen's;
 * ``compiled+vae``: ``compiled`` and the whole VAE decoder's forward compiled by inductor
@@ -70,7 +70,7 @@ def main() -> int:
     pipe = zoo.build("flux", args.size, device=dev, dtype=dtype, seed=0)
     pipe.set_progress_bar_config(disable=True)
     inputs = zoo.call_inputs("flux", args.size, device=dev, dtype=dtype, seed=0)
-    from accel.hooks.recipe import WARMUP_ARGUMENTS
+    from accel.hooks.recipes.recipe import WARMUP_ARGUMENTS
 
     given = {k: v for k, v in inputs.items() if k not in WARMUP_ARGUMENTS}
     result: dict = {"env": collect_env(dev), "steps": fam.steps, "variants": {}}

@@ -47,6 +47,23 @@ PUBLIC_MODULES = {
     "accel.hooks.options": "standard library only: the CLI reads its constants and checks before torch is imported",
 }
 OURS = ("accel", "pipelines")
+# accel.hooks' parts, one floor each: what a part may import of accel.hooks besides itself (and
+# accel.graphs, as the layer may). The base modules are below every part; the install core (the
+# other top-level modules: graph_hook, plan, install, warmup, report, accelerator, ...) is above
+# them all. The arrows run one way: no part imports the core, and the parts only those before them.
+HOOKS_BASE: dict[str, tuple[str, ...]] = {
+    "accel.hooks.options": (),
+    "accel.hooks.components": ("accel.hooks.options",),
+    "accel.hooks.call_shape": ("accel.hooks.options", "accel.hooks.components"),
+}
+HOOKS_PARTS: dict[str, tuple[str, ...]] = {
+    "accel.hooks.caches": (),
+    "accel.hooks.compiled": ("accel.hooks.options",),
+    "accel.hooks.fp8": ("accel.hooks.options", "accel.hooks.components"),
+    "accel.hooks.recipes": tuple(HOOKS_BASE),
+    "accel.hooks.state": (*HOOKS_BASE, "accel.hooks.caches", "accel.hooks.compiled"),
+}
+MAX_HOOKS_TOP_LEVEL = 12
 # Layers whose files must not import each other in a circle.
 CIRCLE_LAYERS = ("accel.graphs", "accel.hooks", "accel.parallel", "pipelines")
 SCRIPTS = ROOT / "scripts"
@@ -369,3 +386,55 @@ def test_no_script_is_over_the_line_limit(path: Path) -> None:
     if where in SCRIPTS_OVER_THE_LIMIT and lines > MAX_SCRIPT_LINES:
         pytest.skip(f"{lines} lines: {SCRIPTS_OVER_THE_LIMIT[where]}")
     assert lines <= MAX_SCRIPT_LINES, f"{where} has {lines} lines (at most {MAX_SCRIPT_LINES}): split it by job"
+
+
+def _hooks_violations(path: Path) -> list[str]:
+    """Imports of ``path`` (a module of accel.hooks) across :data:`HOOKS_PARTS`' floors."""
+    module = _module_name(path)
+    floor = next((p for p in (*HOOKS_BASE, *HOOKS_PARTS) if _within(module, p)), None)
+    if floor is None:
+        return []  # the install core: any part
+    allowed = (floor, *(HOOKS_BASE[floor] if floor in HOOKS_BASE else HOOKS_PARTS[floor]))
+    where = str(path.relative_to(ROOT))
+    imports = _imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py")
+    return [
+        f"{where}:{line}: imports {target}; {floor} may import of accel.hooks only {', '.join(allowed)}"
+        for line, target, _names in imports
+        if _within(target, "accel.hooks") and target != "accel.hooks" and not any(_within(target, a) for a in allowed)
+    ]
+
+
+def test_the_hooks_checker_finds_an_arrow_the_wrong_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    part = tmp_path / "accel" / "hooks" / "compiled"
+    part.mkdir(parents=True)
+    (part / "fused.py").write_text(
+        "from ..state.guard import CallGuard\nfrom ..options import X\nfrom . import compile\n"
+    )
+    (tmp_path / "accel" / "hooks" / "options.py").write_text("from .graph_hook import GraphHook\n")
+    assert [v.split(": ", 1)[1] for v in _hooks_violations(part / "fused.py")] == [
+        "imports accel.hooks.state.guard; accel.hooks.compiled may import of accel.hooks only "
+        "accel.hooks.compiled, accel.hooks.options"
+    ]
+    assert [v.split(": ", 1)[1] for v in _hooks_violations(tmp_path / "accel" / "hooks" / "options.py")] == [
+        "imports accel.hooks.graph_hook; accel.hooks.options may import of accel.hooks only accel.hooks.options"
+    ]
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "accel" / "hooks").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_the_parts_of_accel_hooks_import_one_way(path: Path) -> None:
+    bad = _hooks_violations(path)
+    assert not bad, "imports across accel.hooks' parts (see HOOKS_PARTS in tests/test_layering.py):\n" + "\n".join(bad)
+
+
+def test_accel_hooks_keeps_its_top_level_small_and_each_part_says_what_it_owns() -> None:
+    hooks = ROOT / "accel" / "hooks"
+    top = sorted(p.name for p in hooks.glob("*.py"))
+    assert len(top) <= MAX_HOOKS_TOP_LEVEL, f"{len(top)} modules at accel/hooks' top level: {', '.join(top)}"
+    parts = sorted(p.parent.name for p in hooks.glob("*/__init__.py"))
+    assert parts == sorted(p.rpartition(".")[2] for p in HOOKS_PARTS)
+    for part in parts:
+        doc = ast.get_docstring(ast.parse((hooks / part / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and "May import" in doc, f"accel/hooks/{part}/__init__.py must say what it owns and may import"

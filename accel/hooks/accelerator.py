@@ -21,16 +21,16 @@ import torch
 from ..graphs.errors import BCGError
 from ..graphs.pool import GraphPool
 from ..graphs.runner import GraphRunner, RunnerStats
-from .compile import compile_options
+from .compiled.compile import compile_options
 from .components import DENOISER_NAMES, module_device
+from .fp8.quantize import Quantization
 from .graph_hook import HOOK_NAME, GraphHook
-from .guard import CallGuard, RequestLock
 from .install import Installation, ParallelSession, register_parallel_session
 from .options import MODES, RESOLUTION_MULTIPLE, AcceleratorOptions, with_overrides
 from .plan import InstallPlan, plan_install
-from .quantize import Quantization
-from .recipe import Recipe
+from .recipes.recipe import Recipe
 from .report import graph_memory_bytes, report
+from .state.guard import CallGuard, RequestLock
 from .warmup import WarmupReport, WarmupRow, run_warmup, uncaptured
 from .warmup_plan import case_calls, plan_warmup
 
@@ -204,7 +204,7 @@ class PipelineAccelerator:
             says why nothing was captured, where nothing was.
 
         With ``quantize=``, the first warm-up first measures its first call (the largest case)
-        in bf16 and quantized, and quantizes the layers it selects (:mod:`accel.hooks.quantize`).
+        in bf16 and quantized, and quantizes the layers it selects (:mod:`accel.hooks.fp8.quantize`).
         """
         installed = self.installed
         hooks, denoisers = installed.hooks, installed.denoisers

@@ -1,6 +1,6 @@
 """How a diffusers pipeline is called, read from its ``__call__`` signature and its components.
 
-The generic warm-up (:class:`accel.hooks.generic_recipe.GenericRecipe`) drives pipelines nobody
+The generic warm-up (:class:`accel.hooks.recipes.generic.GenericRecipe`) drives pipelines nobody
 wrote a recipe for; :func:`read_call_shape` tells it what a call of this pipeline looks like, so
 that the warm-up makes the calls real calls make. Nothing here names a pipeline class: each rule reads
 what the pipeline says of itself (checked against diffusers 0.42).

@@ -14,7 +14,7 @@ kernels too small to fill the GPU, so one call at batch 2 costs far less than tw
   two run one after the other, unchanged. A first branch left alone (a call without guidance) is
   computed before the scheduler's step reads it, or before any other call; one left by a call that
   raised is dropped where the next pipeline call begins.
-* Only inside a pipeline call (between the :class:`~accel.hooks.guard.CallGuard`'s begin and end): a
+* Only inside a pipeline call (between the :class:`~accel.hooks.state.guard.CallGuard`'s begin and end): a
   denoiser called directly, under a ``cache_context`` or not, runs as it is. Pipelines that share
   the denoiser but not the scheduler each register their guard.
 * What changes is the batch, not the arithmetic in real numbers: recipes join only calls already
@@ -34,9 +34,9 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
 from ..graphs import tree
-from .context import ContextProbe
-from .guard import CallGuard
-from .recipe import Recipe, RecipeError
+from .caches.context import ContextProbe
+from .recipes.recipe import Recipe, RecipeError
+from .state.guard import CallGuard
 
 __all__ = [
     "CFG_BATCH_HOOK_NAME",

@@ -28,18 +28,18 @@ from diffusers.hooks import HookRegistry, ModelHook
 from ..graphs import discover
 from ..graphs.pool import GraphPool
 from ..graphs.runner import GraphRunner
-from . import compile as compile_mod
 from .caches import CacheBinding
 from .caches.binding import is_registry_forward
+from .caches.context import ContextProbe
+from .compiled import compile as compile_mod
+from .compiled.fused import fuse_gelu_epilogues
+from .compiled.group_norm import compile_group_norms
 from .components import module_device
-from .context import ContextProbe
-from .follow import Follower
-from .fused import fuse_gelu_epilogues
-from .group_norm import compile_group_norms
 from .options import AcceleratorOptions
-from .padding_gate import refusal
-from .recipe import Recipe
-from .recipe_registry import new_recipe, version_supported
+from .recipes.padding_gate import refusal
+from .recipes.recipe import Recipe
+from .recipes.registry import new_recipe, version_supported
+from .state.follow import Follower
 
 __all__ = [
     "HOOK_NAME",
@@ -168,7 +168,7 @@ class GraphHook(ModelHook):
             elif self.options.compile and self.options.compiled_forms and module_device(module).type == "cuda":
                 # A component (the VAE decoder) has no blocks to compile; its GroupNorms pay.
                 # Compiled like blocks: traced with the same settings, its graphs dropped on a
-                # recompile (see accel.hooks.follow), compiled by the warm-up before any capture.
+                # recompile (see accel.hooks.state.follow), compiled by the warm-up before any capture.
                 undo = compile_group_norms(module, self.options.compile_cache_dir)
                 self.compiled = undo is not None
                 if undo is not None:
@@ -276,7 +276,7 @@ class GraphHook(ModelHook):
 
     def _gate_padding(self, module: torch.nn.Module) -> None:
         """Let the recipe pad only while every attention processor takes its mask
-        (:mod:`accel.hooks.padding_gate`): looked at again whenever the guard numbers another
+        (:mod:`accel.hooks.recipes.padding_gate`): looked at again whenever the guard numbers another
         state, which a processor swapped, edited or wrapped always is."""
         keyword = self.recipe.pad_mask_kwarg
         follower = self.follower
@@ -354,7 +354,7 @@ def apply_graph_runner(
     generic recipe, is never compiled, and each of its graphs is checked against eager once;
     ``breaks`` names functions (``module.qualname``) it runs as eager breaks; ``offload_root`` is
     the top-level component whose offload hooks move a submodule's weights (the VAE of its
-    decoder). ``recipe``: the recipe a new hook gets (None: :func:`~accel.hooks.recipe_registry.new_recipe`'s).
+    decoder). ``recipe``: the recipe a new hook gets (None: :func:`~accel.hooks.recipes.registry.new_recipe`'s).
     A module already accelerated with other options is refused (:func:`check_joinable`). Call
     :func:`remove_graph_runner` with the same ``user`` to let go.
     """

@@ -8,7 +8,7 @@ leaves them in the reverse order (also when an install fails half-way):
 2. graph hooks: a :class:`~accel.hooks.graph_hook.GraphHook` on every planned module (one per
    module, shared by every pipeline that uses it), each capturing into this pipeline's pool on
    its device, so the decode's activations reuse the denoiser's;
-3. the call guard: a :class:`~accel.hooks.guard.CallGuard` on the scheduler serialises calls and
+3. the call guard: a :class:`~accel.hooks.state.guard.CallGuard` on the scheduler serialises calls and
    checks the denoisers' weights once per call (components check theirs as they are called); the
    denoisers' step caches hear where calls begin and end;
 4. parallel: with ``parallel=`` one image is computed by several processes (a session from
@@ -31,10 +31,10 @@ from ..graphs.errors import BCGError
 from ..graphs.pool import GraphPool
 from .cfg_batch import CFGBatchHook, apply_cfg_batch, remove_cfg_batch
 from .components import component
+from .fp8.quantize import Quantization
 from .graph_hook import GraphHook, apply_graph_runner, remove_graph_runner
-from .guard import CallGuard
 from .plan import InstallPlan
-from .quantize import Quantization
+from .state.guard import CallGuard
 
 __all__ = ["Installation", "ParallelSession", "register_parallel_session"]
 
@@ -77,7 +77,7 @@ class Installation:
         guard: the scheduler's call guard (None where the pipeline has no scheduler to hook).
         parallel: the several-process session, or None.
         cfg_batch: the guidance-batching hook of each denoiser that has one.
-        quantization: what ``quantize=`` does to the denoisers (:mod:`accel.hooks.quantize`),
+        quantization: what ``quantize=`` does to the denoisers (:mod:`accel.hooks.fp8.quantize`),
             or None.
     """
 
@@ -188,7 +188,7 @@ class Installation:
 
     def uninstall(self) -> None:
         """Take out everything, in the reverse order; the pipeline is as it was before, but for
-        layers ``quantize=`` put in float8, which stay (see :mod:`accel.hooks.quantize`)."""
+        layers ``quantize=`` put in float8, which stay (see :mod:`accel.hooks.fp8.quantize`)."""
         for name in list(self.cfg_batch):
             remove_cfg_batch(getattr(self.pipe, name), self)
         self.cfg_batch.clear()

@@ -44,7 +44,7 @@ Parallel = Literal["cfg", "ulysses", "cfg+ulysses"]
 PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)
 DEFAULT_PARALLEL_TIMEOUT_S = 300.0
 
-# Lossy, opt-in: the denoiser's Linear layers in float8 (accel/hooks/quantize.py).
+# Lossy, opt-in: the denoiser's Linear layers in float8 (accel/hooks/fp8/quantize.py).
 Quantize = Literal["fp8"]
 QUANTIZE_MODES: tuple[str, ...] = get_args(Quantize)
 # The final latents' relative distance to bf16 that quantize="fp8" may cost (AcceleratorOptions.fp8_budget).
@@ -194,15 +194,15 @@ class AcceleratorOptions:
             clear.
         compiled_forms: with ``compile``, swap in forms of the model's code that compile to
             fewer kernels before the blocks compile: diffusers' GELU(tanh) projections with the
-            GELU in the matrix product's epilogue (:mod:`accel.hooks.fused`), the recipe's own
+            GELU in the matrix product's epilogue (:mod:`accel.hooks.compiled.fused`), the recipe's own
             (Qwen-Image's rotary embeddings in real arithmetic, FLUX.1's single-stream blocks
             without their concatenated copy), and the components' GroupNorms (a VAE decoder's)
-            through inductor (:mod:`accel.hooks.group_norm`). Equal in real arithmetic, not bit
+            through inductor (:mod:`accel.hooks.compiled.group_norm`). Equal in real arithmetic, not bit
             for bit to stock eager (neither is compile); graphs still equal the same compiled
             model without graphs. Default on; off: diffusers' code compiled as it is.
         inductor: inductor settings for the compiled blocks (``torch.compile``'s ``options``,
             e.g. ``{"coordinate_descent_tuning": True}``), over the library's own
-            (:data:`accel.hooks.compile.INDUCTOR_OPTIONS`); a mapping of setting names to values,
+            (:data:`accel.hooks.compiled.compile.INDUCTOR_OPTIONS`); a mapping of setting names to values,
             stored as sorted ``(name, value)`` pairs. Names inductor does not know raise
             ValueError when the blocks are compiled. Default None: the library's settings.
 
@@ -220,7 +220,7 @@ class AcceleratorOptions:
             denoiser quantized when it was loaded (diffusers' ``TorchAoConfig``) is used as it
             is. One-way: :meth:`restore` leaves the quantized layers in float8 (their bf16
             weights are freed). Default None: nothing quantized, the image unchanged. See
-            :mod:`accel.hooks.quantize`.
+            :mod:`accel.hooks.fp8.quantize`.
         fp8_budget: with ``quantize="fp8"``, the largest relative distance (L2 norm of the
             difference over the L2 norm of the bf16 result) of the first warm-up call's final
             latents from the same call in bf16. Default 0.05: one float8 product rounds its

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from .components import DENOISER_NAMES, component, components, module_device
+from .fp8.quantize import Quantization, plan_quantization
 from .graph_hook import check_joinable
-from .guard import CallGuard
 from .options import AcceleratorOptions
-from .quantize import Quantization, plan_quantization
-from .recipe import Recipe
-from .recipe_registry import new_recipe
+from .recipes.recipe import Recipe
+from .recipes.registry import new_recipe
+from .state.guard import CallGuard
 
 __all__ = ["InstallPlan", "ModulePlan", "plan_install"]
 

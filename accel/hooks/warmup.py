@@ -25,8 +25,8 @@ from ..graphs.capture import capture_session
 from ..graphs.pool import GraphPool
 from ..graphs.runner import GraphRunner
 from .call_shape import read_call_shape
-from .compile import compiled_graph_count
-from .recipe import Recipe
+from .compiled.compile import compiled_graph_count
+from .recipes.recipe import Recipe
 from .warmup_plan import WarmupCase, WarmupPlan, case_calls
 
 __all__ = ["WarmupReport", "WarmupRow", "run_warmup", "uncaptured"]

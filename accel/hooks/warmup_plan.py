@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from .call_shape import call_parameters
 from .options import check_resolution
-from .recipe import WARMUP_ARGUMENTS, Recipe
+from .recipes.recipe import WARMUP_ARGUMENTS, Recipe
 
 __all__ = ["WarmupCase", "WarmupPlan", "case_calls", "normalise_resolutions", "plan_warmup"]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from diffusers.hooks import ModelHook
 
 from ..graphs import tree
-from ..hooks.context import ContextProbe
+from ..hooks.caches.context import ContextProbe
 from ..hooks.graph_hook import GraphHook
 from . import ulysses
 from .agreement import Agreement, describe_call, describe_value

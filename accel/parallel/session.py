@@ -52,8 +52,8 @@ from diffusers.hooks import HookRegistry
 
 from ..hooks.components import module_device
 from ..hooks.graph_hook import GraphHook
-from ..hooks.guard import CallGuard
 from ..hooks.options import AcceleratorOptions
+from ..hooks.state.guard import CallGuard
 from . import process
 from .agreement import Agreement
 from .cfg_split import PARALLEL_HOOK_NAME, ParallelHook, Router

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..hooks.graph_hook import GraphHook
-from ..hooks.guard import CallGuard
 from ..hooks.options import AcceleratorOptions
+from ..hooks.state.guard import CallGuard
 from .agreement import Agreement, digest
 from .errors import PREFIX, ParallelConfigError, ParallelError
 from .groups import Groups

@@ -17,7 +17,7 @@ def register_recipes() -> None:
     """Recipes are found through entry points once the project is installed; a plain checkout
     (PYTHONPATH) has none, so register them by hand. Harmless when installed."""
     try:
-        from accel.hooks.recipe_registry import register_recipe
+        from accel.hooks.recipes.registry import register_recipe
         from pipelines.flux import FluxRecipe
         from pipelines.hunyuan_video15 import HunyuanVideo15Recipe
         from pipelines.qwen_image import QwenImageRecipe

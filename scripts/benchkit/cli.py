@@ -189,7 +189,7 @@ def setup_compile_cache(args: argparse.Namespace) -> CompileCache:
     else:
         folder, temporary, warm = Path(tempfile.mkdtemp(prefix="bench-compile-cache-")), True, False
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    # The library's own layout (accel.hooks.compile.use_compile_cache), so --compile-cache can name its cache too.
+    # The library's own layout (accel.hooks.compiled.compile.use_compile_cache), so --compile-cache can name its cache too.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     os.environ["TRITON_CACHE_DIR"] = str(folder / "triton")
     os.environ["BCG_COMPILE_CACHE"] = str(folder)

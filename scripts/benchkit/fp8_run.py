@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from accel.hooks import quantizers
-from accel.hooks.scaled_mm import ScaledMMFloat8
+from accel.hooks.fp8 import quantizers
+from accel.hooks.fp8.scaled_mm import ScaledMMFloat8
 
 from .calls import register_recipes
 from .environment import collect_env

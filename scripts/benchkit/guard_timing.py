@@ -18,7 +18,7 @@ import torch
 from accel.hooks.caches.binding import find_caches
 from accel.hooks.graph_hook import HOOK_NAME, apply_graph_runner, remove_graph_runner
 from accel.hooks.options import AcceleratorOptions
-from accel.hooks.weights import offload_reason, weights_fingerprint
+from accel.hooks.state.weights import offload_reason, weights_fingerprint
 from pipelines.builders import build_transformer
 
 from .environment import collect_env

@@ -46,7 +46,7 @@ def _compiled_session(pipe, name: str, cache_dir, stock: dict) -> tuple[list[str
     report = pipe.accel.warmup(RESOLUTIONS, prompts=PROMPTS, negative_prompt="blurry, low quality", progress=False)
     print(f"\n{name} compile=True warmup:\n{report}")
     assert report.total_compile_seconds > 0 and report.total_captures > 0
-    # The blocks a few times, and the decoder's GroupNorms (accel.hooks.group_norm) a few more.
+    # The blocks a few times, and the decoder's GroupNorms (accel.hooks.compiled.group_norm) a few more.
     assert 0 < report.compiled_graphs <= 12, "dynamic shapes should compile a few times, not per shape"
     assert any(cache_dir.iterdir()), "the compile cache folder stayed empty"
     st0 = pipe.accel.stats()["transformer"]
@@ -125,7 +125,7 @@ def test_compiled_graphs_after_an_uncompiled_session_in_the_same_process(tmp_pat
 @torch.no_grad()
 def test_flux_compiled_forms_under_graphs_equal_the_same_compiled_model(tmp_path) -> None:
     """FLUX.1's single-stream form (pipelines/flux.py) and the decoder's GroupNorms through inductor
-    (accel/hooks/group_norm.py) at full size: both installed, the decoded images of their graphs
+    (accel/hooks/compiled/group_norm.py) at full size: both installed, the decoded images of their graphs
     equal to the same compiled model with every runner off, and near stock eager (a wrong weight
     split would be far off, not bf16 noise away)."""
     pipe = build_pipeline("flux", "full", device="cuda", dtype=torch.bfloat16, seed=0)

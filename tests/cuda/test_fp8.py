@@ -1,7 +1,7 @@
 """quantize="fp8" on a GPU of compute capability 8.9 or newer: full-size Z-Image and Qwen-Image.
 
 Both float8 quantizers run (torchao's tensor subclass, the default; the opaque ``scaled_mm`` op of
-accel/hooks/scaled_mm.py), so one run tells which path CUDA graphs and compile take:
+accel/hooks/fp8/scaled_mm.py), so one run tells which path CUDA graphs and compile take:
 
 * one float8 layer: both quantizers give the same bits eagerly, and a plain ``torch.cuda.CUDAGraph``
   captures and replays each (a host sync in the path would fail the capture), compiled too;
@@ -26,8 +26,8 @@ import torch
 
 from accel import accelerate_pipeline
 from accel.graphs.tree import tensors
-from accel.hooks import quantizers
-from accel.hooks.scaled_mm import ScaledMMFloat8
+from accel.hooks.fp8 import quantizers
+from accel.hooks.fp8.scaled_mm import ScaledMMFloat8
 from pipelines.builders import build_pipeline
 
 pytestmark = pytest.mark.cuda

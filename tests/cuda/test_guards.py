@@ -1,6 +1,6 @@
 """The state guard on real CUDA graphs: changes after a capture, LoRA switching and hot-swap.
 
-The CPU twins (tests/hooks/test_guards.py, tests/hooks/test_lora.py) run on emulated graphs; here
+The CPU twins (tests/hooks/state/test_guards.py, tests/hooks/state/test_lora.py) run on emulated graphs; here
 the graphs are CUDA's, the weights bf16 on the device, and PEFT's hot-swap scales are one-element
 device tensors a replay must read where they are.
 """

@@ -106,7 +106,7 @@ def test_compiled_buckets_are_bit_for_bit_within_a_bucket(compiled: Engine) -> N
 
 def test_fp8_buckets_are_bit_for_bit_within_a_bucket() -> None:
     pytest.importorskip("torchao")
-    from accel.hooks import quantizers
+    from accel.hooks.fp8 import quantizers
 
     if torch.cuda.get_device_capability() < quantizers.MIN_FP8_CAPABILITY:
         pytest.skip("float8 products need compute capability 8.9 or newer")

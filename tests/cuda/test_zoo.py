@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from accel import accelerate_pipeline
-from accel.hooks.recipe import WARMUP_ARGUMENTS
+from accel.hooks.recipes.recipe import WARMUP_ARGUMENTS
 from pipelines import zoo
 
 pytestmark = pytest.mark.cuda

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accel.hooks import quantizers
-from accel.hooks.quantizers import Quantizer
+from accel.hooks.fp8 import quantizers
+from accel.hooks.fp8.quantizers import Quantizer
 
 
 def _round_rows(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +113,7 @@ def torchao_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torchao")
     import torchao.quantization.quant_api as quant_api
 
-    from accel.hooks import scaled_mm
+    from accel.hooks.fp8 import scaled_mm
 
     for module in (quantizers, scaled_mm):
         monkeypatch.setattr(module, "check_fp8_device", lambda device, what="": None)

@@ -1,7 +1,7 @@
 """What a user does to a loaded pipeline after a capture, as one matrix the CPU and the GPU run.
 
 Each row is a change made to the accelerated pipeline and to a stock pipeline built the same way
-(same weights, seeded LoRA weights); after it, one call of each. tests/hooks/test_state_matrix.py
+(same weights, seeded LoRA weights); after it, one call of each. tests/hooks/state/test_state_matrix.py
 runs the matrix on emulated graphs, tests/cuda/test_state_matrix.py on CUDA's. What a row must
 give is what ``report()`` promises: where it says the image is the stock pipeline's bit for bit,
 equal to the stock call; where it names a difference (Qwen-Image's text buckets), equal to the same

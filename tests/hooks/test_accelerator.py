@@ -10,12 +10,12 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-import accel.hooks.recipe_registry as recipe_mod
+import accel.hooks.recipes.registry as recipe_mod
 from accel import accelerate_pipeline
 from accel.hooks.accelerator import HOOK_NAME
-from accel.hooks.generic_recipe import GenericRecipe
-from accel.hooks.recipe import Recipe
-from accel.hooks.recipe_registry import recipe_for
+from accel.hooks.recipes.generic import GenericRecipe
+from accel.hooks.recipes.recipe import Recipe
+from accel.hooks.recipes.registry import recipe_for
 from pipelines.builders import build_pipeline
 from pipelines.qwen_image import QwenImageRecipe
 from pipelines.z_image import ZImageRecipe
@@ -395,7 +395,7 @@ def test_a_recompile_drops_compiled_graphs_at_the_next_call(monkeypatch) -> None
     """Dynamo runs its newest compiled version for every shape, so graphs captured over older
     kernels are dropped (and captured again) once inductor compiled again; uncompiled modules
     and calls without a recompile keep theirs."""
-    import accel.hooks.compile as compile_mod
+    import accel.hooks.compiled.compile as compile_mod
     from accel.hooks.graph_hook import graph_hook_of
 
     pipe = build_pipeline("z-image", "tiny")

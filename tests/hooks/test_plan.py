@@ -12,11 +12,11 @@ import pytest
 import accel.hooks.install as install_mod
 from accel.graphs import patches
 from accel.graphs.errors import BCGError
-from accel.hooks.generic_recipe import GenericRecipe
 from accel.hooks.graph_hook import graph_hook_of
 from accel.hooks.install import Installation
 from accel.hooks.options import AcceleratorOptions
 from accel.hooks.plan import plan_install
+from accel.hooks.recipes.generic import GenericRecipe
 from pipelines.builders import build_pipeline
 from pipelines.qwen_image import QwenImageRecipe
 

@@ -11,7 +11,7 @@ import pytest
 
 from accel import accelerate_pipeline
 from accel.graphs import patches
-from accel.hooks.recipe import WARMUP_ARGUMENTS
+from accel.hooks.recipes.recipe import WARMUP_ARGUMENTS
 from pipelines import zoo
 from tests.helpers.emulator import emulate_pipelines
 from tests.helpers.leaks import holder_path

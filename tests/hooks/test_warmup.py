@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import accel.hooks.warmup as warmup_mod
-from accel.hooks.recipe import Recipe
+from accel.hooks.recipes.recipe import Recipe
 from accel.hooks.warmup import run_warmup
 from accel.hooks.warmup_plan import case_calls, plan_warmup
 from tests.helpers.fakes import FakePool

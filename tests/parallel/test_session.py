@@ -129,7 +129,7 @@ def test_recipes_know_their_branches_and_splits() -> None:
 
 
 def test_guard_listeners_hear_begin_step_and_end() -> None:
-    from accel.hooks.guard import CallGuard
+    from accel.hooks.state.guard import CallGuard
     from pipelines.builders import build_pipeline
 
     pipe = build_pipeline("z-image", "tiny")

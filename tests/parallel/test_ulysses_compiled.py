@@ -7,7 +7,7 @@ first call looks its arguments up with ``inspect.signature`` inside the compiled
 The recipe resolves them before each call (``pipelines.z_image.resolve_split_hooks``).
 
 On the CPU ``accelerate_pipeline`` does not compile, so the worker compiles the blocks itself the
-way ``accel.hooks.compile`` does on CUDA (diffusers' ``compile_repeated_blocks(fullgraph=True,
+way ``accel.hooks.compiled.compile`` does on CUDA (diffusers' ``compile_repeated_blocks(fullgraph=True,
 dynamic=True)``), with the ``aot_eager`` backend (dynamo's tracing is what failed; no C++
 compiler needed), before the first call: the compiled call must equal the uncompiled one.
 """

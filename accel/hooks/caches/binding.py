@@ -90,7 +90,7 @@ def find_caches(
                     found.setdefault(rule, []).append((path, hook))
         forward = d.get("forward")
         wrapped = forward is not None and not is_registry_forward(forward) and "_hf_hook" not in d
-        # Ours: compile=True's forms (accel.hooks.fused, a recipe's), placed by the library's
+        # Ours: compile=True's forms (accel.hooks.compiled.fused, a recipe's), placed by the library's
         # patches and captured by the graphs like any code. One written over them is foreign.
         wrapped = wrapped and not placed(m, "forward", "dict")
         # diffusers leaves the module's own forward as an attribute once its last hook is removed.

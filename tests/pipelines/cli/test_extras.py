@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from accel.hooks import quantizers  # imported here: diffusers may warn of torchao once, as it loads
+from accel.hooks.fp8 import quantizers  # imported here: diffusers may warn of torchao once, as it loads
 from pipelines.cli import main
 from pipelines.cli import prepare as cli_prepare
 from pipelines.cli.errors import CLIError

@@ -182,7 +182,7 @@ def compiled(emulated: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     emulator's recording, a dispatch mode, so a capture records the blocks' own operations, the
     same the eager backend runs), and the CUDA random state it saves around a trace left alone
     (the emulator says CUDA is there; torch here has none). Returns the compile cache folder."""
-    import accel.hooks.compile as compile_mod
+    import accel.hooks.compiled.compile as compile_mod
 
     emulated.setattr(compile_mod, "why_not_compiled", lambda module: None)
     emulated.setattr(compile_mod, "COMPILE_OPTIONS", dict(fullgraph=False, dynamic=True, backend="eager"))

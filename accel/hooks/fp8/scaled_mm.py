@@ -1,0 +1,132 @@
+"""float8 Linear layers through one opaque op: the alternative to torchao's tensor subclass.
+
+torchao's float8 weights are a tensor subclass whose matrix product dynamo and inductor trace
+through (quantizing the activations, then ``torch._scaled_mm``). Its per-row path has been
+reported not to be safe under CUDA graphs on another stack (cache-dit wrapped the product in an
+opaque op). :class:`ScaledMMFloat8` is that design: each layer becomes a
+:class:`Float8RowwiseLinear`, which quantizes its input per row with plain tensor ops (inductor
+fuses them) and calls :func:`scaled_mm_rowwise`, a custom op that dynamo and inductor see as one
+call to ``torch._scaled_mm``, whatever torchao does. It needs no torchao. Numerically it is the
+same recipe as torchao's (e4m3, per-row scales of the activations and of the weights, fast
+accumulation): the GPU tests and ``scripts/bench_fp8.py`` run both, so one run tells which path
+graphs and compile take.
+
+Not the default: ``quantize="fp8"`` is torchao's (:data:`accel.hooks.fp8.quantizers.QUANTIZERS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .quantizers import ZERO_ROW_FLOOR, Quantizer, check_fp8_device
+
+__all__ = ["E4M3_MAX", "Float8RowwiseLinear", "ScaledMMFloat8", "quantize_rows", "scaled_mm_rowwise"]
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)
+
+
+@torch.library.custom_op("bcg_diffusers::scaled_mm_rowwise", mutates_args=())
+def scaled_mm_rowwise(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b) + bias`` in ``out_dtype``: ``a`` row-major (M, K) float8,
+    ``b`` column-major (K, N) float8, ``scale_a`` (M, 1) and ``scale_b`` (1, N) float32."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=True)
+
+
+@scaled_mm_rowwise.register_fake
+def _(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (..., K) as e4m3 values and float32 scales (..., 1), one scale per row: its largest
+    magnitude (never below :data:`ZERO_ROW_FLOOR`, so zeros stay zeros) over :data:`E4M3_MAX`.
+    The same operations, in the same dtypes, as torchao's per-row float8 (the scale is computed in
+    ``x``'s dtype, then widened), so both quantizers give the same bits."""
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=ZERO_ROW_FLOOR)
+    scale = (amax / E4M3_MAX).float()
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+class Float8RowwiseLinear(torch.nn.Module):
+    """A Linear layer with float8 weights (per output row) that quantizes its input per row and
+    multiplies through :func:`scaled_mm_rowwise`.
+
+    Attributes:
+        qweight: (out, in) e4m3 weights, row-major.
+        weight_scale: (1, out) float32 scales.
+        bias: the original layer's bias (the same parameter), or None.
+    """
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._dtype = linear.weight.dtype
+        with torch.no_grad():
+            q, scale = quantize_rows(linear.weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("weight_scale", scale.reshape(1, -1))
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight's shape and dtype, without data (a meta tensor), for model code that reads
+        them (Z-Image's timestep embedder casts to its first layer's dtype)."""
+        return torch.empty(self.out_features, self.in_features, dtype=self._dtype, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        xq, xs = quantize_rows(x2)
+        out = scaled_mm_rowwise(xq, self.qweight.t(), xs, self.weight_scale, self.bias, x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, e4m3"
+
+
+class ScaledMMFloat8(Quantizer):
+    """Each layer replaced by a :class:`Float8RowwiseLinear` (see the module docstring)."""
+
+    name = "scaled_mm float8"
+    detail = "dynamic float8 activations and float8 weights, per-row scales, one custom op per product"
+
+    def check(self, module: torch.nn.Module | None, device: torch.device) -> None:
+        check_fp8_device(device)
+
+    def takes(self, linear: torch.nn.Linear) -> bool:
+        return (
+            type(linear.weight) is torch.nn.Parameter
+            and linear.weight.dtype == torch.bfloat16
+            and linear.in_features % 16 == 0
+            and linear.out_features % 16 == 0
+        )
+
+    def quantize(self, root: torch.nn.Module, names: Sequence[str]) -> list[str]:
+        done = []
+        for name in names:
+            parent_name, _, attr = name.rpartition(".")
+            parent = root.get_submodule(parent_name)
+            linear = parent._modules[attr]
+            if isinstance(linear, torch.nn.Linear) and self.takes(linear):
+                parent._modules[attr] = Float8RowwiseLinear(linear)
+                done.append(name)
+        return done
+
+    def is_quantized(self, module: torch.nn.Module) -> bool:
+        return isinstance(module, Float8RowwiseLinear)

@@ -1,0 +1,66 @@
+"""Whether a recipe may pad a call: every attention processor on the module's path must take the mask.
+
+A recipe that pads text (so that prompts of different lengths share a graph) hands the model a
+mask of the padded tokens, and relies on attention to ignore them. diffusers' ``Attention`` gives
+a processor only the keywords its ``__call__`` names, as ``inspect.signature`` reads it, and drops
+the rest with a warning: a processor written as ``__call__(self, attn, *args, **kwargs)`` (how
+IP-Adapter and attention-map tools wrap the stock one) never sees the mask, and attends the padded
+tokens. The stock pipeline pads nothing, so it loses nothing; a padded call would be silently
+wrong. So padding runs only while every processor in the module names the recipe's mask keyword
+(:attr:`~accel.hooks.recipes.recipe.Recipe.pad_mask_kwarg`), looked at when the module is first followed
+and again whenever the guard numbers a new state (a processor swapped, edited or wrapped).
+
+The test is what diffusers itself tests, so it is exact for ``Attention``; for attention modules
+that pass every keyword on (``AttentionModuleMixin``), a processor taking ``**kwargs`` is refused
+too: that costs graph sharing, never an image.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+__all__ = ["processors_dropping", "refusal"]
+
+
+def _names(processor: Any, keyword: str) -> bool:
+    try:
+        return keyword in inspect.signature(processor.__call__).parameters
+    except (TypeError, ValueError):  # no signature to read: nothing says it takes the keyword
+        return False
+
+
+def processors_dropping(module: torch.nn.Module, keyword: str) -> list[str]:
+    """``path (ProcessorClass)`` of every attention processor in ``module`` whose ``__call__``
+    does not name ``keyword`` (diffusers would drop it), in module order."""
+    dropping: list[str] = []
+    said: dict[type, bool] = {}
+    for path, sub in module.named_modules():
+        if not callable(getattr(sub, "set_processor", None)):
+            continue  # not an attention module
+        processor = getattr(sub, "processor", None)
+        if processor is None:
+            continue
+        # One signature per class, unless an instance carries its own __call__.
+        own = "__call__" in getattr(processor, "__dict__", {})
+        kind = type(processor)
+        ok = _names(processor, keyword) if own or kind not in said else said[kind]
+        if not own:
+            said[kind] = ok
+        if not ok:
+            dropping.append(f"{path or type(module).__name__} ({kind.__name__})")
+    return dropping
+
+
+def refusal(module: torch.nn.Module, keyword: str) -> str | None:
+    """Why padding that relies on ``keyword`` must not run in ``module`` now, in one phrase; None
+    where every processor takes it."""
+    dropping = processors_dropping(module, keyword)
+    if not dropping:
+        return None
+    more = len(dropping) - 1
+    who = dropping[0] + (f" and {more} more" if more else "")
+    verb = "takes" if not more else "take"
+    return f"the attention processor of {who} {verb} no {keyword}, so padded tokens would be attended"

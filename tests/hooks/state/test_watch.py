@@ -1,0 +1,277 @@
+"""accel.hooks.state.watch on small modules: every kind of change is seen and named, nothing else is.
+
+Each case makes one change to a watched module and asserts the fast check (``unchanged``) sees it,
+the look names it, and (for Python-state changes) the record of the state differs; then that the
+look after it finds nothing, and that undoing a Python change gives a record equal to the first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from diffusers.models.attention_dispatch import attention_backend
+
+from accel.hooks.state.states import StateKeys
+from accel.hooks.state.watch import Watch
+
+
+class Processor:
+    """An attention processor as users write them: plain attributes, lists of scales."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+        self.scales = [1.0, 1.0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class SlotProcessor:
+    __slots__ = ("scale",)
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+class Attn(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_q = torch.nn.Linear(4, 4)
+        self.processor = Processor()
+        self.fused_projections = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.processor(self.to_q(x))
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attn()
+        self.norm = torch.nn.LayerNorm(4)
+        self.act = torch.nn.GELU()
+        self.scaling = {"default": 1.0}
+        self.magnitudes = torch.nn.ModuleDict()  # empty, as PEFT's DoRA vectors without DoRA
+        self.register_buffer("pos", torch.arange(4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.norm(self.attn(x))) + self.pos
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(Block(), Block())
+
+
+def _watched(m: torch.nn.Module) -> tuple[Watch, object]:
+    w = Watch(m)
+    look = w.look()
+    assert look.first and w.unchanged()
+    return w, look.record
+
+
+def _hook(module, args, output):
+    return output
+
+
+# name -> (change, what the look says, Python state (True) or weights (False))
+CASES = {
+    "processor swapped": (lambda m: setattr(m[0].attn, "processor", Processor()), "0.attn.processor changed", True),
+    "processor attribute": (lambda m: setattr(m[1].attn.processor, "scale", 0.5), "1.attn.processor.scale", True),
+    "processor list in place": (lambda m: m[0].attn.processor.scales.__setitem__(0, 2.0), "processor.scales", True),
+    "processor attribute added": (lambda m: setattr(m[0].attn.processor, "_attention_backend", "x"), "set ('x')", True),
+    "module flag": (lambda m: setattr(m[0].attn, "fused_projections", True), "fused_projections changed", True),
+    "eval": (lambda m: m.eval(), "training changed (True -> False)", True),
+    "dict in place (PEFT's scaling)": (lambda m: m[1].scaling.update(default=0.5), "1.scaling changed", True),
+    "forward set on a submodule": (lambda m: setattr(m[0].norm, "forward", lambda x: x), "0.norm.forward set", True),
+    "method set on a submodule": (
+        lambda m: setattr(m[0].attn, "forward", functools.partial(Attn.forward, m[0].attn)),
+        "0.attn.forward set",
+        True,
+    ),
+    "forward hook": (lambda m: m[1].norm.register_forward_hook(_hook), "1.norm: forward hooks changed (0 -> 1)", True),
+    "forward hook on a container": (
+        lambda m: m[0].magnitudes.register_forward_pre_hook(lambda mod, args: None),
+        "0.magnitudes: forward pre hooks changed (0 -> 1)",
+        True,
+    ),
+    "first entry of an empty ModuleDict": (
+        lambda m: m[0].magnitudes.__setitem__("d", torch.nn.Identity()),
+        "0.magnitudes.d added (Identity)",
+        True,
+    ),
+    "submodule replaced": (lambda m: setattr(m[0], "act", torch.nn.SiLU()), "0.act replaced (GELU -> SiLU)", True),
+    "parameter replaced": (
+        lambda m: setattr(m[0].norm, "weight", torch.nn.Parameter(torch.ones(4))),
+        None,
+        False,
+    ),
+    "in-place write": (lambda m: m[0].attn.to_q.weight.add_(0), None, False),
+    "storage swapped": (lambda m: setattr(m[1].attn.to_q.weight, "data", torch.randn(4, 4)), None, False),
+    "cast": (lambda m: m.double(), None, False),
+    "buffer written": (lambda m: m[1].pos.add_(1), None, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@torch.no_grad()
+def test_each_change_is_seen_once_and_named(case: str) -> None:
+    change, said, python_state = CASES[case]
+    m = _model()
+    w, first = _watched(m)
+    change(m)
+    assert not w.unchanged()
+    look = w.look()
+    assert look.weights is (not python_state)
+    if said is not None:
+        assert any(said in c for c in look.changes), look.changes
+    if python_state:
+        assert look.record != first
+    assert w.unchanged() and not w.look().changes  # once, not at every call
+
+
+@torch.no_grad()
+def test_one_element_tensor_replaced_by_an_equal_one_is_seen() -> None:
+    """PEFT's hot-swap keeps scales as one-element tensors that graphs read by address: a new
+    tensor of the same value is another address, and ``==`` alone would call them equal."""
+    m = _model()
+    m[0].scaling = {"default": torch.tensor(1.0)}
+    m[0].gate = torch.tensor(2.0)
+    w, _ = _watched(m)
+    m[0].scaling["default"].fill_(0.5)  # in place: the same tensor, read by replays as it is now
+    assert w.unchanged()
+    m[0].scaling["default"] = torch.tensor(0.5)
+    assert not w.unchanged()
+    assert w.look().changes
+    m[0].gate = torch.tensor(2.0)
+    assert not w.unchanged()
+    assert any("0.gate changed" in c for c in w.look().changes)
+
+
+def test_equal_values_and_unwatched_entries_are_no_change() -> None:
+    m = _model()
+    w, _ = _watched(m)
+    m[0].attn.processor.scale = 1.0  # the same value again
+    m[0]._cached_steps = [1, 2]  # cache-dit's statistics of the last call
+    assert not w.look().changes
+    m[0]._cached_steps = [3]
+    m[0].norm._non_persistent_buffers_set.add("x")  # only state_dict() reads it
+    assert w.unchanged()
+
+
+def test_what_a_linear_forward_never_reads_is_not_compared_per_call_and_the_rest_is() -> None:
+    m = _model()
+    w, _ = _watched(m)
+    q = m[0].attn.to_q
+    q.in_features, q.out_features = 5, 6  # F.linear reads the weight, not these
+    q.training = not q.training
+    assert w.unchanged()
+    m[0].norm.training = not m[0].norm.training  # LayerNorm is not on the list: compared
+    assert not w.unchanged()
+    w.look()
+    q.weight = torch.nn.Parameter(torch.randn(4, 4))  # the one key a Linear's forward reads
+    assert not w.unchanged()
+    w.look()
+    q.forward = lambda x: x  # a forward of its own, a new key: the dictionary's length
+    assert not w.unchanged()
+
+
+def test_the_watched_modules_own_forward_hooks_are_no_change_but_its_childrens_are() -> None:
+    """Torch runs a module's own forward hooks around its forward, where the graphs replay: a
+    timing hook on the denoiser changes nothing a graph holds; one on a block runs inside."""
+    m = _model()
+    w, _ = _watched(m)
+    handles = [m.register_forward_pre_hook(lambda mod, args: None), m.register_forward_hook(_hook)]
+    assert w.unchanged() and not w.look().changes
+    for h in handles:
+        h.remove()
+    assert w.unchanged()
+    m[0].register_forward_pre_hook(lambda mod, args: None)
+    assert not w.unchanged()
+    assert any("0: forward pre hooks changed" in c for c in w.look().changes)
+
+
+def test_attention_backends_global_hooks_and_kernel_switches_are_seen() -> None:
+    m = _model()
+    w, _ = _watched(m)
+    with attention_backend("_native_math"):
+        assert not w.unchanged()
+        assert any("active attention backend changed" in c for c in w.look().changes)
+    assert not w.unchanged()
+    w.look()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not w.unchanged()
+        assert any("autocast on the CPU changed (False -> True)" in c for c in w.look().changes)
+    w.look()
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        assert not w.unchanged()
+        assert any("flash SDPA switch changed" in c for c in w.look().changes)
+    w.look()
+    handle = torch.nn.modules.module.register_module_forward_hook(_hook)
+    try:
+        assert not w.unchanged()
+        assert any("global forward hooks" in c for c in w.look().changes)
+    finally:
+        handle.remove()
+    assert not w.unchanged()
+
+
+def test_undoing_a_change_gives_the_first_state_back() -> None:
+    m = _model()
+    w = Watch(m)
+    keys = StateKeys(limit=4)
+    first, seen = keys.number(w.look().record)
+    assert not seen
+    proc = m[0].attn.processor
+    m[0].attn.processor = Processor(0.5)
+    m.eval()
+    second, seen = keys.number(w.look().record)
+    assert second != first and not seen
+    m[0].attn.processor = proc
+    m.train()
+    back, seen = keys.number(w.look().record)
+    assert back == first and seen
+
+
+def test_state_numbers_are_never_reused_for_another_state() -> None:
+    keys = StateKeys(limit=2)
+    numbers = [keys.number(("state", i))[0] for i in range(4)]
+    assert numbers == [0, 1, 2, 3]
+    assert keys.number(("state", 0)) == (4, False)  # forgotten beyond the limit: a new number
+    assert keys.number(("state", 3)) == (3, True)
+
+
+def test_state_outside_a_dict_is_named_unwatchable() -> None:
+    m = _model()
+    m[1].attn.processor = SlotProcessor()
+    look = Watch(m).look()
+    assert look.unwatchable and "1.attn.processor (SlotProcessor" in look.unwatchable[0]
+    assert "__slots__" in look.unwatchable[0]
+
+
+def test_a_module_with_slots_is_named_unwatchable() -> None:
+    class Gate(torch.nn.Module):
+        __slots__ = ("open",)
+
+    m = _model()
+    m[0].gate = Gate()
+    look = Watch(m).look()
+    assert any("0.gate (Gate: it keeps state in __slots__ (open))" in u for u in look.unwatchable), look.unwatchable
+
+
+def test_forget_lets_go_of_the_module() -> None:
+    import gc
+    import weakref
+
+    m = _model()
+    w = Watch(m)
+    w.look()
+    ref = weakref.ref(m)
+    w.forget()
+    del m
+    gc.collect()
+    assert ref() is None
