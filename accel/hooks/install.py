@@ -1,7 +1,8 @@
 """The install: an :class:`~accel.hooks.plan.InstallPlan` put into a pipeline, layer by layer, and taken out again.
 
-:class:`Installation` enters each layer once, in the plan's order, and :meth:`Installation.uninstall`
-leaves them in the reverse order (also when an install fails half-way):
+:class:`Installation` enters each layer once, in the plan's order; each layer entered puts what takes
+it out again on one undo list, which :meth:`Installation.uninstall` runs last-in first-out (also
+when an install fails half-way):
 
 1. quantization: nothing to put in (``quantize=`` acts at the first warm-up); at uninstall it
    says what stays in float8;
@@ -92,9 +93,13 @@ class Installation:
         self.cfg_batch: dict[str, CFGBatchHook] = {}
         self.quantization: Quantization | None = plan.quantization
         self._own_pool: GraphPool | None = None
+        # What each layer entered takes out again, run last-in first-out by uninstall().
+        self._undo: list[Callable[[], None]] = []
         if plan.parallel is not None and _parallel_session is None:
             raise BCGError("parallel= needs accel.parallel, which was not imported")
         try:
+            if self.quantization is not None:
+                self._undo.append(self.quantization.let_go)
             self._enter_graph_hooks()
             self._enter_guard()
             self._enter_parallel()
@@ -105,6 +110,7 @@ class Installation:
 
     # -- the layers, in order ----------------------------------------------------------------
     def _enter_graph_hooks(self) -> None:
+        self._undo.append(self._leave_graph_hooks)
         for entry in self.plan.modules:
             self.hooks[entry.name] = apply_graph_runner(
                 entry.module,
@@ -120,11 +126,20 @@ class Installation:
             if not entry.component:
                 self.denoisers.append(entry.name)
 
+    def _leave_graph_hooks(self) -> None:
+        for name in reversed(list(self.hooks)):
+            module = component(self.pipe, name)
+            if module is not None:
+                remove_graph_runner(module, self)
+        self.hooks.clear()
+        self.denoisers.clear()
+
     def _enter_guard(self) -> None:
         if not self.plan.guard:
             return
         self.guard = CallGuard.attach(self.pipe, self, self._follow_weights)
         assert self.guard is not None
+        self._undo.append(self._leave_guard)
         for name in self.denoisers:
             hook = self.hooks[name]
             hook.call_checks[id(self)] = weakref.WeakMethod(self._follow_scheduler)
@@ -159,6 +174,18 @@ class Installation:
         logger.info("%s: the pipeline has another scheduler; the call guard moved to it", self.denoisers[0])
         self.guard.begin()
 
+    def _leave_guard(self) -> None:
+        # self.guard, not the one entered: _follow_scheduler may have moved it since.
+        if self.guard is not None:
+            for name in self.denoisers:
+                caches = self.hooks[name].caches
+                if caches is not None:
+                    self.guard.unlisten(caches)
+            self.guard.detach(self)
+            self.guard = None
+        for name in self.denoisers:
+            self.hooks[name].call_checks.pop(id(self), None)
+
     def _enter_parallel(self) -> None:
         if self.plan.parallel is None:
             return
@@ -166,8 +193,15 @@ class Installation:
         # Collective: every rank of the launch builds its session here, or all fail.
         denoisers = {n: self.hooks[n] for n in self.denoisers}
         self.parallel = _parallel_session(self.pipe, denoisers, self.guard, self.options)
+        self._undo.append(self._leave_parallel)
+
+    def _leave_parallel(self) -> None:
+        if self.parallel is not None:
+            self.parallel.restore()
+            self.parallel = None
 
     def _enter_cfg_batch(self) -> None:
+        self._undo.append(self._leave_cfg_batch)
         degree = self.parallel.layout.ulysses if self.parallel is not None else 1
         for name in self.plan.cfg_batch:
             hook = self.hooks[name]
@@ -186,32 +220,17 @@ class Installation:
                 paused=(lambda c=caches: c.present) if caches is not None else None,
             )
 
-    def uninstall(self) -> None:
-        """Take out everything, in the reverse order; the pipeline is as it was before, but for
-        layers ``quantize=`` put in float8, which stay (see :mod:`accel.hooks.fp8.quantize`)."""
+    def _leave_cfg_batch(self) -> None:
         for name in list(self.cfg_batch):
             remove_cfg_batch(getattr(self.pipe, name), self)
         self.cfg_batch.clear()
-        if self.parallel is not None:
-            self.parallel.restore()
-            self.parallel = None
-        if self.guard is not None:
-            for name in self.denoisers:
-                caches = self.hooks[name].caches
-                if caches is not None:
-                    self.guard.unlisten(caches)
-            self.guard.detach(self)
-            self.guard = None
-        for name in self.denoisers:
-            self.hooks[name].call_checks.pop(id(self), None)
-        for name in reversed(list(self.hooks)):
-            module = component(self.pipe, name)
-            if module is not None:
-                remove_graph_runner(module, self)
-        self.hooks.clear()
-        self.denoisers.clear()
-        if self.quantization is not None:
-            self.quantization.let_go()
+
+    def uninstall(self) -> None:
+        """Take out everything, each layer in the reverse order it went in (also after an install
+        that failed half way); the pipeline is as it was before, but for layers ``quantize=`` put
+        in float8, which stay (see :mod:`accel.hooks.fp8.quantize`)."""
+        while self._undo:
+            self._undo.pop()()
 
     # -- what the accelerator asks -----------------------------------------------------------
     @property
