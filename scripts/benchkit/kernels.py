@@ -272,7 +272,13 @@ def _triton_kind(triton: str, ops: tuple[str, ...]) -> str:
     if tokens & _TRITON_ATTENTION:
         return "attention"
     if "scaledmm" in tokens:
-        return "fp8_gemm"
+        if triton == "tem":
+            return "fp8_gemm"
+        # A reduction or pointwise kernel is never the product (cuBLAS runs it, or a template):
+        # inductor names it after the _scaled_mm its ops were traced from, the activation's
+        # quantization (H100, Z-Image fp8: `triton_red_fused__scaled_mm__to_copy_abs_amax_...`,
+        # 9.6 ms a step, had been counted as float8 products).
+        tokens.discard("scaledmm")
     if triton == "tem":  # templates: matmuls (and convolutions) unless flex attention, above
         return "gemm"
     if tokens & _TRITON_GEMM:

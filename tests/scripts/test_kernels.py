@@ -38,6 +38,13 @@ NAMES = {
     "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas": "fp8_gemm",
     "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int>, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::MainloopSm90TmaGmmaWarpSpecializedFP8<2, cute::tuple<cute::C<1>, cute::C<2>, cute::C<1>>, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum>, cutlass::float_e4m3_t, cutlass::float_e4m3_t>>>>(...)": "fp8_gemm",
     "triton_tem_fused__scaled_mm_4": "fp8_gemm",
+    # Recorded on an H100 (Z-Image fp8, 2026-12-06): inductor names the activation's quantization
+    # after the _scaled_mm it feeds; fused with the SiLU product or the RMS norm before it.
+    "triton_red_fused__scaled_mm__to_copy_abs_amax_clamp_div_mul_silu_t_unsqueeze_view_5": "quant",
+    "triton_red_fused__scaled_mm__to_copy_abs_add_amax_clamp_div_mean_mul_pow_rsqrt_split_t_tanh_unsqueeze_view_4": (
+        "quant"
+    ),
+    "triton_red_fused__scaled_mm__to_copy_abs_amax_clamp_div_permute_t_unsqueeze_view_3": "quant",
     # float8 quantization of activations: inductor's amax reductions (alone or fused into their
     # producer) and scale-clamp-cast kernels as public traces name them; of the form the sources
     # give (not recorded here): a norm fused with its output's quantization, ATen's cast to float8
