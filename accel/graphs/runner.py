@@ -285,9 +285,10 @@ class GraphRunner:
         """Every function and line a capture of this runner failed on."""
         return self.policy.found_breaks
 
-    def stats(self, memory: bool = True) -> RunnerStats:
-        """A snapshot of the counters; ``memory`` adds byte counts (reads the allocator)."""
-        pool_bytes = self.pool.resident_bytes() if memory and self.pool is not None else 0
+    def stats(self, memory: bool = True, *, pool: bool = True) -> RunnerStats:
+        """A snapshot of the counters; ``memory`` adds byte counts, and with ``pool`` the pool's
+        (a snapshot of the allocator: milliseconds on a large pool, so never per call)."""
+        pool_bytes = self.pool.resident_bytes() if memory and pool and self.pool is not None else 0
         return self.store.fill(dataclasses.replace(self.counts), memory, pool_bytes)
 
     def release(self, *, recapture: bool = False) -> int:

@@ -140,9 +140,11 @@ class PipelineAccelerator:
         scheduler); None where the pipeline has no scheduler to hook."""
         return self.guard.lock if self.guard is not None else None
 
-    def stats(self) -> dict[str, RunnerStats]:
-        """Counters of each denoiser's runner, by component name."""
-        return {name: h.runner.stats() for name, h in self.hooks.items()}
+    def stats(self, memory: bool = True) -> dict[str, RunnerStats]:
+        """Counters of each runner (denoisers, then components), by component name. ``memory``
+        adds byte counts, which read the allocator's snapshot (milliseconds on a large pool):
+        pass False where counters are read around every call."""
+        return {name: h.runner.stats(memory) for name, h in self.hooks.items()}
 
     def guidance_batches(self) -> dict[str, tuple[int, int]]:
         """Per denoiser whose guidance branches may be joined (``cfg_batch``): (pairs run as one

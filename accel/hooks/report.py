@@ -21,7 +21,8 @@ NOTHING_WARMED_UP = "nothing warmed up yet: call pipe.accel.warmup(...) or pass 
 
 def graph_memory_bytes(hooks: dict[str, GraphHook]) -> int:
     """Device memory held for graphs: the graph pool(s), static inputs and boundary buffers."""
-    stats = [h.runner.stats() for h in hooks.values()]
+    # One snapshot of the allocator per pool, not one per runner (they share the pipeline's pool).
+    stats = [h.runner.stats(pool=False) for h in hooks.values()]
     pools = {id(h.runner.pool): h.runner.pool for h in hooks.values() if h.runner.pool is not None}
     return sum(p.resident_bytes() for p in pools.values()) + sum(s.static_bytes + s.boundary_bytes for s in stats)
 

@@ -208,7 +208,7 @@ def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str,
 def graph_replays(pipe: Any) -> int | None:
     """Replays of the denoisers' graphs so far, or None where the accelerator does not tell."""
     try:
-        return sum(s.replays for s in pipe.accel.stats().values())
+        return sum(s.replays for s in pipe.accel.stats(memory=False).values())
     except Exception:  # an accel without stats(): what ran is then what was asked
         return None
 

@@ -71,7 +71,9 @@ class Service:
         for batch, cost in getattr(engine, "warmup_costs", {}).items():
             self.metrics.warmup_seconds.labels(str(batch)).set(cost.seconds)
         if hasattr(engine, "graph_memory_bytes"):
-            self.metrics.graph_memory.set(engine.graph_memory_bytes())
+            # Read when /metrics is scraped, never per batch: it snapshots the allocator, which
+            # took milliseconds that every request waited for.
+            self.metrics.graph_memory.set_function(engine.graph_memory_bytes)
         if self.phase == "starting":
             self.phase = "ready"
             self.metrics.ready.set(1)

@@ -97,7 +97,6 @@ class DeviceWorker(threading.Thread):
         finally:
             m.observe_batch(time.monotonic() - t0)
             self.batches += 1
-            self._graph_memory()
         m.images.inc(images)
         m.batch_images.observe(images)
         m.batch_requests.observe(len(batch))
@@ -164,12 +163,6 @@ class DeviceWorker(threading.Thread):
                                   f"{self.admission_wait:g} s")  # fmt: skip
             time.sleep(self._poll)
         return min(limit, self.batcher.max_batch)
-
-    def _graph_memory(self) -> None:
-        try:
-            self.metrics.graph_memory.set(self.engine.graph_memory_bytes())
-        except Exception:  # counted where it can be; a metric never fails a batch
-            pass
 
 
 def _part(plan: Any, start: int, stop: int) -> Any:
