@@ -150,8 +150,10 @@ def _with_prompt(kwargs: dict[str, Any], prompt: str, negative_prompt: str | Non
 def _component_calls(
     recipe: Recipe, pipe: Any, plan: WarmupPlan, prompts: list[str], negative_prompt: str | None
 ) -> Iterator[tuple[tuple[int, int, int | None], dict[str, Any]]]:
-    """(size, kwargs) of the calls that capture the components: each size's first case
-    decoding an image, then every further prompt at the smallest size. Calls keep their
+    """(size, kwargs) of the calls that capture the components: the first case of each size and
+    batch size decoding an image (the text encoder's and the decoder's shapes follow both: with
+    one call per size, a server's smaller buckets encoded and decoded eagerly), then every
+    further prompt at the smallest size. Calls keep their
     embeddings where the pipeline has no text encoder or ``call_kwargs`` carry the text (real
     calls then never run a text encoder)."""
     shape = read_call_shape(pipe)
@@ -160,11 +162,11 @@ def _component_calls(
     def prompted(kwargs: dict[str, Any], prompt: str, batch: int) -> dict[str, Any]:
         return _with_prompt(kwargs, prompt, negative_prompt, batch) if text else dict(kwargs)
 
-    seen: set[tuple[int, int, int | None]] = set()
+    seen: set[tuple[tuple[int, int, int | None], int]] = set()
     for case in plan.cases:
-        if case.size in seen:
+        if (case.size, case.batch_size) in seen:
             continue
-        seen.add(case.size)
+        seen.add((case.size, case.batch_size))
         for kwargs in case_calls(recipe, pipe, plan, case):
             yield case.size, {**prompted(kwargs, prompts[0], case.batch_size), "output_type": "pil"}
     smallest = plan.cases[-1]

@@ -201,3 +201,18 @@ def test_a_recipe_that_cannot_measure_prompts_warms_each_up_as_given() -> None:
     assert plan.negative_length is None
     calls = list(case_calls(recipe, pipe, plan, plan.cases[1]))
     assert calls == [dict(width=512, height=512, prompt_length=None, prompt="a lighthouse at night")]
+
+
+def test_the_components_are_captured_at_every_batch_size() -> None:
+    """A server's buckets 1, 2 and 4 at one size once gave the components a call at the first case
+    only (the largest batch): at the smaller buckets the text encoder and the VAE decoder ran
+    eagerly in every request."""
+    recipe, runner = LengthRecipe(), FakeRunner()
+    pipe = FakePipe(runner, [0], set())
+    pipe.components = {}  # no text encoder: the component calls decode only
+    plan = _plan(recipe, pipe, [(512, 512), (256, 256)], batch_sizes=[1, 2, 4])
+    calls = list(warmup_mod._component_calls(recipe, pipe, plan, ["a fox"], None))
+    batches = {case.batch_size for case in plan.cases}
+    assert batches == {1, 2, 4}
+    assert len(calls) == len(batches) * 2 and {size for size, _ in calls} == {(512, 512, None), (256, 256, None)}
+    assert all(kwargs["output_type"] == "pil" for _, kwargs in calls)
