@@ -52,6 +52,8 @@ floor           the floor those products imply at the peak rates, beside the pro
 profile_report  profile.md
 
 scripts/bench_restart.py: restart_child (one process's compile=True warm-up with a given cache folder).
+scripts/bench_serve.py: serve_runs (the timed runs on one warm engine: the pipeline's call, buckets,
+the loop, a real server), serve_report (serve.md and the ratios the bars are stated in).
 
 Nested call arguments and outputs are walked with ``accel.graphs.tree`` (``tensors``, ``clone``), the
 library's one traversal. Most modules import torch, accel and diffusers at import time (benchkit.cli
