@@ -36,7 +36,7 @@ from .compiled.fused import fuse_gelu_epilogues
 from .compiled.group_norm import compile_group_norms
 from .components import module_device
 from .options import AcceleratorOptions
-from .recipes.padding_gate import refusal
+from .recipes.padding_gate import PaddingGate
 from .recipes.recipe import Recipe
 from .recipes.registry import new_recipe, version_supported
 from .state.follow import Follower
@@ -121,8 +121,7 @@ class GraphHook(ModelHook):
         # still the one the call guard hooks), keyed by installer; weak: the module must not
         # keep its pipeline's installation alive.
         self.call_checks: dict[int, weakref.WeakMethod[Callable[[], None]]] = {}
-        # The guard's state the padding gate last looked at (see _gate_padding).
-        self._padding_looked: tuple[bool, int, int] | None = None
+        self.padding = PaddingGate(name)
         # What removing the hook must undo beyond the registry's own bookkeeping.
         self._drop_registry = False
         self._drop_forward_attr = False
@@ -275,22 +274,10 @@ class GraphHook(ModelHook):
             self._gate_padding(module)
 
     def _gate_padding(self, module: torch.nn.Module) -> None:
-        """Let the recipe pad only while every attention processor takes its mask
-        (:mod:`accel.hooks.recipes.padding_gate`): looked at again whenever the guard numbers another
-        state, which a processor swapped, edited or wrapped always is."""
-        keyword = self.recipe.pad_mask_kwarg
-        follower = self.follower
-        looked = (follower.watch is not None, follower.epoch, follower.state)
-        if keyword is None or looked == self._padding_looked:
-            return
-        self._padding_looked = looked
-        refused = refusal(module, keyword)
-        if refused != self.recipe.padding_refused:
-            if refused is not None:
-                logger.warning("%s: text is not padded: %s; one graph per text length", self.name, refused)
-            else:
-                logger.info("%s: every attention processor takes %s again; text is padded again", self.name, keyword)
-        self.recipe.padding_refused = refused
+        """Let the recipe pad only while every attention processor takes its mask (see
+        :class:`~accel.hooks.recipes.padding_gate.PaddingGate`)."""
+        f = self.follower
+        self.padding.look(self.recipe, module, (f.watch is not None, f.epoch, f.state))
 
     @property
     def recompile_drops(self) -> int:

@@ -18,11 +18,17 @@ too: that costs graph sharing, never an image.
 from __future__ import annotations
 
 import inspect
+import logging
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
-__all__ = ["processors_dropping", "refusal"]
+from .recipe import Recipe
+
+__all__ = ["PaddingGate", "processors_dropping", "refusal"]
+
+logger = logging.getLogger(__name__)
 
 
 def _names(processor: Any, keyword: str) -> bool:
@@ -64,3 +70,26 @@ def refusal(module: torch.nn.Module, keyword: str) -> str | None:
     who = dropping[0] + (f" and {more} more" if more else "")
     verb = "takes" if not more else "take"
     return f"the attention processor of {who} {verb} no {keyword}, so padded tokens would be attended"
+
+
+class PaddingGate:
+    """Keeps ``recipe.padding_refused`` true to ``module``'s processors, looking again only when
+    ``looked`` moves (the guard's numbered state and weights epoch: a processor swapped, edited
+    or wrapped always moves it), so the per-call cost is one comparison."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._looked: Hashable | None = None
+
+    def look(self, recipe: Recipe, module: torch.nn.Module, looked: Hashable) -> None:
+        keyword = recipe.pad_mask_kwarg
+        if keyword is None or looked == self._looked:
+            return
+        self._looked = looked
+        refused = refusal(module, keyword)
+        if refused != recipe.padding_refused:
+            if refused is not None:
+                logger.warning("%s: text is not padded: %s; one graph per text length", self.name, refused)
+            else:
+                logger.info("%s: every attention processor takes %s again; text is padded again", self.name, keyword)
+        recipe.padding_refused = refused

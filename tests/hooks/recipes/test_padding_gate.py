@@ -14,6 +14,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 
 from accel import accelerate_pipeline
 from accel.hooks import graph_hook, report
+from accel.hooks.recipes import padding_gate
 from accel.hooks.recipes.padding_gate import processors_dropping, refusal
 from pipelines.builders import build_pipeline, build_transformer
 from pipelines.qwen_image import QwenImageRecipe
@@ -117,12 +118,12 @@ def test_text_is_padded_only_while_every_processor_takes_the_mask(padded, monkey
     assert "image: the stock pipeline's, bit for bit" in text and "text not padded: the attention processor" in text
     assert len(pipe.accel.runners["transformer"].store.entries) >= graphs + 2  # one graph per text length
     # The control: the same call padded anyway attends the padding, far off the stock image.
-    monkeypatch.setattr(graph_hook, "refusal", lambda module, keyword: None)
+    monkeypatch.setattr(padding_gate, "refusal", lambda module, keyword: None)
     for p in (pipe, stock):
         _processors(p, ArgsKwargs)  # a new state: the gate looks again
     wrong = _call(pipe)
     assert (wrong - _call(stock)).abs().max() > 1e-3
-    monkeypatch.setattr(graph_hook, "refusal", refusal)
+    monkeypatch.setattr(padding_gate, "refusal", refusal)
     # Back to processors that take the mask: padded again.
     for p in (pipe, stock):
         _processors(p, QwenDoubleStreamAttnProcessor2_0)
