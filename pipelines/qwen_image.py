@@ -141,9 +141,8 @@ class QwenImageRecipe(Recipe):
             return None
         side = math.isqrt(BUCKET_MAX_IMAGE_TOKENS) * PATCH_PIXELS
         return (
-            f"up to {side}x{side} the text is padded to buckets and the "
-            "guidance branches joined: attention runs its masked kernel and the image is within bf16 noise of "
-            "the stock pipeline's",
+            f"up to {side}x{side} the text is padded to buckets: attention runs its masked kernel (and, with "
+            "cfg_batch, the guidance branches one call of batch 2), within bf16 noise of the stock pipeline's image",
             "text_buckets=None",
         )
 
