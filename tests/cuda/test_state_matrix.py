@@ -2,7 +2,7 @@
 every change a user makes to a loaded pipeline, the next call gives what ``report()`` promises,
 the stock image bit for bit where it says so, and otherwise exactly the same accelerated pipeline
 run eagerly (so a recapture is as exact as the first capture). The CPU twin is
-tests/hooks/state/test_state_matrix.py; the H200 log is under samples/."""
+tests/hooks/state/test_state_matrix.py; a GPU log is in samples/gpu-run-2026-12-06/."""
 
 from __future__ import annotations
 
