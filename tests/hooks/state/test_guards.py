@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,7 +22,6 @@ from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnP
 
 from accel import accelerate_pipeline
 from pipelines.builders import build_pipeline
-from tests.helpers.emulator import emulate_pipelines
 from tests.helpers.generate import generate
 
 NAMES = ["qwen-image", "z-image"]
@@ -31,17 +30,6 @@ PROCESSORS = {"qwen-image": QwenDoubleStreamAttnProcessor2_0, "z-image": ZSingle
 METHODS = {"qwen-image": ("transformer_blocks.0", "_modulate"), "z-image": ("t_embedder", "timestep_embedding")}
 # A submodule whose forward a user replaces.
 FORWARDS = {"qwen-image": "transformer_blocks.0.img_mlp", "z-image": "layers.0.feed_forward"}
-
-
-@pytest.fixture
-def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    emulate_pipelines(monkeypatch)
-    # set_attention_backend sets diffusers' process-wide backend too: given back after the test.
-    monkeypatch.setattr(_AttentionBackendRegistry, "_active_backend", _AttentionBackendRegistry._active_backend)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads only fight over the cores
-    yield monkeypatch
-    torch.set_num_threads(threads)
 
 
 def _pipe(name: str) -> Any:

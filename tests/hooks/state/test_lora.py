@@ -9,7 +9,7 @@ in-place hot-swap of an adapter's weights needs no capture at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import peft
@@ -19,20 +19,10 @@ from peft.utils import get_peft_model_state_dict
 
 from accel import accelerate_pipeline
 from pipelines.builders import build_pipeline, build_transformer
-from tests.helpers.emulator import emulate_pipelines
 from tests.helpers.generate import generate
 
 NAMES = ["qwen-image", "z-image"]
 TARGETS = ["to_q", "to_k", "to_v"]
-
-
-@pytest.fixture
-def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    emulate_pipelines(monkeypatch)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads only fight over the cores
-    yield monkeypatch
-    torch.set_num_threads(threads)
 
 
 def _pipe(name: str) -> Any:

@@ -4,34 +4,20 @@ defaults. The GPU twin is tests/cuda/test_state_matrix.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
 from accel import accelerate_pipeline
 from pipelines.builders import build_pipeline
 from tests.helpers import state_matrix
-from tests.helpers.emulator import emulate_pipelines
 from tests.helpers.generate import generate
 
 pytest.importorskip("peft")
 
 # Qwen-Image's exact options; Z-Image's defaults are exact.
 CASES = [("qwen-image", {"text_buckets": None, "cfg_batch": False}), ("qwen-image", {}), ("z-image", {})]
-
-
-@pytest.fixture
-def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    emulate_pipelines(monkeypatch)
-    # set_attention_backend sets diffusers' process-wide backend too: given back after the test.
-    monkeypatch.setattr(_AttentionBackendRegistry, "_active_backend", _AttentionBackendRegistry._active_backend)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads only fight over the cores
-    yield
-    torch.set_num_threads(threads)
 
 
 def _pipe(name: str) -> Any:
