@@ -145,3 +145,22 @@ def test_a_name_that_is_not_utf8_is_printed(tmp_path: Path, capsys: pytest.Captu
     assert main(["--out", str(out), *FAST]) == 0
     assert out.exists()
     assert capsys.readouterr().out.rstrip().endswith("caf\\udce9.png")
+
+
+def test_png_bytes_and_save_png_keep_every_pixel_and_the_text(tmp_path: Path) -> None:
+    """The run-length zlib strategy the PNGs are written with is lossless, in memory and on disk."""
+    import io
+
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    ramp = np.linspace(0, 255, 96, dtype=np.float64)
+    pixels = (np.stack([np.add.outer(ramp, ramp) / 2] * 3, -1) + rng.integers(0, 24, (96, 96, 3))).astype(np.uint8)
+    image = Image.fromarray(pixels)
+    text = {"prompt": "a lighthouse", "seed": "7"}
+    for read in (
+        Image.open(io.BytesIO(cli_images.png_bytes(image, text))),
+        Image.open(cli_images.save_png(image, tmp_path / "a.png", text)),
+    ):
+        assert np.array_equal(np.asarray(read), pixels)
+        assert {k: read.text[k] for k in text} == text
