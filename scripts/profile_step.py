@@ -8,6 +8,13 @@ The pipeline is set up the way a user would: ``build_pipeline(model, size)``, th
 call then records, with a forward pre-hook, the denoiser calls of its step 0 (one for Z-Image, two
 for Qwen-Image: the conditional and the unconditional branch). A *step* below is those calls.
 
+``--batch N`` (default 1): the shapes a server runs. The warm-up captures at batch size N
+(``batch_sizes=[N]``, as the server warms a bucket) and every pipeline call below makes N images as
+the server's calls do (:func:`benchkit.calls.batch_kwargs`: a prompt and a negative prompt per
+image, each image its own generator): the recorded step, the products by shape (M is tokens x N),
+hence the floor, and the call outside. Times stay per step (of N images); both files state the
+batch and the step's ms per image (step ms / N).
+
 What is profiled: the step's denoiser calls made directly, ``pipe.transformer(...)`` (through the
 graph hook into the runner's replay: the graphs a pipeline call replays), so a step's window holds
 the denoiser's work only and ends with a synchronisation. ``--warmup-calls`` untimed steps come
@@ -42,6 +49,8 @@ with ``--trace``. Device, versions, date and commit are in both.
 
     python scripts/profile_step.py --model z-image --quantize fp8 --out out/profile-fp8/z-image   # GPU
     python scripts/profile_step.py --model qwen-image --no-graphs --out out/profile/qwen-nographs
+    python scripts/profile_step.py --model z-image --resolution 512x512 --batch 8 --quantize fp8 \\
+        --out out/profile-fp8/z-image-512-b8                                         # GPU: a server's bucket
     python scripts/profile_step.py --model z-image --size tiny --no-compile --resolution 64x64 \\
         --steps 2 --out /tmp/profile                                                 # CPU: CPU ops only
 
@@ -104,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gemms", action=on_off, default=True, help="the step's products by shape and the floor")
     p.add_argument("--outside", action=on_off, default=True, help="one end-to-end call split into phases")
     p.add_argument("--outside-steps", type=int, default=20, help="steps of that call (Z-Image: 9 always)")
+    p.add_argument("--batch", type=int, default=1, help="images per pipeline call (the warm-up's batch size)")
     p.add_argument("--steps", type=int, default=5, help="profiled steps (each: the denoiser calls of one step)")
     p.add_argument("--warmup-calls", type=int, default=2, help="untimed steps before timing (default 2)")
     p.add_argument("--top", type=int, default=25, help="kernels listed in profile.md (default 25)")
@@ -118,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Defaults that depend on the device; bad values end in one line (exit status 2)."""
-    for name, low in (("steps", 1), ("warmup_calls", 0), ("top", 1), ("outside_steps", 1)):
+    for name, low in (("batch", 1), ("steps", 1), ("warmup_calls", 0), ("top", 1), ("outside_steps", 1)):
         if getattr(args, name) < low:
             p.error(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}")
     cuda = torch.cuda.is_available()
@@ -155,7 +165,7 @@ def linear_calls(pipe: Any, args: argparse.Namespace, device: torch.device) -> d
     """Step 0's Linear calls of the stock denoiser (before anything is compiled or quantized)."""
     from benchkit.calls import record_step0_calls
 
-    calls = record_step0_calls(pipe, args.model, args.resolution, _RECORD_ARGS, device)
+    calls = record_step0_calls(pipe, args.model, args.resolution, _RECORD_ARGS, device, args.batch)
     return record_linears(pipe.transformer, lambda: [pipe.transformer(*a, **k) for a, k in calls])
 
 
@@ -171,11 +181,16 @@ def setup(args: argparse.Namespace, pipe: Any, device: torch.device, quantize: s
     t0 = time.perf_counter()
     with torch.no_grad():
         report = pipe.accel.warmup(
-            [args.resolution], prompts=[PROMPT], negative_prompt=NEGATIVE if cfg else None, cfg=cfg, progress=False
+            [args.resolution],
+            batch_sizes=[args.batch],
+            prompts=[PROMPT],
+            negative_prompt=NEGATIVE if cfg else None,
+            cfg=cfg,
+            progress=False,
         )
     warmup_s = time.perf_counter() - t0
     say(f"warm-up in {warmup_s:.1f} s: {report.total_captures} graph(s), compile {report.total_compile_seconds:.1f} s")
-    calls = record_step0_calls(pipe, args.model, args.resolution, _RECORD_ARGS, device)
+    calls = record_step0_calls(pipe, args.model, args.resolution, _RECORD_ARGS, device, args.batch)
     quantization = pipe.accel.quantization
     costs = {
         "describe": describe(pipe),
@@ -217,7 +232,8 @@ def profile_variant(args: argparse.Namespace, pipe: Any, device: torch.device, q
     notes: list[str] = []
     with torch.no_grad(), contextlib.nullcontext() if args.graphs else graphs_off(accel):
         step_ms, host_ms, min_ms = clock.time_steps(step, args.steps, args.warmup_calls)
-        say(f"{quantize or 'bf16'} step {step_ms:.2f} ms (median of {args.steps}); profiling {args.steps} steps")
+        each = f", {step_ms / args.batch:.2f} ms per image of {args.batch}" if args.batch > 1 else ""
+        say(f"{quantize or 'bf16'} step {step_ms:.2f} ms (median of {args.steps}{each}); profiling {args.steps} steps")
         before = accel.stats()[name]
         prof, events, windows, counts = profile(args.steps, step, clock.sync, clock.cuda)
         after = accel.stats()[name]
@@ -242,6 +258,7 @@ def profile_variant(args: argparse.Namespace, pipe: Any, device: torch.device, q
     if args.trace:
         prof.export_chrome_trace(str(Path(args.out) / f"trace{'-' + quantize if quantize else ''}.json"))
     timing = {"step_ms": round(step_ms, 3), "host_ms": round(host_ms, 3), "step_min_ms": round(min_ms, 3)}
+    timing["step_ms_per_image"] = round(step_ms / args.batch, 3)
     return {
         "calls": [describe_call(a, k) for a, k in calls],
         "setup": costs,
@@ -254,17 +271,17 @@ def profile_variant(args: argparse.Namespace, pipe: Any, device: torch.device, q
 
 
 def outside(args: argparse.Namespace, pipe: Any, device: torch.device) -> dict[str, Any]:
-    """One end-to-end call split into phases, with the decoder's graphs and with the decoder eager."""
+    """One end-to-end call of ``--batch`` images in phases, with the decoder's graphs and with it eager."""
     import dataclasses
 
+    from benchkit.calls import batch_kwargs
     from benchkit.phases import measure_breakdown
-    from benchkit.settings import pipe_kwargs, steps_of
+    from benchkit.settings import steps_of
 
     e2e = argparse.Namespace(steps_e2e=args.outside_steps)
-    kwargs = pipe_kwargs(args.model, args.resolution, e2e)
 
-    def call() -> Any:
-        return pipe(**kwargs, generator=torch.Generator(device).manual_seed(SEED))
+    def call() -> Any:  # the step's batch: N prompts, a generator each
+        return pipe(**batch_kwargs(args.model, args.resolution, e2e, device, args.batch))
 
     decoder = pipe.accel.runners.get("vae.decoder")
     with torch.no_grad():
@@ -282,6 +299,7 @@ def outside(args: argparse.Namespace, pipe: Any, device: torch.device) -> dict[s
     say(f"outside the denoiser: {graphs.line()}")
     return {
         "steps": steps_of(args.model, e2e),
+        "batch": args.batch,
         "graphs": dataclasses.asdict(graphs),
         "eager_decoder": dataclasses.asdict(eager),
         "decoder_replays": replays,
@@ -330,6 +348,7 @@ def config(args: argparse.Namespace, main: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": args.model,
         "resolution": res_name(args.resolution),
+        "batch": args.batch,
         "size": args.size,
         "dtype": args.dtype,
         "device": args.device,

@@ -67,10 +67,28 @@ class _Stop(Exception):
     pass
 
 
+def batch_kwargs(
+    model: str, wh: tuple[int, int], args: argparse.Namespace, device: torch.device, batch: int = 1
+) -> dict[str, Any]:
+    """``pipe_kwargs`` with its generator, for a call of ``batch`` images made as the server makes one
+    (:mod:`pipelines.serve.engine`) and as ``pipe.accel.warmup`` captures one: a prompt (and negative
+    prompt) per image, each image its own generator (seeds ``SEED``, ``SEED + 1``, ...). Batch 1: the
+    one prompt and one generator. Fresh lists every time (the pipeline may edit them)."""
+    kw = pipe_kwargs(model, wh, args)
+    if batch == 1:
+        return {**kw, "generator": torch.Generator(device).manual_seed(SEED)}
+    for name in ("prompt", "negative_prompt"):
+        if name in kw:
+            kw[name] = [kw[name]] * batch
+    kw["generator"] = [torch.Generator(device).manual_seed(SEED + i) for i in range(batch)]
+    return kw
+
+
 def record_step0_calls(
-    pipe: Any, model: str, wh: tuple[int, int], args: argparse.Namespace, device: torch.device
+    pipe: Any, model: str, wh: tuple[int, int], args: argparse.Namespace, device: torch.device, batch: int = 1
 ) -> list[tuple[tuple, dict]]:
-    """Every ``pipe.transformer`` call of step 0 of a real pipeline run, arguments cloned."""
+    """Every ``pipe.transformer`` call of step 0 of a real pipeline run of ``batch`` images
+    (:func:`batch_kwargs`), arguments cloned."""
     calls: list[tuple[tuple, dict]] = []
 
     def pre_hook(module: Any, a: tuple, k: dict) -> None:
@@ -83,8 +101,7 @@ def record_step0_calls(
     try:
         with torch.no_grad():
             pipe(
-                **pipe_kwargs(model, wh, args),
-                generator=torch.Generator(device).manual_seed(SEED),
+                **batch_kwargs(model, wh, args, device, batch),
                 output_type="latent",
                 callback_on_step_end=stop,
             )

@@ -27,8 +27,9 @@ def _header(result: dict[str, Any]) -> list[str]:
     else:
         graphs = f"no graphs ({setup_['warmup_skipped'] or 'nothing captured'})"
     quant = f", {cfg['quantize']}" if cfg.get("quantize") else ""
-    cuda = env["device"] == "cuda"
-    L = [f"# Per-kernel profile: {cfg['model']} {cfg['resolution']}, {compiled}, {graphs}{quant}", ""]
+    cuda, batch = env["device"] == "cuda", cfg.get("batch", 1)
+    images = f", batch {batch}" if batch > 1 else ""
+    L = [f"# Per-kernel profile: {cfg['model']} {cfg['resolution']}{images}, {compiled}, {graphs}{quant}", ""]
     L.append(
         f"**Device:** {env['device_name']} ({env['device']}"
         + (f", driver {env['driver']}, CUDA {env['cuda']}" if cuda else "")
@@ -40,6 +41,7 @@ def _header(result: dict[str, Any]) -> list[str]:
     )
     L.append(
         f"**Run:** {env['date']}; {setup_['describe']}; size {cfg['size']}, {cfg['dtype']}; "
+        f"batch {batch} (images per pipeline call, the warm-up's batch size); "
         f"{cfg['steps']} profiled steps after {cfg['warmup_calls']} warm-up and {cfg['steps']} timed ones; "
         f"a step = {cfg['calls_per_step']} denoiser call(s) ({'; '.join(cfg['calls'])})  "
     )
@@ -53,9 +55,10 @@ def _header(result: dict[str, Any]) -> list[str]:
 
 def _kinds(result: dict[str, Any], beside: dict[str, Any] | None) -> list[str]:
     timing, prof, cuda = result["timing"], result["profile"], result["env"]["device"] == "cuda"
-    clock = "CUDA events" if cuda else "wall clock"
+    clock, batch = "CUDA events" if cuda else "wall clock", result["config"].get("batch", 1)
     per_step = (
-        f"**ms per denoiser step:** {timing['step_ms']:.2f} unprofiled (median, {clock}); {prof['step_ms']:.2f} "
+        f"**ms per denoiser step:** {timing['step_ms']:.2f} unprofiled (median, {clock}; "
+        f"{timing['step_ms'] / batch:.2f} per image at batch {batch}); {prof['step_ms']:.2f} "
         "profiled (mean window: first launch to the end of the step's synchronisation)"
     )
     if prof["events"]:
@@ -65,7 +68,8 @@ def _kinds(result: dict[str, Any], beside: dict[str, Any] | None) -> list[str]:
         )
     L = [per_step + "."]
     if beside is not None:
-        L.append(f"The bf16 step beside it (same pipeline, compiled graphs): {beside['timing']['step_ms']:.2f} ms.")
+        ms = beside["timing"]["step_ms"]
+        L.append(f"The bf16 step beside it (same pipeline, compiled graphs): {ms:.2f} ms ({ms / batch:.2f} per image).")
     L.append("")
     L += [f"> {note}\n" for note in result["notes"]]
     head = "| kind | group | kernels/step | ms/step | share of step |" + (" bf16 ms/step |" if beside else "")
@@ -148,7 +152,10 @@ def _floor(name: str, f: dict[str, Any]) -> list[str]:
 
 def _outside(out: dict[str, Any]) -> list[str]:
     L = ["", "## The call outside the denoiser", ""]
-    L.append(f"One end-to-end call ({out['steps']} steps, decoded), {out['graphs']['clock']}; ms (share of the call):")
+    images = f"{out.get('batch', 1)} image(s), "
+    L.append(
+        f"One end-to-end call ({images}{out['steps']} steps, decoded), {out['graphs']['clock']}; ms (share of the call):"
+    )
     L += ["", "| phase | decoder graphs | decoder eager |", "|---|--:|--:|"]
     for key, label, _ in PHASES:
         a, b = out["graphs"]["phases"][key], out["eager_decoder"]["phases"][key]

@@ -94,9 +94,85 @@ def test_qwen_image_step_is_both_guidance_calls(tmp_path) -> None:
     assert "qwen-image 64x64" in (tmp_path / "profile.md").read_text()
 
 
+def _spied_run(script, monkeypatch, argv: list[str], out: Path) -> tuple[dict, list, list]:
+    """``script.run`` of ``argv``, with what each warm-up was asked for and each variant's recorded step."""
+    from accel.hooks.accelerator import PipelineAccelerator
+
+    warmups: list[dict] = []
+    steps: list[list] = []
+    warmup, setup = PipelineAccelerator.warmup, script.setup
+
+    def spy_warmup(self, resolutions, **kwargs):
+        warmups.append(kwargs)
+        return warmup(self, resolutions, **kwargs)
+
+    def spy_setup(*args, **kwargs):
+        calls, costs = setup(*args, **kwargs)
+        steps.append(calls)
+        return calls, costs
+
+    monkeypatch.setattr(PipelineAccelerator, "warmup", spy_warmup)
+    monkeypatch.setattr(script, "setup", spy_setup)
+    p = script.build_parser()
+    args = script.resolve(p, p.parse_args([*argv, "--out", str(out)]))
+    result = script.run(args)
+    script.write(result, out, args.top)
+    return result, warmups, steps
+
+
+def test_batch_2_records_warms_and_reports_a_call_of_two_images(zimage, tmp_path, monkeypatch) -> None:
+    script = _load()
+    argv = ["--model", "z-image", *TINY, "--steps", "1", "--batch", "2"]
+    _, warmups, steps = _spied_run(script, monkeypatch, argv, tmp_path)
+    assert [w["batch_sizes"] for w in warmups] == [[2]]  # the warm-up captures at the batch
+    ((a, _),) = steps[0]  # Z-Image: one denoiser call a step; its hidden states a list, one latent per image
+    assert len(a[0]) == 2 and all(tuple(x.shape) == (16, 1, 8, 8) for x in a[0])
+    assert a[1].shape[0] == 2 and len(a[2]) == 2  # a timestep and a caption per image
+    written = json.loads((tmp_path / "profile.json").read_text())
+    assert written["config"]["batch"] == 2 and written["outside"]["batch"] == 2
+    timing = written["timing"]
+    assert timing["step_ms_per_image"] == pytest.approx(timing["step_ms"] / 2, abs=1e-3)
+    assert written["outside"]["graphs"]["phases"]["denoiser"]["calls"] == 9
+    # The products by shape: each M (tokens x batch) twice batch 1's, K and N the same.
+    ones = sorted((g["m"] * 2, g["k"], g["n"], g["calls_per_step"]) for g in zimage[1]["gemms"])
+    assert sorted((g["m"], g["k"], g["n"], g["calls_per_step"]) for g in written["gemms"]) == ones
+    floor1, floor2 = zimage[1]["floor"]["bf16"], written["floor"]["bf16"]
+    assert floor2["tflop_per_step"]["bf16"] == pytest.approx(2 * floor1["tflop_per_step"]["bf16"], rel=1e-6)
+    md = (tmp_path / "profile.md").read_text()
+    assert md.startswith("# Per-kernel profile: z-image 64x64, batch 2,") and "; batch 2 (images per" in md
+    assert f"{timing['step_ms'] / 2:.2f} per image at batch 2" in md and "One end-to-end call (2 image(s)," in md
+    assert "batch 1 (images per" in zimage[2] and "per image at batch 1" in zimage[2]
+
+
+def test_qwen_image_batch_2_makes_both_guidance_calls_at_batch_2(tmp_path, monkeypatch) -> None:
+    script = _load()
+    argv = ["--model", "qwen-image", *TINY, "--steps", "1", "--batch", "2", "--no-gemms", "--no-outside"]
+    result, warmups, steps = _spied_run(script, monkeypatch, argv, tmp_path)
+    assert [w["batch_sizes"] for w in warmups] == [[2]] and warmups[0]["cfg"] is True
+    assert len(steps[0]) == 2  # the conditional and the unconditional call, each of both images
+    assert all(k["hidden_states"].shape[0] == 2 and k["encoder_hidden_states"].shape[0] == 2 for _, k in steps[0])
+    assert result["config"]["batch"] == 2 and result["config"]["calls_per_step"] == 2
+
+
+def test_batch_kwargs_give_each_image_its_prompt_and_generator() -> None:
+    from benchkit.calls import batch_kwargs
+    from benchkit.settings import NEGATIVE, PROMPT, SEED
+
+    ns, cpu = SimpleNamespace(steps_e2e=2), torch.device("cpu")
+    one = batch_kwargs("qwen-image", (64, 64), ns, cpu)
+    assert one["prompt"] == PROMPT and one["negative_prompt"] == NEGATIVE
+    assert one["generator"].initial_seed() == SEED
+    three = batch_kwargs("qwen-image", (64, 64), ns, cpu, 3)
+    assert three["prompt"] == [PROMPT] * 3 and three["negative_prompt"] == [NEGATIVE] * 3
+    assert [g.initial_seed() for g in three["generator"]] == [SEED, SEED + 1, SEED + 2]
+    z = batch_kwargs("z-image", (64, 64), ns, cpu, 2)
+    assert z["prompt"] == [PROMPT] * 2 and "negative_prompt" not in z and len(z["generator"]) == 2
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["--batch", "0"], "--batch must be at least 1, got 0"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--warmup-calls", "-1"], "--warmup-calls must be at least 0"),
         (["--resolution", "100x64"], "multiples of 16"),
