@@ -12,7 +12,9 @@ bcg-serve does (its warm-up time per bucket reported), then, on that pipeline:
 * ``loop``: one request after another through the engine (PNGs, no HTTP);
 * ``batched`` (the buckets) and ``unbatched`` (calls of one image, the same server at
   ``--batch-sizes 1``): a real server on a loopback port, with each ``--clients`` count sending
-  its share of ``--requests`` requests one after another over HTTP.
+  its share of ``--requests`` requests one after another over HTTP. Each such run also splits a
+  request's mean latency, from the server's ``/metrics`` scraped before and after it: queue wait,
+  device (its batch's pipeline call), encode (files and base64) and the rest (HTTP, JSON, client).
 
 ``--variants`` picks among them (default all). With ``--lora``, every request names the first
 adapter. Speed is measured, never asserted: only ratios within one run count (serve.md lists

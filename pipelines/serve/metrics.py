@@ -5,8 +5,12 @@ reason), pipeline calls by what ran (``graphs`` where a denoiser graph replayed,
 none did, ``failed``, ``out_of_memory``: made again in smaller calls), denoiser forwards by kind
 (``replay``, ``eager``, from the accelerator's counters), and the rows a call ran beyond its
 images to reach its bucket (padded). Histograms: images and requests per pipeline call (the
-batching), the bucket each call ran at, seconds per request (arrival to answer), in the queue,
-per pipeline call and per image (a call's seconds over its images). Gauges: queue depth,
+batching), the bucket each call ran at, seconds per request (arrival to answer), in the queue
+(arrival to its batch taken by the device worker), per batch served, of the pipeline calls that
+made a request's images (``Engine.make``, its host work included; once per request), per image
+(a call's seconds over its images) and per image encoded into its file (on the routes' threads,
+base64 included). Together they split a request's latency: scripts/bench_serve.py takes the
+differences of their ``_sum`` and ``_count`` around a run. Gauges: queue depth,
 readiness, graph memory held (set after the warm-up and each call) and each bucket's warm-up
 seconds.
 """
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -24,6 +30,8 @@ __all__ = ["CONTENT_TYPE", "Metrics"]
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # An image takes from milliseconds (a tiny model on a CPU) to minutes (a large one, many steps).
 _SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+# Encoding one image takes a millisecond (a tiny image) to a few hundred (a large PNG).
+_ENCODE_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _SMOOTHING = 0.2  # weight of the newest pipeline call in the running mean behind Retry-After
 
 
@@ -52,8 +60,15 @@ class Metrics:
                                          "to its answer (200 only)", buckets=_SECONDS, registry=r)  # fmt: skip
         self.queue_seconds = Histogram("bcg_serve_queue_seconds", "Seconds a request waited before its pipeline call",
                                        buckets=_SECONDS, registry=r)  # fmt: skip
-        self.batch_seconds = Histogram("bcg_serve_batch_seconds", "Seconds per pipeline call, PNG encoding included",
-                                       buckets=_SECONDS, registry=r)  # fmt: skip
+        self.batch_seconds = Histogram("bcg_serve_batch_seconds", "Seconds per batch served: its pipeline calls "
+                                       "and any wait for device memory (encoding not included)", buckets=_SECONDS,
+                                       registry=r)  # fmt: skip
+        self.device_seconds = Histogram("bcg_serve_device_seconds", "Seconds of the pipeline calls (Engine.make, "
+                                        "host work included) that made a request's images, once per request",
+                                        buckets=_SECONDS, registry=r)  # fmt: skip
+        self.encode_seconds = Histogram("bcg_serve_encode_seconds", "Seconds to encode one image into its file and "
+                                        "base64 (on the routes' threads)", buckets=_ENCODE_SECONDS,
+                                        registry=r)  # fmt: skip
         self.batch_size = Histogram("bcg_serve_batch_size", "The batch-size bucket each pipeline call ran at",
                                     buckets=buckets, registry=r)  # fmt: skip
         self.padded = Counter("bcg_serve_padded_rows", "Rows pipeline calls ran beyond their images to reach their "
@@ -91,6 +106,30 @@ class Metrics:
         with self._lock:
             return self._mean_batch_seconds
 
+    def timed(self, made: Any) -> Any:
+        """``made`` (an image as ``Engine.make`` hands it on) whose ``encode()`` is timed into
+        ``encode_seconds``, wherever it runs; everything else is ``made``'s own."""
+        return _Timed(made, self.encode_seconds)
+
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
+
+
+class _Timed:
+    """An image to encode whose ``encode()`` observes its seconds."""
+
+    __slots__ = ("_made", "_seconds")
+
+    def __init__(self, made: Any, seconds: Histogram) -> None:
+        self._made = made
+        self._seconds = seconds
+
+    def encode(self) -> Any:
+        t0 = time.perf_counter()
+        out = self._made.encode()
+        self._seconds.observe(time.perf_counter() - t0)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._made, name)

@@ -83,8 +83,9 @@ class DeviceWorker(threading.Thread):
             m.queue_seconds.observe(t0 - w.arrived)
         images = sum(w.images for w in batch)
         results: list[list[Any]] = [[] for _ in batch]
+        device = [0.0] * len(batch)  # seconds of the pipeline calls that made each request's images
         try:
-            self._compute(batch, results)
+            self._compute(batch, results, device)
         except Exception as e:  # one batch's failure is that batch's alone
             m.pipeline_calls.labels("failed").inc()
             # The CLI's errors are told for users already (out of memory, NaN pixels, a refused call).
@@ -96,6 +97,8 @@ class DeviceWorker(threading.Thread):
             return
         finally:
             m.observe_batch(time.monotonic() - t0)
+            for seconds in device:
+                m.device_seconds.observe(seconds)
             self.batches += 1
         m.images.inc(images)
         m.batch_images.observe(images)
@@ -103,9 +106,10 @@ class DeviceWorker(threading.Thread):
         for w, result in zip(batch, results):
             w.future.set_result(result)
 
-    def _compute(self, batch: list[Work], results: list[list[Any]]) -> None:
+    def _compute(self, batch: list[Work], results: list[list[Any]], device: list[float]) -> None:
         """Every image of ``batch`` into ``results``, in calls of what the admission admits now:
-        one call if it all fits; after an out-of-memory call, the images it had again, smaller."""
+        one call if it all fits; after an out-of-memory call, the images it had again, smaller.
+        Each call's seconds are added to ``device`` for every request it had images of."""
         done = [0] * len(batch)  # images of each request made so far
         while any(d < w.images for d, w in zip(done, batch)):
             left = [(i, d) for i, (d, w) in enumerate(zip(done, batch)) if d < w.images]
@@ -113,6 +117,7 @@ class DeviceWorker(threading.Thread):
             call = split([batch[i].images - d for i, d in left], limit)[0]
             parts = [(left[p.index][0], left[p.index][1] + p.start, left[p.index][1] + p.stop) for p in call]
             plans = [_part(batch[i].plan, start, stop) for i, start, stop in parts]
+            t0 = time.monotonic()
             try:
                 made = self._call(plans)
             except OutOfMemory as e:
@@ -122,6 +127,10 @@ class DeviceWorker(threading.Thread):
                 admission.refuse(e.bucket, e.size)
                 self.metrics.pipeline_calls.labels("out_of_memory").inc()
                 continue
+            finally:
+                took = time.monotonic() - t0
+                for i in {i for i, _, _ in parts}:
+                    device[i] += took
             for (i, _, stop), images in zip(parts, made):
                 results[i].extend(images)
                 done[i] = stop
@@ -134,6 +143,7 @@ class DeviceWorker(threading.Thread):
         t0 = time.monotonic()
         out = engine.make(plans)  # encoded by the routes' threads: the device goes on
         seconds = time.monotonic() - t0
+        out = [[m.timed(made) for made in images] for images in out]  # their encoding timed where it runs
         after = engine.denoiser_counts()
         replays, eager = after[0] - before[0], after[1] - before[1]
         m.pipeline_calls.labels("graphs" if replays else "eager").inc()

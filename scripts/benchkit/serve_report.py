@@ -1,7 +1,8 @@
 """scripts/bench_serve.py's report: the median of the repeats, the ratios the bars are stated in
 (each within one run), and serve.md.
 
-The ratios: the server's images/s over the pipeline's own single-call rate (``pipeline``), batched
+The variant table adds, for the server runs, the split of a request's mean latency into queue
+wait, device, encoding and the rest (:func:`benchkit.serve_runs.split`). The ratios: the server's images/s over the pipeline's own single-call rate (``pipeline``), batched
 over unbatched at the same number of clients, and the one-client p50 over one pipeline call's
 p50. Speed is reported, never asserted.
 """
@@ -12,7 +13,17 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["markdown", "median_rows", "ratios", "warmup_rows"]
+__all__ = ["SPLIT", "markdown", "median_rows", "ratios", "warmup_rows"]
+
+# The server runs' split of a request's mean latency (serve_runs.split), by column.
+SPLIT = {"mean ms": "mean_ms", "queue ms": "queue_ms", "device ms": "device_ms", "encode ms": "encode_ms",
+         "rest ms": "rest_ms"}  # fmt: skip
+SPLIT_NOTE = (
+    "The server runs' mean latency per request, split from /metrics scraped around the run: queue (arrival "
+    "to its batch taken by the device worker), device (its batch's pipeline calls, Engine.make's host work "
+    "included), encode (its files and base64, on the routes' threads), rest (the mean less those: HTTP, "
+    "JSON, the client, the hand-offs between threads; serve.json's server_ms is arrival to files encoded)."
+)
 
 
 def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -69,13 +80,15 @@ def markdown(rows: Sequence[dict[str, Any]], warm: Sequence[dict[str, Any]], res
                   f"{w['peak_mib']} |" for w in warm]  # fmt: skip
         lines.append("")
     lines += [
-        "| variant | clients | batch | images/s | p50 ms | p95 ms | requests a call |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | clients | batch | images/s | p50 ms | p95 ms | requests a call | " + " | ".join(SPLIT) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(SPLIT),
     ]
     for r in rows:
         batch = r.get("batch") or r.get("max_batch") or ""
+        split = " | ".join("" if r.get(k) is None else f"{r[k]:.1f}" for k in SPLIT.values())
         lines.append(f"| {r['variant']} | {r['clients']} | {batch} | {r['images_per_s']:.2f} | {r['p50_ms']:.0f} | "
-                     f"{r['p95_ms']:.0f} | {r['requests_per_call'] or ''} |")  # fmt: skip
+                     f"{r['p95_ms']:.0f} | {r['requests_per_call'] or ''} | {split} |")  # fmt: skip
+    lines += ["", SPLIT_NOTE]
     lines += ["", "ratios (one run): " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()), ""]
     lines += [f"settings: {json.dumps(result['settings'])}", f"env: {json.dumps(result['env'])}", ""]
     return "\n".join(lines)

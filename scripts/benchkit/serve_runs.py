@@ -9,7 +9,11 @@
 
 Device work runs on a thread of its own, as the server's device worker: on a CPU, torch's OpenMP
 threads run differently from the main thread (on a loaded machine a call took 10x longer there).
-Each run returns a row: images/s, p50/p95 latency and, for the server, requests per call.
+Each run returns a row: images/s, p50/p95 latency and, for the server, requests per call and
+the server-side split of a request's mean latency (:func:`split`, from ``/metrics`` scraped
+before and after the run): queue wait, device (its pipeline call, ``Engine.make``'s host work
+included), encoding (files and base64, on the routes' threads) and the rest (HTTP, JSON, the
+client, the hand-offs between threads) as the client's mean latency less those three.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Settings", "bucket_rates", "loop", "pipeline_rate", "served"]
+__all__ = ["Settings", "bucket_rates", "loop", "pipeline_rate", "scrape", "served", "split"]
 
 PROMPT = "a red fox in the snow, take {i}"
 
@@ -63,6 +67,34 @@ def row(variant: str, clients: int, seconds: float, latencies: Sequence[float], 
                 images_per_s=round(images / seconds, 3), p50_ms=round(1000 * percentile(latencies, 0.5), 2),
                 p95_ms=round(1000 * percentile(latencies, 0.95), 2),
                 requests_per_call=round(len(latencies) / calls, 3) if calls else None, **extra)  # fmt: skip
+
+
+def scrape(text: str) -> dict[str, float]:
+    """The unlabelled samples of a ``/metrics`` answer (the histograms' ``_sum`` and ``_count``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def split(before: dict[str, float], after: dict[str, float], latencies: Sequence[float]) -> dict[str, float]:
+    """Milliseconds per request, means over a run's ``latencies`` (seconds, the client's), between
+    two scrapes: ``queue`` (arrival to its batch taken), ``device`` (its batch's pipeline calls),
+    ``encode`` (its images' files), ``rest`` (the mean latency less those), and ``server``
+    (arrival to its images encoded, the server's own measure: the rest less HTTP and JSON)."""
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    def mean(name: str, per: float | None = None) -> float:
+        count = grew(f"{name}_count") if per is None else per
+        return 1000 * grew(f"{name}_sum") / count if count else 0.0
+
+    total = 1000 * sum(latencies) / len(latencies)
+    parts = dict(queue=mean("bcg_serve_queue_seconds"), device=mean("bcg_serve_device_seconds"),
+                 encode=mean("bcg_serve_encode_seconds", per=len(latencies)))  # fmt: skip
+    out = dict(mean_ms=total, **{f"{k}_ms": v for k, v in parts.items()}, rest_ms=total - sum(parts.values()),
+               server_ms=mean("bcg_serve_request_seconds"))  # fmt: skip
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def on_thread(fn: Callable[[], Any]) -> Any:
@@ -173,6 +205,7 @@ def served(engine: Any, s: Settings, max_batch: int, max_wait: float, clients: S
     try:
         for count in clients:
             calls_before = service.worker.batches
+            before = scrape(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text)
             latencies: list[float] = []
 
             async def client(who: int, c: httpx.AsyncClient, count: int = count, out: list[float] = latencies) -> None:
@@ -191,11 +224,14 @@ def served(engine: Any, s: Settings, max_batch: int, max_wait: float, clients: S
             t0 = time.perf_counter()
             asyncio.run(run())
             seconds = time.perf_counter() - t0
+            after = scrape(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text)
             rows.append(row(variant, count, seconds, latencies, requests, service.worker.batches - calls_before,
-                            max_batch=max_batch))  # fmt: skip
+                            max_batch=max_batch, **split(before, after, latencies)))  # fmt: skip
             r = rows[-1]
             say(f"{variant:>9} {count:>2} client(s): {r['images_per_s']:.2f} images/s, p50 {r['p50_ms']:.0f} ms, "
-                f"p95 {r['p95_ms']:.0f} ms, {r['requests_per_call']} requests a call")  # fmt: skip
+                f"p95 {r['p95_ms']:.0f} ms, {r['requests_per_call']} requests a call; mean {r['mean_ms']:.0f} ms = "
+                f"queue {r['queue_ms']:.0f} + device {r['device_ms']:.0f} + encode {r['encode_ms']:.0f} + rest "
+                f"{r['rest_ms']:.0f}")  # fmt: skip
     finally:
         service.stop()
         server.should_exit = True

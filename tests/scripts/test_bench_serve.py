@@ -1,6 +1,7 @@
 """scripts/bench_serve.py at its smallest on the CPU (the tiny model): bcg-serve's flags pass
 through, and the pipeline's own rate, each bucket's call, the loop, the batched and the unbatched
-server runs, the ratios, the table and the JSON are written (speed is reported, never asserted)."""
+server runs (with the split of their latency into queue, device, encode and the rest), the
+ratios, the table and the JSON are written (speed is reported, never asserted)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def test_a_tiny_run_writes_every_variant(tmp_path: Path, few_threads: None) -> N
         assert r["images_per_s"] > 0 and 0 < r["p50_ms"] <= r["p95_ms"]
         expected = {"pipeline": 2, "bucket": batch}.get(variant, 8)
         assert r["images"] == expected, (variant, r)
+    for key, r in rows.items():  # the server runs split a request's mean latency; the others have no split
+        parts = [r.get(k) for k in ("queue_ms", "device_ms", "encode_ms", "rest_ms")]
+        if key[0] not in ("batched", "unbatched"):
+            assert parts == [None] * 4, (key, r)
+            continue
+        assert all(p >= 0 for p in parts) and r["device_ms"] > 0 and r["encode_ms"] > 0, (key, r)
+        assert sum(parts[:3]) <= r["mean_ms"] and abs(sum(parts) - r["mean_ms"]) < 0.1, (key, r)
+        assert sum(parts[:3]) <= r["server_ms"] + 0.03 and r["server_ms"] <= r["mean_ms"], (key, r)  # rounding
     assert rows[("unbatched", 4, None)]["requests_per_call"] == 1.0  # calls of one image: never joined
     assert 1.0 <= rows[("batched", 4, None)]["requests_per_call"] <= 4.0
     ratios = result["ratios"]
@@ -42,6 +51,9 @@ def test_a_tiny_run_writes_every_variant(tmp_path: Path, few_threads: None) -> N
     assert (
         "| batched | 4 | 4 |" in table and "| pipeline | 1 |" in table and "batched_over_unbatched_4_clients" in table
     )
+    assert "| mean ms | queue ms | device ms | encode ms | rest ms |" in table
+    b4 = rows[("batched", 4, None)]
+    assert f"| {b4['mean_ms']:.1f} | {b4['queue_ms']:.1f} | {b4['device_ms']:.1f} | {b4['encode_ms']:.1f} | " in table
 
 
 def test_a_lora_is_named_by_every_request_and_variants_can_be_picked(tmp_path: Path, few_threads: None) -> None:
