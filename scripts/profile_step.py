@@ -84,7 +84,7 @@ os.environ.setdefault("DISABLE_CUPTI_LAZY_REINIT", "1")
 
 import torch  # noqa: E402
 from benchkit.floor import floor  # noqa: E402
-from benchkit.gemm_shapes import gemm_rows, measure_rates, record_linears  # noqa: E402
+from benchkit.gemm_shapes import gemm_rows, measure_bandwidth, measure_rates, record_linears  # noqa: E402
 from benchkit.profile_report import markdown  # noqa: E402
 from benchkit.profiler import profile, timeline  # noqa: E402, F401 (the tests read timeline here)
 from benchkit.settings import NEGATIVE, PROMPT, SEED, parse_resolution, res_name, say, uses_cfg  # noqa: E402
@@ -331,14 +331,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fp8 = q.selection.quantized if q is not None and q.selection is not None else ()
         rows, rows_bf16 = gemm_rows(shapes, fp8), gemm_rows(shapes, ())
         measure_rates(rows + (rows_bf16 if fp8 else []), device)
+        bw = measure_bandwidth(device)
         result["gemms"] = [r.as_dict() for r in rows]
         prof = main["profile"]
         result["floor"] = {
-            args.quantize or "bf16": floor(prof["kinds"], prof["idle_ms"], rows, main["timing"]["step_ms"])
+            args.quantize or "bf16": floor(
+                prof["kinds"], prof["idle_ms"], rows, main["timing"]["step_ms"], bandwidth=bw
+            )
         }
         if beside is not None:
             kinds, idle = beside["profile"]["kinds"], beside["profile"]["idle_ms"]
-            result["floor"]["bf16 beside"] = floor(kinds, idle, rows_bf16, beside["timing"]["step_ms"])
+            result["floor"]["bf16 beside"] = floor(kinds, idle, rows_bf16, beside["timing"]["step_ms"], bandwidth=bw)
     if args.outside:
         result["outside"] = outside(args, pipe, device)
     return result

@@ -7,8 +7,13 @@ the high end of its peak (the lowest floor) to every product at the low end, plu
 kernel's time as the profile measured it (attention, norms, float8 quantization, the rest) and no
 idle time. A second floor, ``at_shapes``, runs each shape at the rate it reached alone
 (:func:`benchkit.gemm_shapes.measure_rates`). Per kind, the measured time beside its floor says
-which kernels hold what is left (``excess``): the products, quantization, or idle time. Pure
-arithmetic: no torch.
+which kernels hold what is left (``excess``): the products, quantization, or idle time.
+
+With ``bandwidth`` (TB/s, the device memory's rate: :func:`benchkit.gemm_shapes.measure_bandwidth`)
+a product is also held to the bytes it must move: its floor is the longer of its FLOPs at the peak
+and its bytes at that rate (a roofline). Without it the small-M products (a modulation's one row,
+a short text's tens) count as nearly free although each reads a whole weight, and the floor
+understates the step. Pure arithmetic: no torch.
 """
 
 from __future__ import annotations
@@ -28,12 +33,19 @@ def _ms(tflop: float, rate: float) -> float:
     return tflop / rate * 1e3 if rate > 0 else 0.0
 
 
+def _row_ms(row: GemmRow, rate: float, bandwidth: float | None) -> float:
+    """One row's floor per step, ms: FLOPs at ``rate`` TFLOP/s or bytes at ``bandwidth`` TB/s."""
+    compute = _ms(row.flops * row.calls / 1e12, rate)
+    return max(compute, _ms(row.bytes * row.calls / 1e12, bandwidth)) if bandwidth else compute
+
+
 def floor(
     kinds: dict[str, dict[str, Any]],
     idle_ms: float,
     rows: list[GemmRow],
     step_ms: float,
     peaks: dict[str, tuple[float, float]] = PEAKS,
+    bandwidth: float | None = None,
 ) -> dict[str, Any]:
     """The floor of one profiled step (see the module docstring).
 
@@ -43,10 +55,14 @@ def floor(
         rows: the step's products by shape (FLOPs, float8 or bf16, rates measured alone).
         step_ms: the measured step (unprofiled), compared with the floor.
         peaks: (low, high) TFLOP/s per dtype.
+        bandwidth: the device memory's TB/s (None: FLOPs alone bound the products).
     """
     tflop = {d: sum(r.flops * r.calls for r in rows if r.fp8 == (d == "fp8")) / 1e12 for d in ("fp8", "bf16")}
     gemm_ms = {d: kinds.get(_GEMM_KINDS[d], {}).get("ms_per_step", 0.0) for d in ("fp8", "bf16")}
-    at_peak = {d: (_ms(tflop[d], peaks[d][1]), _ms(tflop[d], peaks[d][0])) for d in ("fp8", "bf16")}
+    at_peak = {
+        d: tuple(sum(_row_ms(r, peaks[d][i], bandwidth) for r in rows if r.fp8 == (d == "fp8")) for i in (1, 0))
+        for d in ("fp8", "bf16")
+    }
     measured_all = all(r.tflops for r in rows)
     at_shapes = sum(r.flops * r.calls / 1e12 / r.tflops * 1e3 for r in rows if r.tflops) if measured_all else None
     rest = {k: v.get("ms_per_step", 0.0) for k, v in kinds.items() if k not in _GEMM_KINDS.values()}
@@ -63,6 +79,7 @@ def floor(
     holder = max(by_kind, key=lambda r: r["excess_ms"]) if by_kind else None
     return {
         "peaks_tflops": {d: list(p) for d, p in peaks.items()},
+        "bandwidth_tbs": None if bandwidth is None else round(bandwidth, 3),
         "tflop_per_step": {d: round(v, 6) for d, v in tflop.items()},
         "achieved_tflops": {d: round(tflop[d] / gemm_ms[d] * 1e3, 1) if gemm_ms[d] else None for d in tflop},
         "gemm_ms": {d: round(v, 3) for d, v in gemm_ms.items()},

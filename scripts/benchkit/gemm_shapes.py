@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GemmRow", "gemm_rows", "measure_rates", "record_linears"]
+__all__ = ["GemmRow", "gemm_rows", "measure_bandwidth", "measure_rates", "record_linears"]
 
 Shape = tuple[int, int, int]  # (M, K, N)
 
@@ -42,6 +42,14 @@ class GemmRow:
     def flops(self) -> int:
         """FLOPs of one call (a multiply and an add per term)."""
         return 2 * self.m * self.k * self.n
+
+    @property
+    def bytes(self) -> int:
+        """Bytes one call moves at least: its weight and input read once (float8: a byte an element,
+        bf16: two) and its bf16 output written once. What bounds the small-M products (a
+        modulation's one row, a short text): they read a whole weight for a few rows."""
+        size = 1 if self.fp8 else 2
+        return (self.k * self.n + self.m * self.k) * size + self.m * self.n * 2
 
     @property
     def gflop_per_step(self) -> float:
@@ -135,3 +143,24 @@ def measure_rates(rows: list[GemmRow], device: torch.device, repeats: int = 20, 
         row.tflops = row.flops / statistics.median(per_call) / 1e12
         del run
     torch.cuda.empty_cache()
+
+
+def measure_bandwidth(device: torch.device, mib: int = 1024, repeats: int = 10) -> float | None:
+    """The device memory's rate in TB/s, bytes read plus written by a ``mib`` MiB copy (the median
+    of ``repeats``): the rate a product that streams its weight can reach. None on a CPU."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    took = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        took.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * mib * 2**20 / statistics.median(took) / 1e12

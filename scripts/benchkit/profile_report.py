@@ -133,7 +133,13 @@ def _floor(name: str, f: dict[str, Any]) -> list[str]:
         "",
         f"## Floor: {name}",
         "",
-        f"GEMMs at the measured peak ({peaks} TFLOP/s), every other kernel as measured, no idle time: "
+        f"GEMMs at the measured peak ({peaks} TFLOP/s"
+        + (
+            f"; or their bytes at the memory's {f['bandwidth_tbs']:g} TB/s where longer"
+            if f.get("bandwidth_tbs")
+            else ""
+        )
+        + "), every other kernel as measured, no idle time: "
         f"**{lo:.2f}-{hi:.2f} ms** per step; measured {f['step_ms']:.2f} ms, "
         f"{f['ratio'][1]:.2f}x-{f['ratio'][0]:.2f}x the floor"
         + (f"; each shape at its own rate alone: {f['at_shapes_ms']:.2f} ms" if f["at_shapes_ms"] else "")

@@ -87,3 +87,27 @@ def test_floor_of_a_step_without_kernels_or_products() -> None:
     f = floor(_kinds(), idle_ms=3.0, rows=[], step_ms=3.0)
     assert f["floor_ms"] == [0.0, 0.0] and f["ratio"] == [None, None] and f["holder"] == "idle"
     assert f["achieved_tflops"] == {"fp8": None, "bf16": None}
+
+
+def test_the_roofline_holds_small_products_to_their_bytes() -> None:
+    # A modulation's one row reads its whole weight: at 3 TB/s, 3072x18432 bf16 takes 37.7 us,
+    # while its FLOPs at the bf16 peak take under 0.2 us. A 4096-row product stays compute-bound.
+    one_row = GemmRow(1, 3072, 18432, False, 10, [])
+    big = GemmRow(4096, 3072, 12288, True, 4, [])
+    assert one_row.bytes == (3072 * 18432 + 3072) * 2 + 18432 * 2
+    assert big.bytes == 3072 * 12288 + 4096 * 3072 + 4096 * 12288 * 2
+    kinds = _kinds(fp8_gemm=0.5, gemm=0.45)
+    plain = floor(kinds, idle_ms=0.0, rows=[one_row, big], step_ms=1.0)
+    roof = floor(kinds, idle_ms=0.0, rows=[one_row, big], step_ms=1.0, bandwidth=3.0)
+    bytes_ms = one_row.bytes * 10 / 3.0e12 * 1e3
+    fp8_hi = PEAKS["fp8"][1]
+    assert roof["gemm_floor_ms"]["bf16"] == [pytest.approx(bytes_ms, abs=1e-3)] * 2
+    assert plain["gemm_floor_ms"]["bf16"][1] < bytes_ms / 100
+    big_ms = big.flops * 4 / 1e12 / fp8_hi * 1e3
+    assert roof["gemm_floor_ms"]["fp8"][0] == pytest.approx(big_ms, abs=1e-3)  # FLOPs, not bytes
+    assert roof["floor_ms"][0] == pytest.approx(
+        plain["floor_ms"][0] + bytes_ms - plain["gemm_floor_ms"]["bf16"][0], abs=1e-3
+    )
+    assert roof["bandwidth_tbs"] == 3.0 and plain["bandwidth_tbs"] is None
+    by = {r["kind"]: r for r in roof["by_kind"]}
+    assert by["gemm"]["excess_ms"] == pytest.approx(0.45 - bytes_ms, abs=1e-3)
