@@ -20,7 +20,9 @@ bcg-serve does (its warm-up time per bucket reported), then, on that pipeline:
 adapter. Speed is measured, never asserted: only ratios within one run count (serve.md lists
 them: the server over the pipeline's rate, batched over unbatched, the one-client p50 over the
 pipeline call's). The median of ``--repeats`` interleaved runs is kept. Writes ``serve.json``
-and ``serve.md`` to ``--out`` after every run, so a run cut short keeps what it measured.
+and ``serve.md`` to ``--out`` after every run, so a run cut short keeps what it measured; with
+``--quantize`` both state what it did (layers in float8 and in bf16, the latents' distance, the
+call measured).
 
     python scripts/bench_serve.py --resolutions 64x64 --steps 2 --out outputs/bench-serve
     python scripts/bench_serve.py --model z-image --size full --resolutions 512x512 --steps 9 --compile \\
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchkit.serve_report import markdown, median_rows, ratios, warmup_rows
     from benchkit.serve_runs import Settings, bucket_rates, loop, pipeline_rate, served
 
+    from pipelines.cli.images import quantized
     from pipelines.serve.startup import check, starter
 
     w, h = config.resolutions[0]
@@ -97,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(argv=" ".join(sys.argv[1:] if argv is None else argv), resolution=f"{w}x{h}", steps=args.steps,
                     batch_sizes=config.batch_sizes, max_wait_ms=round(config.max_wait * 1000), clients=args.clients,
                     requests=args.requests, repeats=args.repeats, variants=args.variants, lora=s.lora)  # fmt: skip
+    # What --quantize did (its selection, measured at the first warm-up), so a run shows whether the
+    # served calls had float8 layers at all: None where nothing is quantized.
+    quantize = quantized(engine.pipe)
+    measured = getattr(getattr(vars(engine.pipe).get("accel"), "quantization", None), "where", None)
+    if measured:
+        quantize += f"; measured at {measured}"
+    if quantize:
+        say(f"quantize: {quantize}")
     runs: list[dict[str, Any]] = []
 
     def save() -> str:
@@ -104,11 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         (a device's time limit) still leaves what it measured."""
         rows, warm = median_rows(runs), warmup_rows(engine)
         result = dict(env=env, settings=settings, build_seconds=round(start_seconds - engine.warmup_seconds, 2),
-                      warmup_seconds=round(engine.warmup_seconds, 2), warmup=warm, rows=rows, ratios=ratios(rows),
-                      runs=runs)  # fmt: skip
+                      warmup_seconds=round(engine.warmup_seconds, 2), quantize=quantize, warmup=warm, rows=rows,
+                      ratios=ratios(rows), runs=runs)  # fmt: skip
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
         md = markdown(rows, warm, result)
+        if quantize is not None:  # under the title line
+            title, _, rest = md.partition("\n\n")
+            md = f"{title}\n\nquantize: {quantize}\n\n{rest}"
         (args.out / "serve.md").write_text(md)
         return md
 

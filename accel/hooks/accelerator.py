@@ -180,6 +180,7 @@ class PipelineAccelerator:
         num_frames: int | Sequence[int] | None = None,
         call_kwargs: Mapping[str, Any] | None = None,
         progress: bool = True,
+        measure_cfg: bool | None = None,
     ) -> WarmupReport:
         """Capture every signature that calls at these settings will hit, largest first.
 
@@ -199,14 +200,20 @@ class PipelineAccelerator:
                 call does not take, or one the warm-up sets itself (``width``, ``prompt``,
                 ``guidance_scale``, ...), is a ValueError.
             progress: show a progress bar.
+            measure_cfg: with ``quantize=``, the guidance setting of the call the first warm-up
+                measures (one of ``cfg``): that of the calls the pipeline will mostly make.
+                None: where ``cfg`` has both, the one the recipe's usual call runs (Z-Image:
+                off; Qwen-Image: on), else ``cfg``'s. Guidance multiplies the float8 error into
+                the latents, so a selection measured with it keeps far more layers in bf16.
 
         Returns:
             A :class:`WarmupReport` with capture seconds (and compile seconds with
             ``compile=True``), graphs and resident graph memory per resolution; its ``skipped``
             says why nothing was captured, where nothing was.
 
-        With ``quantize=``, the first warm-up first measures its first call (the largest case)
-        in bf16 and quantized, and quantizes the layers it selects (:mod:`accel.hooks.fp8.quantize`).
+        With ``quantize=``, the first warm-up first measures one call (the largest case with the
+        guidance setting ``measure_cfg``) in bf16 and quantized, and quantizes the layers it
+        selects (:mod:`accel.hooks.fp8.quantize`).
         """
         installed = self.installed
         hooks, denoisers = installed.hooks, installed.denoisers
@@ -223,18 +230,20 @@ class PipelineAccelerator:
             num_inference_steps=num_inference_steps,
             num_frames=num_frames,
             call_kwargs=call_kwargs,
+            measure_cfg=measure_cfg,
         )
         if installed.parallel is not None:
             # Every rank must capture the same cases in the same order.
             installed.parallel.check_same("the warm-up plan", [repr(plan)])
         if installed.quantization is not None and installed.quantization.pending:
-            case = plan.cases[0]
+            case = plan.measured_case
+            guidance = "guidance on" if case.cfg else "guidance off"
             installed.quantization.calibrate(
                 self.pipe,
                 next(iter(case_calls(primary.recipe, self.pipe, plan, case))),
                 module_device(installed.primary),
                 keep={name: hooks[name].recipe.fp8_keep for name in denoisers},
-                where=f"{case.width}x{case.height}, batch {case.batch_size}, {plan.num_inference_steps} steps",
+                where=f"{case.width}x{case.height}, batch {case.batch_size}, {guidance}, {plan.num_inference_steps} steps",
                 paused=uncaptured(h.runner for h in hooks.values()),
             )
         runners = [h.runner for h in hooks.values() if h.active]

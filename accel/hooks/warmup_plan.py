@@ -1,8 +1,8 @@
 """The warm-up plan: what the user asked to warm up, checked, as the cases the recipe's calls will capture.
 
 :func:`plan_warmup` turns what the user said (resolutions, batch sizes, CFG, prompts or lengths,
-frame counts, extra call arguments) into a validated :class:`WarmupPlan`, refusing bad input in
-one line before anything runs. A case is a resolution, a frame count (video pipelines), a batch
+frame counts, extra call arguments, the guidance setting ``quantize=`` measures) into a validated
+:class:`WarmupPlan`, refusing bad input in one line before anything runs. A case is a resolution, a frame count (video pipelines), a batch
 size, a guidance setting and a text: a length in tokens, or, for a recipe that cannot measure
 prompts (the generic one), a prompt warmed up as given. Cases are ordered largest first (smaller
 captures then reuse the pool blocks the largest one reserved). :func:`case_calls` gives the
@@ -46,7 +46,8 @@ class WarmupPlan:
     """Every case to capture, largest first, and what every call of them shares.
 
     ``negative_length`` is None where the recipe cannot measure prompts; ``call_kwargs`` (left
-    out of the repr, which ranks compare) are passed with every call.
+    out of the repr, which ranks compare) are passed with every call; ``measured``: the index of
+    the case whose first call ``quantize=`` measures (:attr:`measured_case`).
     """
 
     resolutions: tuple[tuple[int, int], ...]
@@ -55,6 +56,12 @@ class WarmupPlan:
     num_inference_steps: int
     negative_prompt: str | None = None
     call_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    measured: int = 0
+
+    @property
+    def measured_case(self) -> WarmupCase:
+        """The case ``quantize=``'s layer selection measures (on its first call)."""
+        return self.cases[self.measured]
 
     @property
     def sizes(self) -> list[tuple[int, int, int | None]]:
@@ -134,6 +141,32 @@ def _call_kwargs(pipe: Any, call_kwargs: Any) -> dict[str, Any]:
     return dict(call_kwargs)
 
 
+def _default_cfg(recipe: Recipe) -> bool | None:
+    """Whether the recipe's usual call (its generation defaults) runs guidance; None: unknown."""
+    defaults = recipe.generation_defaults()
+    if defaults is None or defaults.guidance is None or defaults.guidance_kwarg is None:
+        return None
+    return defaults.guidance > defaults.cfg_above
+
+
+def _check_measure_cfg(measure_cfg: Any, asked: tuple[bool, ...]) -> None:
+    if measure_cfg is not None and not isinstance(measure_cfg, bool):
+        raise ValueError(f"measure_cfg must be None, True or False, got {measure_cfg!r}")
+    if measure_cfg is not None and measure_cfg not in asked:
+        raise ValueError(f"measure_cfg={measure_cfg}: the warm-up was asked for cfg={list(asked)} only")
+
+
+def _measured(recipe: Recipe, cases: Sequence[WarmupCase], asked: tuple[bool, ...], measure_cfg: bool | None) -> int:
+    """The index of the case ``quantize=`` measures: the largest with the guidance setting
+    ``measure_cfg`` (one of ``asked``; None: where both were asked, the recipe's usual call's,
+    else the first case's). Guidance multiplies the float8 error of the branches' difference into
+    the latents (tiny Z-Image at a scale of 4: about four times the error without), so a selection
+    measured with guidance on keeps many more layers in bf16 than calls without it need."""
+    wanted = measure_cfg if measure_cfg is not None else (_default_cfg(recipe) if len(asked) > 1 else None)
+    # Where the recipe warms that setting up with the other's calls, the first case stands for it.
+    return next((i for i, c in enumerate(cases) if c.cfg == wanted), 0)
+
+
 def plan_warmup(
     recipe: Recipe,
     pipe: Any,
@@ -147,11 +180,14 @@ def plan_warmup(
     num_inference_steps: int,
     num_frames: int | Sequence[int] | None = None,
     call_kwargs: Mapping[str, Any] | None = None,
+    measure_cfg: bool | None = None,
 ) -> WarmupPlan:
     """Validate the user's warm-up request and resolve text lengths through the recipe (for a
-    recipe that cannot measure prompts, each prompt is a case of its own, as given)."""
+    recipe that cannot measure prompts, each prompt is a case of its own, as given);
+    ``measure_cfg``: the guidance setting of the case ``quantize=`` measures (see :func:`_measured`)."""
     res = normalise_resolutions(resolutions)
-    cfgs = _bools("cfg", cfg)
+    cfgs = asked = _bools("cfg", cfg)
+    _check_measure_cfg(measure_cfg, asked)
     sizes = sorted(set(_positive_ints("batch_sizes", batch_sizes)), reverse=True)
     if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int) or num_inference_steps < 2:
         raise ValueError(
@@ -201,7 +237,8 @@ def plan_warmup(
     cases = tuple(
         WarmupCase(w, h, b, c, n, f) for (w, h, f) in shapes for b in sizes for c in cfgs for n in texts(w, h)
     )
-    return WarmupPlan(tuple(res), cases, negative_length, num_inference_steps, negative_prompt, extra)
+    measured = _measured(recipe, cases, asked, measure_cfg)
+    return WarmupPlan(tuple(res), cases, negative_length, num_inference_steps, negative_prompt, extra, measured)
 
 
 def case_calls(recipe: Recipe, pipe: Any, plan: WarmupPlan, case: WarmupCase) -> Iterator[dict[str, Any]]:

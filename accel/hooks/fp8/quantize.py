@@ -8,10 +8,12 @@ One :class:`Quantization` per accelerated pipeline (made by :func:`plan_quantiza
   missing (the line names the extra), weights that are not bf16, weights quantized when loaded by
   another library than torchao. An unknown value is refused by the options.
 * **Nothing changes until the first** :meth:`~accel.hooks.accelerator.PipelineAccelerator.warmup`:
-  its first call (largest case) runs eagerly, uncompiled and uncaptured, in bf16 and then
-  quantized, and :func:`~accel.hooks.fp8.layer_select.select_layers` keeps the worst layers in bf16
-  until the final latents are within ``fp8_budget``. The captures and compiles that follow see
-  the weights as they will stay. Calls before that run in bf16 (said once).
+  the first call of its largest case with the guidance setting the calls will run (``measure_cfg``:
+  guidance multiplies the float8 error into the latents) runs eagerly, uncompiled and uncaptured,
+  in bf16 and then quantized, and :func:`~accel.hooks.fp8.layer_select.select_layers` keeps the
+  worst layers in bf16 until the final latents are within ``fp8_budget`` (a warning where that
+  leaves none in float8). The captures and compiles that follow see the weights as they will
+  stay. Calls before that run in bf16 (said once).
 * **Already quantized** denoisers (diffusers' ``TorchAoConfig`` / ``PipelineQuantizationConfig``
   at load, or an earlier ``quantize="fp8"``) are used as they are: not measured, not quantized
   again; the report says so.
@@ -129,6 +131,18 @@ class Quantization:
             pipe._progress_bar_config = progress
         self.where = where
         logger.info("quantize:\n%s", "\n".join(self.describe()))
+        s = self.selection
+        if not s.quantized and s.kept_measured:
+            # Calls then run exactly as without quantize=: said where it is seen, not only in the report.
+            logger.warning(
+                "quantize=%r: every Linear layer stays in bf16: the measured call (%s) was %.2f%% from bf16 with "
+                "every candidate in float8 and beyond the budget (%.2f%%) with as many as the search kept in bf16; "
+                "a larger fp8_budget, or a measured call like the ones made (warmup(measure_cfg=...)), keeps some",
+                self.value,
+                where,
+                s.all_quantized_error * 100,
+                s.budget * 100,
+            )
         return self.selection
 
     def note_call(self) -> None:

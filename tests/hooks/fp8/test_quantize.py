@@ -267,12 +267,61 @@ def test_the_warmup_selects_and_the_report_says_so_the_same_every_time(monkeypat
     )
     assert head.endswith("; 0 it cannot take")
     assert latents.startswith(f"    final latents {sel.error:.2%} from bf16") and "budget 1.00%" in latents
-    assert "measured at the first warm-up call (64x64, batch 1, 2 steps;" in latents
+    assert "measured at the first warm-up call (64x64, batch 1, guidance on, 2 steps;" in latents
     assert weights.startswith("    denoiser weights ") and " MiB -> " in weights
     assert pipe.accel.quantization.summary() == (
         f"fp8 (stand-in grid): {len(sel.quantized)} Linear layers in float8, {kept} in bf16; "
         f"final latents {sel.error:.2%} from bf16 (budget 1.00%)"
     )
+
+
+def _measured_guidance(monkeypatch, name: str, **warmup) -> list[float]:
+    """The guidance scales of the calls the first warm-up measured ``name``'s layers on."""
+    use_grid(monkeypatch, levels=64)
+    pipe = _pipe(name)
+    accelerate_pipeline(pipe, quantize="fp8", fp8_budget=1.0)
+    measured: list[float] = []
+    calibrate = quantize_mod.Quantization.calibrate
+
+    def recording(self, pipe, kwargs, *args, **kw):
+        measured.append(kwargs.get("guidance_scale", kwargs.get("true_cfg_scale")))
+        return calibrate(self, pipe, kwargs, *args, **kw)
+
+    monkeypatch.setattr(quantize_mod.Quantization, "calibrate", recording)
+    pipe.accel.warmup((32, 32), batch_sizes=[2, 1], progress=False, **warmup)
+    assert pipe.accel.quantization.selection is not None
+    return measured
+
+
+def test_the_measured_call_runs_the_guidance_the_calls_will(monkeypatch) -> None:
+    """Guidance multiplies the float8 error into the latents: where the warm-up takes both settings,
+    the measured call is the recipe's usual one (Z-Image: none, Qwen-Image: true CFG), or the one
+    ``measure_cfg`` names; with one setting, that one."""
+    assert _measured_guidance(monkeypatch, "z-image", cfg=[True, False]) == [0.0]
+    assert _measured_guidance(monkeypatch, "z-image", cfg=[True, False], measure_cfg=True) == [4.0]
+    assert _measured_guidance(monkeypatch, "z-image") == [4.0]  # cfg=True, the warm-up's default
+    assert _measured_guidance(monkeypatch, "qwen-image", cfg=[False, True]) == [4.0]  # true_cfg_scale
+    assert _measured_guidance(monkeypatch, "qwen-image", cfg=[False, True], measure_cfg=False) == [1.0]
+    pipe = _pipe("z-image")
+    use_grid(monkeypatch)
+    accelerate_pipeline(pipe, quantize="fp8")
+    for bad, match in [(dict(cfg=False, measure_cfg=True), r"^measure_cfg=True: the warm-up was asked for cfg=\[False\] only$"),
+                       (dict(measure_cfg="yes"), "^measure_cfg must be None, True or False, got 'yes'$")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            pipe.accel.warmup((32, 32), progress=False, **bad)
+    assert pipe.accel.quantization.pending  # refused before anything ran
+
+
+def test_a_selection_that_keeps_every_layer_in_bf16_says_so(monkeypatch, caplog) -> None:
+    use_grid(monkeypatch, levels=1)  # one level per sign: no layer in float8 is within the budget
+    pipe = _pipe("z-image")
+    accelerate_pipeline(pipe, quantize="fp8", fp8_budget=1e-6)
+    with caplog.at_level(logging.WARNING, logger="accel.hooks.fp8.quantize"):
+        pipe.accel.warmup((32, 32), cfg=False, progress=False)
+    sel = pipe.accel.quantization.selection
+    assert sel.quantized == () and sel.kept_measured
+    [line] = [r.getMessage() for r in caplog.records if "every Linear layer stays in bf16" in r.getMessage()]
+    assert "(32x32, batch 1, guidance off, 2 steps)" in line and "fp8_budget" in line and "measure_cfg" in line
 
 
 def test_before_a_warmup_nothing_changes_and_that_is_said_once(monkeypatch, caplog) -> None:
