@@ -5,7 +5,8 @@
 * :func:`bucket_rates`: one call of each batch-size bucket through the engine (PNGs included);
 * :func:`loop`: one request after another through the engine, no HTTP;
 * :func:`served`: a real server on a loopback port (uvicorn in a thread) over the same engine,
-  with clients sending their share of the requests one after another.
+  with clients sending their share of the requests one after another, from a process of their
+  own (:mod:`benchkit.serve_client`: in the server's process they would share its interpreter lock).
 
 Device work runs on a thread of its own, as the server's device worker: on a CPU, torch's OpenMP
 threads run differently from the main thread (on a loaded machine a call took 10x longer there).
@@ -18,11 +19,15 @@ client, the hand-offs between threads) as the client's mean latency less those t
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["Settings", "bucket_rates", "loop", "pipeline_rate", "scrape", "served", "split"]
@@ -95,6 +100,22 @@ def split(before: dict[str, float], after: dict[str, float], latencies: Sequence
     out = dict(mean_ms=total, **{f"{k}_ms": v for k, v in parts.items()}, rest_ms=total - sum(parts.values()),
                server_ms=mean("bcg_serve_request_seconds"))  # fmt: skip
     return {k: round(v, 2) for k, v in out.items()}
+
+
+def clients_process(port: int, clients: int, bodies: Sequence[dict[str, Any]]) -> tuple[float, list[float]]:
+    """``bodies`` sent to the server on ``port`` by ``clients`` concurrent clients in a process of
+    their own (:mod:`benchkit.serve_client`): (seconds from the first request to the last answer,
+    each request's latency in seconds). RuntimeError, in one line, for an answer that was not 200."""
+    scripts = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (scripts, os.environ.get("PYTHONPATH")) if p))
+    url = f"http://127.0.0.1:{port}"
+    done = subprocess.run([sys.executable, "-m", "benchkit.serve_client", url, str(clients)], input=json.dumps(bodies),
+                          capture_output=True, text=True, env=env, check=False)  # fmt: skip
+    lines = done.stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr.strip()[-300:]}
+    if "error" in result:
+        raise RuntimeError(f"the clients failed: {result['error']}")
+    return result["seconds"], result["latencies"]
 
 
 def on_thread(fn: Callable[[], Any]) -> Any:
@@ -206,24 +227,7 @@ def served(engine: Any, s: Settings, max_batch: int, max_wait: float, clients: S
         for count in clients:
             calls_before = service.worker.batches
             before = scrape(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text)
-            latencies: list[float] = []
-
-            async def client(who: int, c: httpx.AsyncClient, count: int = count, out: list[float] = latencies) -> None:
-                for i in range(who, requests, count):
-                    t0 = time.perf_counter()
-                    r = await c.post("/v1/images/generations", json=s.body(i))
-                    if r.status_code != 200:
-                        raise RuntimeError(f"request {i}: {r.status_code} {r.text}")
-                    out.append(time.perf_counter() - t0)
-
-            async def run(count: int = count) -> None:
-                limits = httpx.Limits(max_connections=count)
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits) as c:
-                    await asyncio.gather(*(client(k, c) for k in range(count)))
-
-            t0 = time.perf_counter()
-            asyncio.run(run())
-            seconds = time.perf_counter() - t0
+            seconds, latencies = clients_process(port, count, [s.body(i) for i in range(requests)])
             after = scrape(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text)
             rows.append(row(variant, count, seconds, latencies, requests, service.worker.batches - calls_before,
                             max_batch=max_batch, **split(before, after, latencies)))  # fmt: skip

@@ -76,3 +76,17 @@ def test_bad_flags_are_one_line_and_status_2(argv: list[str], says: str, tmp_pat
     assert bench_serve.main([*argv, "--device", "cpu", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
+
+
+def test_the_clients_process_tells_a_failure_in_one_line() -> None:
+    """The load runs in a process of its own; a server it cannot reach ends the run, named."""
+    import socket
+
+    from benchkit.serve_runs import clients_process
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RuntimeError, match=r"^the clients failed: ConnectError") as e:
+        clients_process(port, 2, [{"prompt": "a"}, {"prompt": "b"}])
+    assert "\n" not in str(e.value)
