@@ -35,20 +35,10 @@ from pipelines.serve.engine import Engine
 from pipelines.serve.schema import ImageRequest
 from pipelines.serve.startup import ServeSettings, check
 from pipelines.serve.warmup import compiled_graphs, warm_up
-from tests.helpers.emulator import emulate_pipelines
 from tests.pipelines.serve.server import decode, make_lora
 
 SIZE = (32, 32)
 BUCKETS = (1, 2, 4)
-
-
-@pytest.fixture
-def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    emulate_pipelines(monkeypatch)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads only fight over the cores
-    yield monkeypatch
-    torch.set_num_threads(threads)
 
 
 class Calls:

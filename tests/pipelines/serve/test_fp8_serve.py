@@ -13,7 +13,6 @@ call replays graphs that read their quantized weights.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,6 @@ from pipelines.serve.config import parse_args
 from pipelines.serve.engine import Engine
 from pipelines.serve.schema import ImageRequest
 from pipelines.serve.startup import check, starter
-from tests.helpers.emulator import emulate_pipelines
 from tests.helpers.fake_quant import GridLinear, use_grid
 from tests.pipelines.serve.test_buckets import prompt_of_warm_length
 
@@ -33,15 +31,6 @@ SIZE = (32, 32)
 # Coarse enough that guidance matters: measured with guidance on, this grid keeps 25 of the tiny
 # Z-Image's 28 candidates in bf16; measured without, none (CPU, bf16, buckets 1 2 4).
 LEVELS = 8
-
-
-@pytest.fixture
-def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    emulate_pipelines(monkeypatch)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads only fight over the cores
-    yield monkeypatch
-    torch.set_num_threads(threads)
 
 
 def start(monkeypatch: pytest.MonkeyPatch, *flags: str) -> tuple[Engine, list[dict[str, Any]]]:
