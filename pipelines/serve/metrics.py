@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -106,30 +104,6 @@ class Metrics:
         with self._lock:
             return self._mean_batch_seconds
 
-    def timed(self, made: Any) -> Any:
-        """``made`` (an image as ``Engine.make`` hands it on) whose ``encode()`` is timed into
-        ``encode_seconds``, wherever it runs; everything else is ``made``'s own."""
-        return _Timed(made, self.encode_seconds)
-
     def render(self) -> bytes:
         """The text exposition format."""
         return generate_latest(self.registry)
-
-
-class _Timed:
-    """An image to encode whose ``encode()`` observes its seconds."""
-
-    __slots__ = ("_made", "_seconds")
-
-    def __init__(self, made: Any, seconds: Histogram) -> None:
-        self._made = made
-        self._seconds = seconds
-
-    def encode(self) -> Any:
-        t0 = time.perf_counter()
-        out = self._made.encode()
-        self._seconds.observe(time.perf_counter() - t0)
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._made, name)

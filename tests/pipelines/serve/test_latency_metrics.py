@@ -1,7 +1,7 @@
 """The metrics that split a request's latency (scripts/bench_serve.py reads them): the device
 worker observes each request's queue wait and the seconds of the pipeline calls that made its
-images, once per request; the images it hands on observe their encoding where it runs (the
-routes' threads), once per image encoded, and are otherwise the engine's own."""
+images, once per request; the routes' threads observe each image's encoding
+(:func:`~pipelines.serve.service.encode_timed`), once per image encoded."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import threading
 from pipelines.serve.batcher import Batcher, Work
 from pipelines.serve.engine import Generated
 from pipelines.serve.metrics import Metrics
+from pipelines.serve.service import encode_timed
 from pipelines.serve.worker import DeviceWorker
 from tests.pipelines.serve.test_engine import FakePipeline, engine, request
 
@@ -36,12 +37,12 @@ def test_encoding_is_observed_once_per_image_encoded_and_device_seconds_once_per
     assert m["bcg_serve_device_seconds_sum"] > 0 and m["bcg_serve_encode_seconds_count"] == 0  # none encoded yet
     assert [[i.seed for i in images] for images in made] == [[10, 11], [3]]  # the engine's images, as they were
     encoded: list[Generated] = []
-    thread = threading.Thread(target=lambda: encoded.extend(i.encode() for i in made[0]))  # as a route's thread
+    thread = threading.Thread(target=lambda: encoded.extend(encode_timed(made[0], metrics.encode_seconds)))
     thread.start()
     thread.join(30)
     assert len(encoded) == 2 and all(isinstance(g, Generated) and g.b64_json for g in encoded)
     assert samples(metrics)["bcg_serve_encode_seconds_count"] == 2
-    made[1][0].encode()
+    encode_timed(made[1], metrics.encode_seconds)
     after = samples(metrics)
     assert after["bcg_serve_encode_seconds_count"] == 3 and after["bcg_serve_encode_seconds_sum"] > 0
     text = metrics.render().decode()
