@@ -89,6 +89,11 @@ def markdown(rows: Sequence[dict[str, Any]], warm: Sequence[dict[str, Any]], res
         lines.append(f"| {r['variant']} | {r['clients']} | {batch} | {r['images_per_s']:.2f} | {r['p50_ms']:.0f} | "
                      f"{r['p95_ms']:.0f} | {r['requests_per_call'] or ''} | {split} |")  # fmt: skip
     lines += ["", SPLIT_NOTE]
+    calls = [f"{r['variant']} at {r['clients']} client(s): {' '.join(map(str, r['call_images']))}" for r in rows
+             if r.get("call_images")]  # fmt: skip
+    if calls:
+        lines += ["", "Images of each pipeline call, in order (each call runs at its bucket; the rest is padding): "
+                  + "; ".join(calls) + "."]  # fmt: skip
     lines += ["", "ratios (one run): " + ", ".join(f"{k} {v:.2f}x" for k, v in result["ratios"].items()), ""]
     lines += [f"settings: {json.dumps(result['settings'])}", f"env: {json.dumps(result['env'])}", ""]
     return "\n".join(lines)

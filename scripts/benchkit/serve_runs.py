@@ -223,20 +223,30 @@ def served(engine: Any, s: Settings, max_batch: int, max_wait: float, clients: S
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
     rows = []
+    calls: list[int] = []  # images of each pipeline call, in order: where padding went
+    make = engine.make
+
+    def counted(plans: Sequence[Any]) -> Any:
+        calls.append(sum(len(p.seeds) for p in plans))
+        return make(plans)
+
+    engine.make = counted
     try:
         for count in clients:
             calls_before = service.worker.batches
+            calls.clear()
             before = scrape(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text)
             seconds, latencies = clients_process(port, count, [s.body(i) for i in range(requests)])
             after = scrape(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text)
             rows.append(row(variant, count, seconds, latencies, requests, service.worker.batches - calls_before,
-                            max_batch=max_batch, **split(before, after, latencies)))  # fmt: skip
+                            max_batch=max_batch, call_images=list(calls), **split(before, after, latencies)))  # fmt: skip
             r = rows[-1]
             say(f"{variant:>9} {count:>2} client(s): {r['images_per_s']:.2f} images/s, p50 {r['p50_ms']:.0f} ms, "
                 f"p95 {r['p95_ms']:.0f} ms, {r['requests_per_call']} requests a call; mean {r['mean_ms']:.0f} ms = "
                 f"queue {r['queue_ms']:.0f} + device {r['device_ms']:.0f} + encode {r['encode_ms']:.0f} + rest "
-                f"{r['rest_ms']:.0f}")  # fmt: skip
+                f"{r['rest_ms']:.0f}; images a call: {' '.join(map(str, calls))}")  # fmt: skip
     finally:
+        del engine.make  # the class's again
         service.stop()
         server.should_exit = True
         thread.join(60)

@@ -42,6 +42,12 @@ def test_a_tiny_run_writes_every_variant(tmp_path: Path, few_threads: None) -> N
         assert sum(parts[:3]) <= r["server_ms"] + 0.03 and r["server_ms"] <= r["mean_ms"], (key, r)  # rounding
     assert rows[("unbatched", 4, None)]["requests_per_call"] == 1.0  # calls of one image: never joined
     assert 1.0 <= rows[("batched", 4, None)]["requests_per_call"] <= 4.0
+    for key in (("batched", 4, None), ("unbatched", 4, None)):  # every request's image, call by call
+        r = rows[key]
+        assert sum(r["call_images"]) == r["images"] and len(r["call_images"]) * r["requests_per_call"] == pytest.approx(
+            r["images"], abs=0.01
+        )
+    assert set(rows[("unbatched", 4, None)]["call_images"]) == {1}
     ratios = result["ratios"]
     assert {"batched_over_unbatched_4_clients", "batched_4_over_pipeline_images_per_s",
             "batched_1_p50_over_pipeline_p50"} <= set(ratios)  # fmt: skip
@@ -54,6 +60,7 @@ def test_a_tiny_run_writes_every_variant(tmp_path: Path, few_threads: None) -> N
     assert "| mean ms | queue ms | device ms | encode ms | rest ms |" in table
     b4 = rows[("batched", 4, None)]
     assert f"| {b4['mean_ms']:.1f} | {b4['queue_ms']:.1f} | {b4['device_ms']:.1f} | {b4['encode_ms']:.1f} | " in table
+    assert f"batched at 4 client(s): {' '.join(map(str, b4['call_images']))}" in table
 
 
 def test_a_lora_is_named_by_every_request_and_variants_can_be_picked(tmp_path: Path, few_threads: None) -> None:
