@@ -73,6 +73,7 @@ class PipelineAccelerator:
         self.pipe = pipe
         self.options = installed.options
         self._installed: Installation | None = installed
+        self._graph_memory: tuple[Any, int] | None = None  # (what the graphs were, their bytes)
 
     @property
     def installed(self) -> Installation:
@@ -159,8 +160,19 @@ class PipelineAccelerator:
         return self._installed.quantization if self._installed is not None else None
 
     def graph_memory_bytes(self) -> int:
-        """Device memory held for graphs: the graph pool(s), static inputs and boundary buffers."""
-        return graph_memory_bytes(self.hooks)
+        """Device memory held for graphs: the graph pool(s), static inputs and boundary buffers.
+
+        Read again only after a graph was captured, failed, evicted or released: the pool's bytes
+        come from the allocator's snapshot (milliseconds on gigabytes of graphs), and a server's
+        admission asks before every call, while replays change none of it."""
+        hooks = self.hooks
+        state = (
+            id(self._installed),
+            tuple(_graph_counts(h.runner.stats(memory=False, pool=False)) for h in hooks.values()),
+        )
+        if self._graph_memory is None or self._graph_memory[0] != state:
+            self._graph_memory = (state, graph_memory_bytes(hooks))
+        return self._graph_memory[1]
 
     def report(self) -> str:
         """A human-readable summary of modes, recipes, counters, graph memory, the patches in
@@ -368,3 +380,8 @@ def accelerate_pipeline(pipe: Any, options: AcceleratorOptions | None = None, **
     # Set through __dict__: DiffusionPipeline.__setattr__ would try to register it as a component.
     pipe.__dict__["accel"] = PipelineAccelerator(pipe, installed)
     return pipe
+
+
+def _graph_counts(s: RunnerStats) -> tuple[int, ...]:
+    """What changes whenever a runner's graphs, and so the memory they hold, change."""
+    return (s.captures, s.path_captures, s.capture_failures, s.evictions, s.entries, sum(s.segments_per_entry))

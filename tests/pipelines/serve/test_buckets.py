@@ -167,6 +167,38 @@ def test_a_served_call_reads_no_allocator_snapshot(emulated: pytest.MonkeyPatch)
     assert reads and all(not pool for _, pool in reads), reads  # the pool's bytes read once, apart
 
 
+def test_graph_memory_is_read_again_only_when_the_graphs_change(emulated: pytest.MonkeyPatch) -> None:
+    """The admission asks for the graph memory before every call (twice: the batcher's room, the
+    worker's limit), and on a GPU the pool's bytes are the allocator's snapshot, milliseconds a
+    read: an H100's lone request waited 8.7 ms in the queue for it. Replays change none of it, so
+    it is read again only after graphs were captured or released."""
+    from tests.helpers.fakes import FakePool
+
+    reads: list[int] = []
+    resident = FakePool.resident_bytes
+
+    def counting(pool: FakePool) -> int:
+        reads.append(1)
+        return resident(pool)
+
+    emulated.setattr(FakePool, "resident_bytes", counting)
+    emulated.setattr(FakePool, "resident", 3 << 20)
+    engine, _ = warm_engine("z-image", buckets=(1,))  # its clock reads the graph memory around every call
+    assert reads
+    reads.clear()
+    held = engine.graph_memory_bytes()
+    assert held >= 3 << 20
+    replays = engine.denoiser_counts()[0]
+    engine.run([engine.plan(ImageRequest(warm_prompt(engine, random.Random(0)), 1, *SIZE, seed=1, steps=2))])
+    assert engine.denoiser_counts()[0] > replays
+    assert [engine.graph_memory_bytes() for _ in range(3)] == [held] * 3
+    assert not reads  # nothing was captured or released since the warm-up's last read
+    assert engine.pipe.accel.hooks["transformer"].runner.release() > 0
+    emulated.setattr(FakePool, "resident", 1 << 20)  # what the pool keeps once the graphs are gone
+    after = engine.graph_memory_bytes()
+    assert len(reads) == 1 and after < held
+
+
 def test_a_lora_under_buckets(emulated: pytest.MonkeyPatch, tmp_path: Path) -> None:
     seed = random.randrange(10**6)
     spec = LoraSpec(path=make_lora(tmp_path), scale=1.0, name="style")
