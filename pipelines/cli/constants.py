@@ -62,6 +62,7 @@ def accel_options() -> ModuleType:
         return accel.hooks.options
 
 
+@cache  # the metadata lookup scans the path (half a millisecond); every served image asks
 def package_version() -> str:
     """bcg-diffusers' version, from the installed metadata (no torch import), else accel's."""
     from importlib.metadata import PackageNotFoundError, version
