@@ -176,6 +176,9 @@ def _worker(out: Path) -> None:
     torch.save(
         dict(cases=len(cases), pairs=pairs, fell_back=fell_back, mask_strides=mask_strides), out / f"result{rank}.pt"
     )
+    # Both ranks done before either tears gloo down: once, in CI, one rank aborted at the end
+    # ("terminate called without an active exception") with its peer already gone.
+    dist.barrier()
     dist.destroy_process_group()
 
 
