@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 
-from .settings import res_name
+from .calls import timed_call
+from .settings import NEGATIVE, PROMPT, call_kwargs, res_name
 from .settings import say_clock as say
 
 CACHES = ("dbcache", "fbc", "taylorseer")
-PROMPT = "a red fox standing in fresh snow at dawn, soft golden light, highly detailed photograph"
-NEGATIVE = "blurry, low quality, watermark"
 
 
 def parse_variant(name: str) -> tuple[str | None, str]:
@@ -31,15 +30,6 @@ def parse_variant(name: str) -> tuple[str | None, str]:
     if cache not in CACHES or mode not in ("", "bcg", "bcg-compile"):
         raise argparse.ArgumentTypeError(f"unknown variant {name!r}")
     return cache, mode or "eager"
-
-
-def call_kwargs(model: str, wh: tuple[int, int], steps: int) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(prompt=PROMPT, width=wh[0], height=wh[1], num_inference_steps=steps)
-    if model == "qwen-image":
-        kw.update(negative_prompt=NEGATIVE, true_cfg_scale=4.0)
-    else:
-        kw.update(guidance_scale=0.0)
-    return kw
 
 
 class Bench:
@@ -119,23 +109,9 @@ class Bench:
             torch.cuda.synchronize()
 
     def generate(self, wh: tuple[int, int]) -> tuple[float, torch.Tensor]:
-        latents: list[torch.Tensor] = []
-
-        def keep(pipe: Any, i: int, t: Any, kw: dict) -> dict:
-            if i == self.steps - 1:
-                latents.append(kw["latents"].detach().float().clone())
-            return {}
-
-        self.sync()
-        t0 = time.perf_counter()
-        self.pipe(
-            **call_kwargs(self.args.model, wh, self.steps),
-            generator=torch.Generator(self.device).manual_seed(0),
-            callback_on_step_end=keep,
-            output_type="pil",
-        )
-        self.sync()
-        return time.perf_counter() - t0, latents[0]
+        seconds, latents, _ = timed_call(self.pipe, call_kwargs(self.args.model, wh, self.steps), self.steps,
+                                         self.device, self.sync)  # fmt: skip
+        return seconds, latents
 
     @contextlib.contextmanager
     def timed_calls(self, counts: Any) -> Any:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -33,6 +35,25 @@ def accelerate(pipe: Any, **options: Any) -> Any:
     from accel import accelerate_pipeline
 
     return accelerate_pipeline(pipe, **options)
+
+
+def timed_call(pipe: Any, kwargs: Mapping[str, Any], steps: int, device: Any,
+               sync: Callable[[], None]) -> tuple[float, torch.Tensor, Any]:  # fmt: skip
+    """One call of ``pipe`` (seed 0, decoded to PIL), from an idle device to its last kernel:
+    (seconds, its final latents as an fp32 copy, what it returned)."""
+    latents: list[torch.Tensor] = []
+
+    def keep(pipe: Any, i: int, t: Any, kw: dict) -> dict:
+        if i == steps - 1:
+            latents.append(kw["latents"].detach().float().clone())
+        return {}
+
+    sync()
+    t0 = time.perf_counter()
+    out = pipe(**kwargs, generator=torch.Generator(device).manual_seed(0), callback_on_step_end=keep,
+               output_type="pil")  # fmt: skip
+    sync()
+    return time.perf_counter() - t0, latents[0], out
 
 
 def denoiser_name(accel: Any) -> str:

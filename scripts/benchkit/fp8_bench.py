@@ -13,11 +13,10 @@ from typing import Any
 
 import torch
 
-from .settings import res_name
+from .calls import timed_call
+from .settings import NEGATIVE, PROMPT, call_kwargs, res_name
 from .settings import say_clock as say
 
-PROMPT = "a red fox standing in fresh snow at dawn, soft golden light, highly detailed photograph"
-NEGATIVE = "blurry, low quality, watermark"
 STEPS = {"z-image": 9, "qwen-image": 20}
 
 
@@ -62,33 +61,12 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(prompt=PROMPT, width=self.wh[0], height=self.wh[1], num_inference_steps=self.steps)
-        if self.model == "qwen-image":
-            kw.update(negative_prompt=NEGATIVE, true_cfg_scale=4.0)
-        else:
-            kw.update(guidance_scale=0.0)
-        return kw
-
     def generate(self) -> tuple[float, torch.Tensor, torch.Tensor]:
         """(seconds, final latents, decoded 8-bit pixels) of one call."""
-        latents: list[torch.Tensor] = []
-
-        def keep(pipe: Any, i: int, t: Any, kw: dict) -> dict:
-            if i == self.steps - 1:
-                latents.append(kw["latents"].detach().float().clone())
-            return {}
-
-        self.sync()
-        t0 = time.perf_counter()
-        out = self.pipe(
-            **self.kwargs(),
-            generator=torch.Generator(self.device).manual_seed(0),
-            callback_on_step_end=keep,
-            output_type="pil",
+        seconds, latents, out = timed_call(
+            self.pipe, call_kwargs(self.model, self.wh, self.steps), self.steps, self.device, self.sync
         )
-        self.sync()
-        return time.perf_counter() - t0, latents[0], pixels(out.images)
+        return seconds, latents, pixels(out.images)
 
     def enable_dbcache(self) -> None:
         import cache_dit

@@ -68,7 +68,12 @@ def calls_per_step(model: str) -> int:
 
 
 def pipe_kwargs(model: str, wh: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(prompt=PROMPT, width=wh[0], height=wh[1], num_inference_steps=steps_of(model, args))
+    return call_kwargs(model, wh, steps_of(model, args))
+
+
+def call_kwargs(model: str, wh: tuple[int, int], steps: int) -> dict[str, Any]:
+    """The benchmarks' call of ``model`` at ``wh`` (width, height): Z-Image as Turbo, Qwen-Image with true CFG."""
+    kw: dict[str, Any] = dict(prompt=PROMPT, width=wh[0], height=wh[1], num_inference_steps=steps)
     if model == "z-image":
         kw["guidance_scale"] = 0.0
     elif model == "qwen-image":
