@@ -90,14 +90,14 @@ def test_each_write_has_a_hidden_name_of_its_own(tmp_path: Path, monkeypatch: py
     """Two runs writing one name at once once shared '.{name}.part', and one failed with
     'No such file or directory' when the other renamed it away."""
     seen: list[Path] = []
-    real_save = Image.Image.save
+    real_write = Path.write_bytes
 
-    def save(self: Image.Image, fp: Any, *args: Any, **kwargs: Any) -> None:
-        seen.append(Path(fp))
-        assert Path(fp).exists()  # created (exclusively) before Pillow writes into it
-        real_save(self, fp, *args, **kwargs)
+    def write_bytes(self: Path, data: Any) -> int:
+        seen.append(self)
+        assert self.exists()  # created (exclusively) before the PNG's bytes are written into it
+        return real_write(self, data)
 
-    monkeypatch.setattr(Image.Image, "save", save)
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
     image = Image.new("RGB", (8, 8))
     first = cli_images.save_png(image, tmp_path / "a.png", {"prompt": "x"})
     second = cli_images.save_png(image, tmp_path / "a.png", {"prompt": "y"})

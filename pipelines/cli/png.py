@@ -1,0 +1,103 @@
+"""PNG bytes of an 8-bit image, fast: :func:`encode_png`.
+
+Pillow decodes them to the same pixels and the same text as the PNG Pillow writes with
+``pnginfo`` (``add_text`` for each key) and ``compress_type=zlib.Z_RLE``, and every chunk but
+the image data is the same bytes in the same order. Modes ``L``, ``RGB`` and ``RGBA`` without
+an ICC profile or transparency in ``image.info`` take the fast path; any other image is Pillow's
+own save with those options.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["encode_png"]
+
+_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# mode: (samples a pixel, PNG colour type); bit depth 8 for all
+_MODES = {"L": (1, 0), "RGB": (3, 2), "RGBA": (4, 6)}
+# Pillow adapts the filter row by row (most of its time); one fixed filter for every row, vectorized,
+# is a fraction of that. Average measured the smallest of None, Sub, Up and Average on smooth and on
+# photographic images (3% and 11% over Pillow at 512x512, Sub 6% and 13%) for 0.1 ms more than Sub.
+_FILTER = 3
+# Run-length matching: less than half the time of zlib's default strategy at level 1 on these
+# filtered rows, and smaller; Huffman-only is a tenth faster but 60x larger on flat images.
+_LEVEL, _MEM_LEVEL, _STRATEGY = 6, 9, zlib.Z_RLE
+# Pillow's save, for the images the fast path does not take: the same strategy, for the file size
+# of Pillow's default on generated images in half its time (lossless either way).
+_PNG_OPTIONS: dict[str, Any] = {"compress_type": _STRATEGY}
+# what Pillow writes into one IDAT (ImageFile.MAXBLOCK); any split is valid PNG
+_IDAT_SIZE = 65536
+
+
+def _chunk(cid: bytes, data: bytes | memoryview) -> bytes:
+    return b"".join((struct.pack(">I", len(data)), cid, data, struct.pack(">I", zlib.crc32(data, zlib.crc32(cid)))))
+
+
+def _text_chunk(key: str, value: str) -> bytes:
+    # as PngInfo.add_text(key, value): tEXt where the value is latin-1, else uncompressed iTXt
+    # with no language or translated key
+    try:
+        data = b"tEXt", key.encode("latin-1") + b"\0" + value.encode("latin-1")
+    except UnicodeEncodeError:
+        data = b"iTXt", key.encode("latin-1") + b"\0\0\0\0\0" + value.encode("utf-8")
+    return _chunk(*data)
+
+
+def _filtered(pixels: np.ndarray, samples: int) -> np.ndarray:
+    """Each row of ``pixels`` (height, width * samples) behind its filter byte, Average filtered:
+    each byte less the floor of the mean of the bytes left (a pixel before) and up, modulo 256."""
+    import numpy as np
+
+    height, row = pixels.shape
+    out = np.empty((height, 1 + row), np.uint8)
+    out[:, 0] = _FILTER
+    left = np.zeros_like(pixels)
+    left[:, samples:] = pixels[:, :-samples]
+    up = np.zeros_like(pixels)
+    up[1:] = pixels[:-1]
+    mean = np.bitwise_xor(left, up)  # floor((a + b) / 2) in uint8: (a & b) + ((a ^ b) >> 1)
+    np.right_shift(mean, 1, out=mean)
+    np.bitwise_and(left, up, out=left)
+    mean += left
+    np.subtract(pixels, mean, out=out[:, 1:])
+    return out
+
+
+def _pillow_png(image: Any, text: Mapping[str, str]) -> bytes:
+    from PIL.PngImagePlugin import PngInfo
+
+    meta = PngInfo()
+    for key, value in text.items():
+        meta.add_text(key, value)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=meta, **_PNG_OPTIONS)
+    return buffer.getvalue()
+
+
+def encode_png(image: Any, text: Mapping[str, str]) -> bytes:
+    """``image`` (PIL) as PNG bytes with ``text`` as its text chunks, in its order."""
+    mode = _MODES.get(image.mode)
+    width, height = image.size
+    info = image.info
+    # Pillow writes an iCCP or a tRNS chunk for these, and refuses an empty image: its own save says
+    if mode is None or not width or not height or info.get("icc_profile") or info.get("transparency") is not None:
+        return _pillow_png(image, text)
+    import numpy as np  # here: the CLI's --help and argument errors need no numpy (60 ms to import)
+
+    samples, colour_type = mode
+    pixels = np.asarray(image, dtype=np.uint8).reshape(height, width * samples)
+    compressor = zlib.compressobj(_LEVEL, zlib.DEFLATED, 15, _MEM_LEVEL, _STRATEGY)
+    stream = memoryview(compressor.compress(_filtered(pixels, samples)) + compressor.flush())
+    parts = [_SIGNATURE, _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0))]
+    parts += [_text_chunk(key, value) for key, value in text.items()]
+    parts += [_chunk(b"IDAT", stream[i : i + _IDAT_SIZE]) for i in range(0, len(stream), _IDAT_SIZE)]
+    parts.append(_chunk(b"IEND", b""))
+    return b"".join(parts)
