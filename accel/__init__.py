@@ -35,6 +35,7 @@ from .graphs.runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
 from .hooks.compiled.fused import addmm_gelu_tanh, fusable_linear
 from .hooks.fp8.quantizers import QuantizeError, check_quantize
+from .hooks.images.convert import PixelCheck, check_pixels, to_pil_images
 from .hooks.options import AcceleratorOptions
 from .hooks.recipes.generic import GenericRecipe
 from .hooks.recipes.recipe import GenerationDefaults, Recipe, RecipeError, check_heads_divisible
@@ -60,6 +61,7 @@ __all__ = [
     "ParallelConfigError",
     "ParallelError",
     "PipelineAccelerator",
+    "PixelCheck",
     "QuantizeError",
     "Recipe",
     "RecipeError",
@@ -70,6 +72,7 @@ __all__ = [
     "break_graph",
     "capture",
     "check_heads_divisible",
+    "check_pixels",
     "check_quantize",
     "diffusers_in",
     "eager_on_graph",
@@ -78,6 +81,7 @@ __all__ = [
     "patch",
     "recipe_for",
     "register_recipe",
+    "to_pil_images",
     "tree",
     "unpatched",
 ]

@@ -60,6 +60,7 @@ HOOKS_PARTS: dict[str, tuple[str, ...]] = {
     "accel.hooks.caches": (),
     "accel.hooks.compiled": ("accel.hooks.options",),
     "accel.hooks.fp8": ("accel.hooks.options", "accel.hooks.components"),
+    "accel.hooks.images": (),
     "accel.hooks.recipes": tuple(HOOKS_BASE),
     "accel.hooks.state": (*HOOKS_BASE, "accel.hooks.caches", "accel.hooks.compiled"),
 }

@@ -6,7 +6,8 @@ plan in, layer by layer (:mod:`accel.hooks.install`), and attaches the accelerat
 it warms the graphs up (:mod:`accel.hooks.warmup_plan` plans the captures,
 :mod:`accel.hooks.warmup` runs them), reports
 (:mod:`accel.hooks.report`), releases graph memory, and restores the pipeline exactly as it was.
-Noise, scheduler steps, guidance and post-processing stay eager.
+Noise, scheduler steps, guidance and post-processing stay eager; ``output_type="pil"``'s pixels
+are made on the device (:mod:`accel.hooks.images`), diffusers' own bit for bit.
 """
 
 from __future__ import annotations

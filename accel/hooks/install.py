@@ -16,7 +16,10 @@ when an install fails half-way):
    :mod:`accel.parallel`, which registers itself here: this layer never imports it); each rank
    runs the components (which hold no collectives) with its own graphs;
 5. joined guidance branches (:mod:`accel.hooks.cfg_batch`) on the planned denoisers whose graphs
-   are on, told how many Ulysses ranks share a call.
+   are on, told how many Ulysses ranks share a call;
+6. post-processing: where the plan found nothing against it, the pipeline's image processor makes
+   ``output_type="pil"``'s pixels on the device (:mod:`accel.hooks.images.postprocess`), the same
+   pixels bit for bit.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .cfg_batch import CFGBatchHook, apply_cfg_batch, remove_cfg_batch
 from .components import component
 from .fp8.quantize import Quantization
 from .graph_hook import GraphHook, apply_graph_runner, remove_graph_runner
+from .images.postprocess import hook_postprocess
 from .plan import InstallPlan
 from .state.guard import CallGuard
 
@@ -104,6 +108,7 @@ class Installation:
             self._enter_guard()
             self._enter_parallel()
             self._enter_cfg_batch()
+            self._enter_postprocess()
         except BaseException:
             self.uninstall()
             raise
@@ -224,6 +229,12 @@ class Installation:
         for name in list(self.cfg_batch):
             remove_cfg_batch(getattr(self.pipe, name), self)
         self.cfg_batch.clear()
+
+    def _enter_postprocess(self) -> None:
+        if self.plan.postprocess_stock is None:
+            # The patch is on the processor's instance dictionary; undoing it (or dropping the
+            # pipeline, which collects it) gives the class's postprocess back.
+            self._undo.append(hook_postprocess(self.pipe.image_processor).undo)
 
     def uninstall(self) -> None:
         """Take out everything, each layer in the reverse order it went in (also after an install

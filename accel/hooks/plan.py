@@ -13,7 +13,10 @@ order :class:`~accel.hooks.install.Installation` enters them:
    pool it captures into (one pool per pipeline on a device);
 3. ``guard``: whether the pipeline's scheduler gets a call guard;
 4. ``parallel``: the several-process layout asked for, if any;
-5. ``cfg_batch``: the denoisers whose guidance branches may run as one call.
+5. ``cfg_batch``: the denoisers whose guidance branches may run as one call;
+6. ``postprocess_stock``: why the image processor keeps diffusers' own post-processing, or None
+   where its ``output_type="pil"`` gets its pixels made on the device
+   (:mod:`accel.hooks.images.postprocess`, the same pixels bit for bit).
 
 ``describe()`` says it in the report's words.
 """
@@ -28,6 +31,7 @@ import torch
 from .components import DENOISER_NAMES, component, components, module_device
 from .fp8.quantize import Quantization, plan_quantization
 from .graph_hook import check_joinable
+from .images.postprocess import why_not_hooked
 from .options import AcceleratorOptions
 from .recipes.recipe import Recipe
 from .recipes.registry import new_recipe
@@ -74,6 +78,7 @@ class InstallPlan:
     guard: bool
     parallel: str | None
     cfg_batch: tuple[str, ...]
+    postprocess_stock: str | None
 
     @property
     def denoisers(self) -> list[str]:
@@ -96,7 +101,12 @@ class InstallPlan:
             f"    graph pool {', '.join(pools) or 'none (nothing on CUDA)'}; "
             f"call guard {'on the scheduler' if self.guard else 'none (no scheduler to hook)'}; "
             f"quantize {quantize}; parallel {self.parallel}; "
-            f"guidance branches joined: {', '.join(self.cfg_batch) or 'none'}",
+            f"guidance branches joined: {', '.join(self.cfg_batch) or 'none'}; "
+            + (
+                "PIL images made on the device"
+                if self.postprocess_stock is None
+                else f"post-processing stock ({self.postprocess_stock})"
+            ),
         ]
 
 
@@ -160,4 +170,6 @@ def plan_install(pipe: Any, options: AcceleratorOptions) -> InstallPlan:
         guard=guard,
         parallel=options.parallel,
         cfg_batch=tuple(d.name for d in denoisers if _joins_guidance(d, options, guard)),
+        # In every mode: it changes no pixel, and takes the host's float work off every call.
+        postprocess_stock=why_not_hooked(getattr(pipe, "image_processor", None)),
     )

@@ -54,13 +54,21 @@ class CallSettings:
         if self.frames is not None:
             kwargs["num_frames"] = self.frames
         if self.takes_output_type:
-            kwargs["output_type"] = "np"  # floats, so NaN pixels can be told from black ones
+            # Floats, so NaN pixels can be told from black ones: an image pipeline's as the tensor
+            # it decoded, checked and made 8-bit on its device (generate_frames), a video
+            # pipeline's frames as numpy.
+            kwargs["output_type"] = "np" if self.video else "pt"
         if self.negative_prompt is not None:
             kwargs["negative_prompt"] = self.negative_prompt
         if self.guidance is not None and self.guidance_kwarg is not None:
             kwargs[self.guidance_kwarg] = self.guidance
         kwargs.update(self.conditioning())
         return kwargs
+
+    @property
+    def video(self) -> bool:
+        """Whether the pipeline makes videos (it takes a frame count, or counts videos)."""
+        return self.frames is not None or self.count_kwarg != "num_images_per_prompt"
 
     def conditioning(self) -> dict[str, Any]:
         """What every call passes beyond the job's own arguments, warm-up calls too (the frame
@@ -162,11 +170,17 @@ def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str,
     a NaN anywhere says the call went wrong. ``cache``: the step cache applied (its description),
     if any: a cache hook that fails inside the call is told in one line with the cache named,
     since it, not the pipeline, is the suspect.
+
+    An image pipeline asked for ``output_type="pt"`` (:meth:`CallSettings.kwargs`) hands back the
+    batch it decoded, still on its device: it is checked there (one sync) and made 8-bit there
+    (:func:`accel.to_pil_images`), the images diffusers' ``numpy_to_pil`` makes of its ``"np"``
+    output, bit for bit, without the host's float work. ``"np"`` output (video frames, or a
+    pipeline that gives numpy whatever it is asked) is checked and converted on the host.
     """
     import numpy as np
     import torch
 
-    from accel import ParallelError
+    from accel import ParallelError, check_pixels, to_pil_images
 
     try:
         output = pipe(**kwargs)
@@ -186,17 +200,27 @@ def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str,
         raise
     video = getattr(output, "images", None) is None and getattr(output, "frames", None) is not None
     pixels = output.frames if video else output.images
-    if kwargs.get("output_type") != "np":
+    non_finite = (
+        f"the pipeline produced NaN or infinite pixels for {job.width}x{job.height} seed {job.seeds[0]}"
+        f"{hint}; nothing was written for this call"
+    )
+    if kwargs.get("output_type") not in ("np", "pt"):
         if video:
             videos = [list(frames) for frames in pixels]
             return [frames[0] for frames in videos], videos
         return list(pixels), None
-    array = np.asarray(pixels)
+    if isinstance(pixels, torch.Tensor):  # output_type="pt": an image pipeline's decoded batch, on its device
+        if video or pixels.ndim != 4 or not pixels.is_floating_point():
+            raise RunError(f"{type(pipe).__name__} returned a {pixels.dtype} tensor of shape {tuple(pixels.shape)} "
+                           "for output_type='pt', not a batch of images (N, C, H, W)")  # fmt: skip
+        found = check_pixels(pixels)  # one reduction and one sync, on the device
+        if not found.finite:
+            raise RunError(non_finite)
+        # diffusers' numpy_to_pil of its "np" output, bit for bit, from a quarter of the bytes.
+        return to_pil_images(pixels, found), None
+    array = np.asarray(pixels)  # output_type="np", or a pipeline that gives numpy whatever it is asked
     if not np.isfinite(array).all():
-        raise RunError(
-            f"the pipeline produced NaN or infinite pixels for {job.width}x{job.height} seed {job.seeds[0]}"
-            f"{hint}; nothing was written for this call"
-        )
+        raise RunError(non_finite)
     from diffusers.image_processor import VaeImageProcessor
 
     if not video:

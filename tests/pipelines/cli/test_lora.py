@@ -48,7 +48,7 @@ def _stock(model: str, loras: list[tuple[Path, float]], seed: int) -> np.ndarray
         pipe.set_adapters([f"stock{i}" for i in range(len(loras))], [scale for _, scale in loras])
     (job,) = plan_jobs(["a fox"], [(64, 64)], 1, seed)
     kwargs = call_settings(pipe, model, "tiny", steps=2).kwargs(job, torch.device("cpu"))
-    output = pipe(**kwargs)
+    output = pipe(**{**kwargs, "output_type": "np"})  # diffusers' own conversion, the CLI's reference
     return np.asarray(pipe.image_processor.numpy_to_pil(output.images)[0].convert("RGB"))
 
 
