@@ -16,8 +16,10 @@ cut in ``X-Prompt-Truncated`` (and the log, and ``prompt_truncated`` on each ima
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,12 +41,36 @@ def _error(e: ServeError) -> Response:
     return Response(e.json(), status_code=e.status, media_type="application/json", headers=e.headers)
 
 
+# Stands in for each image's base64 in the answer's JSON until the bytes take its place: no
+# other value of the answer (numbers, the format's and the size's names) can contain it.
+_B64 = "\ue000"
+_B64_JSON = json.dumps(_B64, ensure_ascii=False).encode("utf-8")
+
+
+def _json_body(body: dict[str, Any], b64: Sequence[bytes]) -> bytes:
+    """``body`` as Starlette's ``JSONResponse`` writes it (compact, UTF-8), each :data:`_B64` in it
+    replaced, in order, by the next of ``b64`` as a JSON string.
+
+    The files' base64 (0.75 to 1 MB for a 512x512 PNG) never goes through the JSON encoder, which
+    took 1.7 to 3.5 ms a request on the development machine's CPU to scan and copy what needs no
+    escaping (base64 is ``A-Za-z0-9+/=``), on the event loop's thread, where every other request
+    waits for it; this takes 0.1 ms."""
+    text = json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
+    parts = text.split(_B64_JSON)
+    if len(parts) != len(b64) + 1:
+        raise AssertionError(f"{len(parts) - 1} places for {len(b64)} images in the answer")
+    out = [parts[0]]
+    for data, part in zip(b64, parts[1:]):
+        out += (b'"', data, b'"', part)
+    return b"".join(out)
+
+
 def _answer(request: ImageRequest, images: list[Generated]) -> Response:
     """The 200: OpenAI's images response, and headers for what was not honoured."""
     headers: dict[str, str] = {}
     data = []
     for g in images:
-        item: dict[str, Any] = {"b64_json": g.b64_json, "seed": g.seed}
+        item: dict[str, Any] = {"b64_json": _B64, "seed": g.seed}
         if g.tokens is not None and g.tokens.truncated:
             item["prompt_truncated"] = {"tokens": g.tokens.tokens, "read": g.tokens.limit}
         data.append(item)
@@ -57,7 +83,8 @@ def _answer(request: ImageRequest, images: list[Generated]) -> Response:
         logger.info("accepted and ignored: %s", ", ".join(request.ignored))
     body = {"created": int(time.time()), "data": data, "output_format": request.output_format,
             "size": f"{request.width}x{request.height}"}  # fmt: skip
-    return JSONResponse(body, headers=headers)
+    content = _json_body(body, [g.b64 for g in images])
+    return Response(content, media_type="application/json", headers=headers)
 
 
 def create_app(service: Service) -> FastAPI:

@@ -48,20 +48,26 @@ logger = logging.getLogger("bcg-serve")
 
 @dataclasses.dataclass(frozen=True)
 class Generated:
-    """One image as the response carries it: base64 bytes of the format asked for, the seed it was
-    made with, and its prompt's tokens as the text encoder read them (None: not counted)."""
+    """One image as the response carries it: its file in the format asked for, base64-encoded
+    (ASCII bytes: the route writes them into the answer as they are), the seed it was made with,
+    and its prompt's tokens as the text encoder read them (None: not counted)."""
 
-    b64_json: str
+    b64: bytes
     seed: int
     tokens: TokenCount | None = None
+
+    @property
+    def b64_json(self) -> str:
+        """The base64 as text (OpenAI's ``b64_json``)."""
+        return self.b64.decode("ascii")
 
 
 @dataclasses.dataclass(frozen=True)
 class Made:
     """One image as its call made it (PIL), with its PNG text, seed, tokens and the file format
     its request asked for. Encoding takes tens of milliseconds an image at 512x512 (PNG, zlib), so
-    the device worker hands these on and the routes' threads encode (:meth:`encode`): the device
-    starts the next call meanwhile."""
+    the device worker hands these on and the service's encoding threads encode them
+    (:meth:`encode`): the device starts the next call meanwhile."""
 
     image: Any
     text: dict[str, str]
@@ -72,7 +78,7 @@ class Made:
 
     def encode(self) -> Generated:
         data = encode(self.image, self.text, self.output_format, self.output_compression)
-        return Generated(base64.b64encode(data).decode("ascii"), self.seed, self.tokens)
+        return Generated(base64.b64encode(data), self.seed, self.tokens)
 
 
 def bucket_for(images: int, batch_sizes: Sequence[int] | None) -> int:
@@ -255,7 +261,7 @@ class Engine:
 
     def make(self, plans: Sequence[Plan]) -> list[list[Made]]:
         """One pipeline call for ``plans`` (one :class:`BatchKey`), at their bucket; per plan, its
-        images, not yet encoded (the worker leaves that to the routes' threads)."""
+        images, not yet encoded (the worker leaves that to the service's encoding threads)."""
         import torch
 
         first, p = plans[0], self.prepared

@@ -8,11 +8,11 @@ images to reach its bucket (padded). Histograms: images and requests per pipelin
 batching), the bucket each call ran at, seconds per request (arrival to answer), in the queue
 (arrival to its batch taken by the device worker), per batch served, of the pipeline calls that
 made a request's images (``Engine.make``, its host work included; once per request), per image
-(a call's seconds over its images) and per image encoded into its file (on the routes' threads,
-base64 included). Together they split a request's latency: scripts/bench_serve.py takes the
-differences of their ``_sum`` and ``_count`` around a run. Gauges: queue depth,
-readiness, graph memory held (set after the warm-up and each call) and each bucket's warm-up
-seconds.
+(a call's seconds over its images) and per image encoded into its file (on the service's
+encoding threads, base64 included). Together they split a request's latency:
+scripts/bench_serve.py takes the differences of their ``_sum`` and ``_count`` around a run.
+Gauges: queue depth, readiness, graph memory held (set after the warm-up and each call) and each
+bucket's warm-up seconds.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Metrics:
                                         "host work included) that made a request's images, once per request",
                                         buckets=_SECONDS, registry=r)  # fmt: skip
         self.encode_seconds = Histogram("bcg_serve_encode_seconds", "Seconds to encode one image into its file and "
-                                        "base64 (on the routes' threads)", buckets=_ENCODE_SECONDS,
+                                        "base64 (on the encoding threads)", buckets=_ENCODE_SECONDS,
                                         registry=r)  # fmt: skip
         self.batch_size = Histogram("bcg_serve_batch_size", "The batch-size bucket each pipeline call ran at",
                                     buckets=buckets, registry=r)  # fmt: skip

@@ -4,7 +4,8 @@ A generation request is planned by the engine, queued, and waited on until the f
 images, its client leaving, or ``timeout`` seconds since it arrived. A request that gives up
 while still queued is taken out and never computed; one whose batch already runs is left to
 finish and its images are thrown away. The device worker hands on images, not files: a request's
-files are encoded here, in a thread of the event loop's pool, while the device makes the next call.
+files are encoded here, on a thread of the service's encoding pool that the hand-over itself sets
+going (not through the event loop), while the device makes the next call.
 
 Phases: ``starting`` (model loading and warm-up; generation answers 503), ``ready``,
 ``stopping`` (after SIGTERM: nothing new is queued, what waited is answered 503, the running
@@ -14,9 +15,11 @@ batch finishes), ``failed`` (the start failed; the server exits).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -54,6 +57,9 @@ class Service:
         self.engine: Any = None
         self.started = time.time()
         self.worker = DeviceWorker(batcher, self.metrics, start, self._ready, self._failed, admission_wait=timeout)
+        # Where the files are encoded (:meth:`_encode_when_made`); as many threads as asyncio's own pool.
+        self._encoder = concurrent.futures.ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4),
+                                                              thread_name_prefix="bcg-serve-encode")  # fmt: skip
 
     def start(self) -> None:
         self.worker.start()
@@ -130,7 +136,8 @@ class Service:
                              code="queue_full", headers={"Retry-After": str(self.retry_after())}) from None  # fmt: skip
         except Closed:
             raise self._unavailable() from None
-        result = asyncio.wrap_future(work.future)
+        encoded = self._encode_when_made(work)
+        result = asyncio.wrap_future(encoded)
         result.add_done_callback(_consume)
         gone = asyncio.ensure_future(_disconnected(receive))
         left = self.timeout - (time.monotonic() - arrived)
@@ -138,23 +145,70 @@ class Service:
             done, _ = await asyncio.wait({result, gone}, timeout=max(left, 0.0), return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if result in done:
+        if result in done or _made(work):  # its images came in time: it is answered, their files encoded
             try:
-                made = result.result()
+                return await result
             except BatchFailed as e:
                 raise ServeError(500, str(e), code="generation_failed") from None
             except Closed:
                 raise self._unavailable() from None
-            # Off the event loop and off the device worker: zlib releases the GIL, so the encoding
-            # of one request's files overlaps the next call and other requests' encoding.
-            return await asyncio.to_thread(encode_timed, made, self.metrics.encode_seconds)
         reason = "disconnected" if gone in done else "timeout"
         if self.batcher.cancel(work):
             self.metrics.dropped.labels(reason).inc()
+        encoded.cancel()  # its images, if its batch runs already, are not encoded
         if reason == "disconnected":
             raise ServeError(499, "the client closed the connection", code="client_closed")
         raise ServeError(504, f"not done within --timeout {self.timeout:g} s; the request was dropped",
                          code="timeout")  # fmt: skip
+
+    def _encode_when_made(self, work: Work) -> concurrent.futures.Future:
+        """The files of ``work``'s images, or its failure: encoded on the service's encoding
+        threads as soon as the device worker hands the images on.
+
+        The worker's hand-over submits the encoding itself, so the images do not wait for the
+        event loop to wake up and pass them on, nor the loop for the encoding to start. Off the
+        event loop and off the device worker: zlib releases the GIL, so one request's encoding
+        overlaps the next call and other requests' encoding. Cancelling the returned future (as
+        asyncio does with the task that waits on it) cancels ``work`` too, if it is still queued,
+        and images made after it are not encoded."""
+        encoded: concurrent.futures.Future = concurrent.futures.Future()
+        seconds = self.metrics.encode_seconds
+
+        def encode(made: list[Made]) -> None:
+            if not encoded.set_running_or_notify_cancel():
+                return  # the request gave up before its turn came
+            try:
+                encoded.set_result(encode_timed(made, seconds))
+            except BaseException as e:  # told to the route, which answers 500
+                encoded.set_exception(e)
+
+        def handed_on(future: concurrent.futures.Future) -> None:  # on the device worker's thread
+            if future.cancelled():
+                encoded.cancel()
+                return
+            error = future.exception()
+            if error is None:
+                try:
+                    self._encoder.submit(encode, future.result())
+                    return
+                except RuntimeError as e:  # the interpreter is exiting: no new threads
+                    error = e
+            if encoded.set_running_or_notify_cancel():
+                encoded.set_exception(error)
+
+        def given_up(future: concurrent.futures.Future) -> None:
+            if future.cancelled():
+                work.future.cancel()  # only while it waits in the queue (the batcher drops it)
+
+        encoded.add_done_callback(given_up)
+        work.future.add_done_callback(handed_on)
+        return encoded
+
+
+def _made(work: Work) -> bool:
+    """Whether ``work``'s images exist (its call ended well)."""
+    f = work.future
+    return f.done() and not f.cancelled() and f.exception() is None
 
 
 def encode_timed(made: Sequence[Made], seconds: Histogram) -> list[Generated]:

@@ -141,7 +141,7 @@ class DeviceWorker(threading.Thread):
         images = sum(len(p.seeds) for p in plans)
         before = engine.denoiser_counts()
         t0 = time.monotonic()
-        out = engine.make(plans)  # encoded by the routes' threads: the device goes on
+        out = engine.make(plans)  # encoded on the service's encoding threads: the device goes on
         seconds = time.monotonic() - t0
         after = engine.denoiser_counts()
         replays, eager = after[0] - before[0], after[1] - before[1]

@@ -21,7 +21,7 @@ SPLIT = {"mean ms": "mean_ms", "queue ms": "queue_ms", "device ms": "device_ms",
 SPLIT_NOTE = (
     "The server runs' mean latency per request, split from /metrics scraped around the run: queue (arrival "
     "to its batch taken by the device worker), device (its batch's pipeline calls, Engine.make's host work "
-    "included), encode (its files and base64, on the routes' threads), rest (the mean less those: HTTP, "
+    "included), encode (its files and base64, on the server's encoding threads), rest (the mean less those: HTTP, "
     "JSON, the client, the hand-offs between threads; serve.json's server_ms is arrival to files encoded)."
 )
 

@@ -13,7 +13,7 @@ threads run differently from the main thread (on a loaded machine a call took 10
 Each run returns a row: images/s, p50/p95 latency and, for the server, requests per call and
 the server-side split of a request's mean latency (:func:`split`, from ``/metrics`` scraped
 before and after the run): queue wait, device (its pipeline call, ``Engine.make``'s host work
-included), encoding (files and base64, on the routes' threads) and the rest (HTTP, JSON, the
+included), encoding (files and base64, on the server's encoding threads) and the rest (HTTP, JSON, the
 client, the hand-offs between threads) as the client's mean latency less those three.
 """
 

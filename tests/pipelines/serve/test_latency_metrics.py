@@ -1,6 +1,6 @@
 """The metrics that split a request's latency (scripts/bench_serve.py reads them): the device
 worker observes each request's queue wait and the seconds of the pipeline calls that made its
-images, once per request; the routes' threads observe each image's encoding
+images, once per request; the encoding threads observe each image's encoding
 (:func:`~pipelines.serve.service.encode_timed`), once per image encoded."""
 
 from __future__ import annotations
