@@ -10,9 +10,12 @@ own save with those options.
 from __future__ import annotations
 
 import io
+import os
 import struct
+import threading
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -35,6 +38,14 @@ _LEVEL, _MEM_LEVEL, _STRATEGY = 6, 9, zlib.Z_RLE
 _PNG_OPTIONS: dict[str, Any] = {"compress_type": _STRATEGY}
 # what Pillow writes into one IDAT (ImageFile.MAXBLOCK); any split is valid PNG
 _IDAT_SIZE = 65536
+# Deflate is one thread's work; bands of the filtered rows are deflated on threads of their own
+# (zlib lets go of the GIL) and joined into one zlib stream, as pigz does. Run-length matches
+# reach one byte back, so a band boundary costs a few bytes. A served image's encoding is on its
+# request's path: at 512x512 (786 KB) this halves it on two cores. Small images stay one call.
+_BAND_BYTES = 1 << 18
+_BAND_THREADS = max(1, min(4, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def _chunk(cid: bytes, data: bytes | memoryview) -> bytes:
@@ -71,6 +82,33 @@ def _filtered(pixels: np.ndarray, samples: int) -> np.ndarray:
     return out
 
 
+def _band(data: memoryview, last: bool) -> bytes:
+    # raw deflate (no header): a band flushed to a byte boundary without its final bit, so the
+    # next band's blocks follow it in one stream; the last band ends the stream
+    compressor = zlib.compressobj(_LEVEL, zlib.DEFLATED, -15, _MEM_LEVEL, _STRATEGY)
+    return compressor.compress(data) + compressor.flush(zlib.Z_FINISH if last else zlib.Z_SYNC_FLUSH)
+
+
+def _bands_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_BAND_THREADS, thread_name_prefix="png")
+        return _pool
+
+
+def _deflate(data: memoryview) -> bytes:
+    """``data`` (bytes, flat) as one zlib stream (header, deflate blocks, Adler-32)."""
+    if _BAND_THREADS == 1 or len(data) < 2 * _BAND_BYTES:
+        compressor = zlib.compressobj(_LEVEL, zlib.DEFLATED, 15, _MEM_LEVEL, _STRATEGY)
+        return compressor.compress(data) + compressor.flush()
+    bands = [data[i : i + _BAND_BYTES] for i in range(0, len(data), _BAND_BYTES)]
+    pool = _bands_pool()
+    futures = [pool.submit(_band, band, i == len(bands) - 1) for i, band in enumerate(bands)]
+    checksum = struct.pack(">I", zlib.adler32(data))  # meanwhile, on this thread
+    return b"".join((b"\x78\x9c", *(f.result() for f in futures), checksum))
+
+
 def _pillow_png(image: Any, text: Mapping[str, str]) -> bytes:
     from PIL.PngImagePlugin import PngInfo
 
@@ -94,8 +132,7 @@ def encode_png(image: Any, text: Mapping[str, str]) -> bytes:
 
     samples, colour_type = mode
     pixels = np.asarray(image, dtype=np.uint8).reshape(height, width * samples)
-    compressor = zlib.compressobj(_LEVEL, zlib.DEFLATED, 15, _MEM_LEVEL, _STRATEGY)
-    stream = memoryview(compressor.compress(_filtered(pixels, samples)) + compressor.flush())
+    stream = memoryview(_deflate(memoryview(_filtered(pixels, samples).reshape(-1))))
     parts = [_SIGNATURE, _chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0))]
     parts += [_text_chunk(key, value) for key, value in text.items()]
     parts += [_chunk(b"IDAT", stream[i : i + _IDAT_SIZE]) for i in range(0, len(stream), _IDAT_SIZE)]

@@ -110,6 +110,27 @@ def test_a_large_image_spans_several_image_data_chunks() -> None:
     assert np.array_equal(decoded(data)[1], a)
 
 
+@pytest.mark.parametrize("band", [1, 7, 4096, 1 << 18])
+@pytest.mark.parametrize("kind", ["random", "natural"])
+def test_bands_deflated_on_threads_make_one_stream_of_the_same_rows(
+    monkeypatch: pytest.MonkeyPatch, band: int, kind: str
+) -> None:
+    """Bands of any size (one byte, odd, not a row's multiple) join into one zlib stream whose
+    bytes are the filtered rows a single compressor would have written."""
+    monkeypatch.setattr(cli_png, "_BAND_BYTES", band)
+    monkeypatch.setattr(cli_png, "_BAND_THREADS", 3)
+    width, height = 97, 61 if band > 1 else 5
+    a = pixels("RGB", width, height, kind, seed=band)
+    data = encode_png(Image.fromarray(a), TEXT)
+    stream = b"".join(body for cid, body in chunks(data) if cid == b"IDAT")
+    single = zlib.compressobj(cli_png._LEVEL, zlib.DEFLATED, 15, cli_png._MEM_LEVEL, cli_png._STRATEGY)
+    rows = cli_png._filtered(a.reshape(height, -1), 3)
+    assert zlib.decompress(stream) == rows.tobytes()  # Adler-32 and the final block checked by zlib
+    assert len(rows.tobytes()) < 2 * band or stream != single.compress(rows) + single.flush()  # banded indeed
+    mode, got, text = decoded(data)
+    assert mode == "RGB" and np.array_equal(got, a) and text == TEXT
+
+
 def test_text_in_its_order_and_the_chunk_each_value_needs() -> None:
     text = {"b": "ascii", "a": "日本語 ✓", "c": "", "d": "latin-1 é", "e": "😀"}
     data = encode_png(Image.new("RGB", (4, 4), (1, 2, 3)), text)
