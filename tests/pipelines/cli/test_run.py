@@ -399,17 +399,23 @@ def test_non_finite_pixels_are_refused(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def _fail_while_writing(error: BaseException) -> Any:
-    def save(self: Image.Image, fp: Any, *args: Any, **kwargs: Any) -> None:
-        Path(fp).write_bytes(b"\x89PNG half an image")
+    """A ``Path.write_bytes`` that, for an image's hidden part file, writes half an image and
+    raises ``error``; any other file is written."""
+    write_bytes = Path.write_bytes
+
+    def write(self: Path, data: Any) -> int:
+        if ".part" not in self.name:
+            return write_bytes(self, data)
+        write_bytes(self, b"\x89PNG half an image")
         raise error
 
-    return save
+    return write
 
 
 def test_full_disk_is_one_line_and_leaves_no_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(Image.Image, "save", _fail_while_writing(OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr(Path, "write_bytes", _fail_while_writing(OSError(errno.ENOSPC, "No space left on device")))
     out = tmp_path / "out"
     rc = main(["--prompt", "a fox", "--out", str(out), *FAST])
     line = _one_error_line(capsys.readouterr().err)
@@ -421,7 +427,7 @@ def test_full_disk_is_one_line_and_leaves_no_file(
 def test_ctrl_c_while_writing_leaves_no_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(Image.Image, "save", _fail_while_writing(KeyboardInterrupt()))
+    monkeypatch.setattr(Path, "write_bytes", _fail_while_writing(KeyboardInterrupt()))
     out = tmp_path / "out"
     assert main(["--out", str(out), *FAST]) == 130
     assert capsys.readouterr().err.strip() == "bcg-generate: interrupted"

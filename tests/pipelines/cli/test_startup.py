@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from PIL import Image
 
 from pipelines.cli import main
 from pipelines.cli import prepare as cli_prepare
@@ -117,11 +116,16 @@ def test_sigterm_while_building_is_one_line(
 def test_sigterm_while_writing_leaves_no_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def save(self: Image.Image, fp: Any, *args: Any, **kwargs: Any) -> None:
-        Path(fp).write_bytes(b"\x89PNG half an image")
-        os.kill(os.getpid(), signal.SIGTERM)
+    write_bytes = Path.write_bytes
 
-    monkeypatch.setattr(Image.Image, "save", save)
+    def write(self: Path, data: Any) -> int:
+        if ".part" not in self.name:
+            return write_bytes(self, data)
+        written = write_bytes(self, b"\x89PNG half an image")
+        os.kill(os.getpid(), signal.SIGTERM)
+        return written
+
+    monkeypatch.setattr(Path, "write_bytes", write)
     out = tmp_path / "out"
     assert main(["--out", str(out), *FAST]) == 143
     assert capsys.readouterr().err.strip() == "bcg-generate: terminated"
