@@ -84,6 +84,7 @@ os.environ.setdefault("DISABLE_CUPTI_LAZY_REINIT", "1")
 
 import torch  # noqa: E402
 from benchkit.floor import floor  # noqa: E402
+from benchkit.fp8_run import fp8_backend  # noqa: E402
 from benchkit.gemm_shapes import gemm_rows, measure_bandwidth, measure_rates, record_linears  # noqa: E402
 from benchkit.profile_report import markdown  # noqa: E402
 from benchkit.profiler import profile, timeline  # noqa: E402, F401 (the tests read timeline here)
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action=on_off, default=True, help="compile=True (CUDA only; default on)")
     p.add_argument("--graphs", action=on_off, default=True, help="replay the graphs (default); off: kernel by kernel")
     p.add_argument("--quantize", choices=("fp8",), default=None, help="quantize='fp8' (CUDA only)")
+    p.add_argument("--fp8-backend", choices=("torchao", "scaled-mm"), default="torchao", help="float8 layers' kind")
     p.add_argument("--bf16-beside", action=on_off, default=None, help="with --quantize: the bf16 step first (default)")
     p.add_argument("--gemms", action=on_off, default=True, help="the step's products by shape and the floor")
     p.add_argument("--outside", action=on_off, default=True, help="one end-to-end call split into phases")
@@ -320,7 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         beside = profile_variant(args, pipe, device, None)
         pipe.accel.restore()
         torch._dynamo.reset()  # the float8 blocks compile anew: no recompile limit carried over
-    main = profile_variant(args, pipe, device, args.quantize)
+    with fp8_backend(args.fp8_backend):
+        main = profile_variant(args, pipe, device, args.quantize)
     main["setup"]["build_s"] = round(build_s, 2)
     result: dict[str, Any] = {"env": env, "config": config(args, main)}
     result.update({k: main[k] for k in ("setup", "timing", "runner", "counts", "profile", "notes")})
@@ -358,6 +361,7 @@ def config(args: argparse.Namespace, main: dict[str, Any]) -> dict[str, Any]:
         "compile": args.compile,
         "graphs": args.graphs,
         "quantize": args.quantize,
+        "fp8_backend": args.fp8_backend if args.quantize else None,
         "bf16_beside": args.bf16_beside,
         "steps": args.steps,
         "warmup_calls": args.warmup_calls,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,16 @@ from .settings import parse_resolution, res_name
 MODELS = ("z-image", "qwen-image")
 VARIANTS = ("bf16-eager", "bf16-compiled-graphs", "fp8-compiled-graphs", "fp8-dbcache-compiled-graphs")
 BACKENDS: dict[str, Any] = {"torchao": quantizers.TorchAOFloat8, "scaled-mm": ScaledMMFloat8}
+
+
+@contextlib.contextmanager
+def fp8_backend(name: str) -> Iterator[None]:
+    """``quantize="fp8"`` takes the float8 layers of ``name`` (a :data:`BACKENDS` key) inside."""
+    original, quantizers.QUANTIZERS["fp8"] = quantizers.QUANTIZERS["fp8"], BACKENDS[name]
+    try:
+        yield
+    finally:
+        quantizers.QUANTIZERS["fp8"] = original
 
 
 def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
@@ -102,12 +113,8 @@ def run(args: argparse.Namespace) -> None:
         for i, backend in enumerate(args.fp8_backend):
             if i:
                 bench.build()  # the previous backend's float8 layers stay: a fresh bf16 model
-            original = quantizers.QUANTIZERS["fp8"]
-            quantizers.QUANTIZERS["fp8"] = BACKENDS[backend]
-            try:
+            with fp8_backend(backend):
                 for variant in (v for v in args.variants if v.startswith("fp8")):
                     write(bench.run(variant, backend))
-            finally:
-                quantizers.QUANTIZERS["fp8"] = original
         bench.pipe = None
     print(md)

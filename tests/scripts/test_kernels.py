@@ -45,6 +45,8 @@ NAMES = {
         "quant"
     ),
     "triton_red_fused__scaled_mm__to_copy_abs_amax_clamp_div_permute_t_unsqueeze_view_3": "quant",
+    # The library's one-pass quantization (accel/hooks/fp8/row_quant_kernel.py), as profilers name it.
+    "quantize_rows_kernel": "quant",
     # float8 quantization of activations: inductor's amax reductions (alone or fused into their
     # producer) and scale-clamp-cast kernels as public traces name them; of the form the sources
     # give (not recorded here): a norm fused with its output's quantization, ATen's cast to float8

@@ -15,6 +15,13 @@ The result is the same function in real arithmetic, not bit for bit the stock on
 in fp32 before rounding): applied only with ``compile=True``, whose exactness rule is graphs
 equal to the same compiled model without graphs; the distance to stock eager is published with
 the benchmarks. Modules whose class or forward is not diffusers' own are left alone.
+
+Where the feed-forward's down projection is in float8 (``quantize="fp8"``), the GELU's output is
+only read to be quantized: a layer that offers ``forward_after_gelu_tanh(pre)``
+(:class:`~accel.hooks.fp8.scaled_mm.Float8RowwiseLinear`) computes the GELU inside its input's
+one-pass quantization, and the feed-forward (diffusers' ``FeedForward``) hands it the up
+projection's output instead, so the GELU's activation is never written out. Decided at each call
+(the layers change while ``fp8_budget`` selects them); any other layer takes the stock path.
 """
 
 from __future__ import annotations
@@ -72,14 +79,59 @@ def _fused_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Te
     return forward
 
 
+def _inactive_dropout(m: torch.nn.Module) -> bool:
+    return type(m) is torch.nn.Dropout and (not m.training or m.p == 0)
+
+
+def _gelu_input_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    stock = type(module).forward
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        net = module.net
+        down = net[2]
+        if (
+            not args
+            and not kwargs
+            and not torch.is_grad_enabled()
+            and callable(getattr(down, "forward_after_gelu_tanh", None))
+            and all(_inactive_dropout(m) for i, m in enumerate(net) if i not in (0, 2))
+        ):
+            return down.forward_after_gelu_tanh(net[0].proj(hidden_states))
+        return stock(module, hidden_states, *args, **kwargs)
+
+    return forward
+
+
+def _gelu_feed_forward(module: torch.nn.Module, gelu_type: type) -> bool:
+    from diffusers.models.attention import FeedForward
+
+    net = getattr(module, "net", None)
+    return (
+        type(module) is FeedForward
+        and type(module).forward is FeedForward.forward
+        and "forward" not in vars(module)
+        and isinstance(net, torch.nn.ModuleList)
+        and len(net) in (3, 4)
+        and type(net[0]) is gelu_type
+        and net[0].approximate == "tanh"
+        and type(net[1]) is torch.nn.Dropout
+        and (len(net) == 3 or type(net[3]) is torch.nn.Dropout)
+    )
+
+
 def fuse_gelu_epilogues(model: torch.nn.Module) -> Callable[[], None]:
     """Give ``model``'s diffusers ``GELU(approximate="tanh")`` modules a forward with the GELU in
-    the product's epilogue (:func:`addmm_gelu_tanh`) until the returned undo is called. Call it
-    before the blocks are compiled: dynamo traces what the forward is then."""
+    the product's epilogue (:func:`addmm_gelu_tanh`), and the feed-forwards around them one that
+    lets a float8 down projection take the GELU into its quantization, until the returned undo is
+    called. Call it before the blocks are compiled: dynamo traces what the forward is then."""
     from diffusers.models.activations import GELU
 
-    held = []
+    held, feed_forwards = [], 0
     for module in model.modules():
+        if _gelu_feed_forward(module, GELU):
+            feed_forwards += 1
+            why = "a float8 down projection quantizes the GELU's output in one pass (compile=True)"
+            held.append(patch(module, "forward", _gelu_input_forward(module), why=why, where="dict"))
         if (
             type(module) is GELU
             and module.approximate == "tanh"
@@ -90,5 +142,11 @@ def fuse_gelu_epilogues(model: torch.nn.Module) -> Callable[[], None]:
             why = "GELU in the matrix product's epilogue (compile=True)"
             held.append(patch(module, "forward", _fused_forward(module), why=why, where="dict"))
     if held:
-        logger.info("%s: %d GELU(tanh) projections fused into their matrix products", type(model).__name__, len(held))
+        logger.info(
+            "%s: %d GELU(tanh) projections fused into their matrix products; %d feed-forwards hand a float8 "
+            "down projection the GELU's input",
+            type(model).__name__,
+            len(held) - feed_forwards,
+            feed_forwards,
+        )
     return lambda: [p.undo() for p in reversed(held)] and None

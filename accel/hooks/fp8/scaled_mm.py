@@ -20,12 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .quantizers import ZERO_ROW_FLOOR, Quantizer, check_fp8_device
+from .quantizers import Quantizer, check_fp8_device
+from .row_quant import E4M3_MAX, quantize_rows_e4m3
+from .row_quant import quantize_rows_reference as quantize_rows
 
 __all__ = ["E4M3_MAX", "Float8RowwiseLinear", "ScaledMMFloat8", "quantize_rows", "scaled_mm_rowwise"]
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(E4M3).max)
 
 
 @torch.library.custom_op("bcg_diffusers::scaled_mm_rowwise", mutates_args=())
@@ -52,16 +51,6 @@ def _(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (..., K) as e4m3 values and float32 scales (..., 1), one scale per row: its largest
-    magnitude (never below :data:`ZERO_ROW_FLOOR`, so zeros stay zeros) over :data:`E4M3_MAX`.
-    The same operations, in the same dtypes, as torchao's per-row float8 (the scale is computed in
-    ``x``'s dtype, then widened), so both quantizers give the same bits."""
-    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=ZERO_ROW_FLOOR)
-    scale = (amax / E4M3_MAX).float()
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
 class Float8RowwiseLinear(torch.nn.Module):
@@ -91,8 +80,17 @@ class Float8RowwiseLinear(torch.nn.Module):
         return torch.empty(self.out_features, self.in_features, dtype=self._dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x, gelu_tanh=False)
+
+    def forward_after_gelu_tanh(self, pre: torch.Tensor) -> torch.Tensor:
+        """``self(gelu(pre, approximate="tanh"))``, with the GELU computed inside the input's
+        quantization instead of written out (a feed-forward's down projection; see
+        :mod:`accel.hooks.compiled.fused`)."""
+        return self._product(pre, gelu_tanh=True)
+
+    def _product(self, x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        xq, xs = quantize_rows(x2)
+        xq, xs = quantize_rows_e4m3(x2, gelu_tanh)
         out = scaled_mm_rowwise(xq, self.qweight.t(), xs, self.weight_scale, self.bias, x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 

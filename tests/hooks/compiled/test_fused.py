@@ -48,7 +48,8 @@ def test_only_tanh_gelu_projections_are_fused_and_undo_restores(monkeypatch: pyt
     undo = fuse_gelu_epilogues(model)
     try:
         patched = [m for m in model.modules() if "forward" in vars(m)]
-        assert patched == [tanh.net[0]] and isinstance(patched[0], GELU)
+        # The tanh feed-forward (for a float8 down projection) and its GELU; nothing of the exact one.
+        assert patched == [tanh, tanh.net[0]] and isinstance(patched[1], GELU)
         assert torch.equal(tanh(x), want[0]) and torch.equal(exact(x), want[1])
         calls = []
         monkeypatch.setattr(fused, "addmm_gelu_tanh", lambda *a: calls.append(1) or addmm_gelu_tanh(*a))
@@ -96,3 +97,56 @@ def test_the_fake_gives_the_shape(dtype: torch.dtype) -> None:
     with FakeTensorMode():
         out = addmm_gelu_tanh(torch.empty(2, 9, 16, dtype=dtype), torch.empty(40, 16, dtype=dtype), None)
     assert tuple(out.shape) == (2, 9, 40) and out.dtype == dtype
+
+
+class _TakesGelu(torch.nn.Linear):
+    """A down projection that takes the GELU into its input (what a float8 layer offers)."""
+
+    def __init__(self, base: torch.nn.Linear) -> None:
+        super().__init__(base.in_features, base.out_features)
+        self.load_state_dict(base.state_dict())
+        self.pre: list[torch.Tensor] = []
+
+    def forward_after_gelu_tanh(self, pre: torch.Tensor) -> torch.Tensor:
+        self.pre.append(pre)
+        return self(F.gelu(pre, approximate="tanh")) + 0.5  # marked, so the path taken shows
+
+
+@torch.no_grad()
+def test_a_feed_forward_hands_a_down_projection_that_takes_the_gelu_the_up_projections_output() -> None:
+    ff = _ff("gelu-approximate")
+    x = torch.randn(2, 3, 24)
+    want = ff(x)
+    ff.net[2] = down = _TakesGelu(ff.net[2])
+    undo = fuse_gelu_epilogues(ff)
+    try:
+        got = ff(x)
+        assert len(down.pre) == 1 and torch.equal(down.pre[0], F.linear(x, ff.net[0].proj.weight, ff.net[0].proj.bias))
+        assert torch.allclose(got, want + 0.5, atol=1e-6)
+        ff.train()  # dropout is 0: still the fused path
+        ff(x)
+        assert len(down.pre) == 2
+        ff.net[1].p = 0.1  # an active dropout sits between them: the stock path
+        torch.manual_seed(1)
+        got = ff(x)
+        torch.manual_seed(1)
+        assert torch.equal(got, ff.net[2](ff.net[1](ff.net[0](x))))
+        assert len(down.pre) == 2
+        ff.eval()
+        ff.net[2] = plain = torch.nn.Linear(96, 24)  # a plain layer: the stock path
+        assert torch.equal(ff(x), plain(ff.net[0](x)))
+    finally:
+        undo()
+    assert "forward" not in vars(ff)
+
+
+def test_a_feed_forward_under_gradients_runs_the_stock_way() -> None:
+    ff = _ff("gelu-approximate")
+    ff.net[2] = down = _TakesGelu(ff.net[2])
+    x = torch.randn(2, 3, 24)
+    undo = fuse_gelu_epilogues(ff)
+    try:
+        out = ff(x)
+        assert not down.pre and out.requires_grad
+    finally:
+        undo()

@@ -1,0 +1,94 @@
+"""Per-row float8 quantization of activations in one pass: :func:`quantize_rows_e4m3`.
+
+A float8 product's input is quantized per row: its largest magnitude, a scale from it, then every
+value divided, clamped and cast to e4m3. Written as tensor ops, inductor compiles that to a
+reduction kernel that reads each row twice, and fuses in whatever produced the input (a GELU, a
+norm); on an H100 such kernels took 34.7 ms of Qwen-Image's 213 ms float8 step at 1024x1024,
+about 2.5 times what their bytes take (samples/gpu-run-2026-12-06b/profile-q-fp8/, probed alone
+in scripts/device/probe_quant.py: 4096 rows of 3072, 23.7 us against 10.5 for one pass; after a
+GELU, 4096 rows of 12288, 154 us against 93.5).
+
+:func:`quantize_rows_e4m3` is one custom op, opaque to dynamo and inductor like
+:func:`~accel.hooks.fp8.scaled_mm.scaled_mm_rowwise`: on CUDA one Triton program per row keeps
+the row in registers, so it is read once; elsewhere (and for rows too long for registers) it is
+:func:`~accel.hooks.fp8.scaled_mm.quantize_rows`'s tensor ops. The operations, dtypes and rounding
+are the same (the scale computed in the input's dtype, IEEE division, round to nearest even), so
+both give the same bits. ``gelu_tanh=True`` quantizes ``gelu(x, approximate="tanh")`` rounded to
+``x``'s dtype, as diffusers' GELU module would hand it on, without writing it out: equal to the
+two ops in real arithmetic; bit for bit only where the GELU's float32 rounding agrees with
+ATen's, so it is used with ``compile=True`` only, whose rule is graphs equal to the same compiled
+model without graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .quantizers import ZERO_ROW_FLOOR
+
+__all__ = ["E4M3", "E4M3_MAX", "MAX_ROW", "quantize_rows_e4m3", "quantize_rows_reference"]
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)
+# Longest row one program holds in registers (16 warps, 32 values a thread); longer rows take
+# the tensor ops.
+MAX_ROW = 16384
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_rows_reference(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (..., K) as e4m3 values and float32 scales (..., 1), one scale per row: its largest
+    magnitude (never below :data:`ZERO_ROW_FLOOR`, so zeros stay zeros) over :data:`E4M3_MAX`;
+    after ``gelu(x, approximate="tanh")`` if asked. The same operations, in the same dtypes, as
+    torchao's per-row float8 (the scale is computed in ``x``'s dtype, then widened), so both
+    quantizers give the same bits; :func:`quantize_rows_e4m3` computes them in one pass."""
+    if gelu_tanh:
+        x = F.gelu(x, approximate="tanh")
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=ZERO_ROW_FLOOR)
+    scale = (amax / E4M3_MAX).float()
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def _one_pass(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in _DTYPES and 0 < x.shape[-1] <= MAX_ROW and x.stride(-1) == 1
+
+
+@torch.library.custom_op("bcg_diffusers::quantize_rows_e4m3", mutates_args=())
+def quantize_rows_e4m3(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (rows, K) as e4m3 values (rows, K) and float32 scales (rows, 1), one per row: its
+    largest magnitude (never below 1e-12, so zeros stay zeros) over 448, computed in ``x``'s
+    dtype. With ``gelu_tanh``, of ``gelu(x, approximate="tanh")``. One pass on CUDA."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows_e4m3 takes (rows, K), got shape {tuple(x.shape)}")
+    if not _one_pass(x):
+        return quantize_rows_reference(x, gelu_tanh)
+    import triton
+
+    from .row_quant_kernel import quantize_rows_kernel
+
+    rows, k = x.shape
+    q = torch.empty((rows, k), dtype=E4M3, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(k)
+        warps = 4 if block <= 2048 else 8 if block <= 4096 else 16
+        with torch.cuda.device(x.device):
+            quantize_rows_kernel[(rows,)](
+                x,
+                q,
+                scale,
+                k,
+                x.stride(0),
+                FLOOR=ZERO_ROW_FLOOR,
+                QMAX=E4M3_MAX,
+                GELU_TANH=gelu_tanh,
+                BLOCK=block,
+                num_warps=warps,
+            )
+    return q, scale
+
+
+@quantize_rows_e4m3.register_fake
+def _(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape, dtype=E4M3), x.new_empty((x.shape[0], 1), dtype=torch.float32)
