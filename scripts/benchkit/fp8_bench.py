@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import statistics
@@ -50,6 +51,10 @@ class Bench:
         from pipelines.builders import build_pipeline
 
         self.pipe = None
+        # The last pipeline's compiled code and its hooks' cycles hold its weights until dynamo
+        # lets go and the collector runs: a second full-size Qwen-Image would not fit beside it.
+        torch._dynamo.reset()
+        gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
         say(f"building {self.model} ({self.args.size}) on {self.device}")

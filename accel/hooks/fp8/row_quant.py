@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .quantizers import ZERO_ROW_FLOOR
 
-__all__ = ["E4M3", "E4M3_MAX", "MAX_ROW", "quantize_rows_e4m3", "quantize_rows_reference"]
+__all__ = ["E4M3", "E4M3_MAX", "MAX_ROW", "quantize_rows_e4m3", "quantize_rows_reference", "row_floor"]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
@@ -39,15 +39,21 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def quantize_rows_reference(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (..., K) as e4m3 values and float32 scales (..., 1), one scale per row: its largest
-    magnitude (never below :data:`ZERO_ROW_FLOOR`, so zeros stay zeros) over :data:`E4M3_MAX`;
+    magnitude (never below :func:`row_floor`, so zeros stay zeros) over :data:`E4M3_MAX`;
     after ``gelu(x, approximate="tanh")`` if asked. The same operations, in the same dtypes, as
     torchao's per-row float8 (the scale is computed in ``x``'s dtype, then widened), so both
     quantizers give the same bits; :func:`quantize_rows_e4m3` computes them in one pass."""
     if gelu_tanh:
         x = F.gelu(x, approximate="tanh")
-    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=ZERO_ROW_FLOOR)
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp(min=row_floor(x.dtype))
     scale = (amax / E4M3_MAX).float()
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def row_floor(dtype: torch.dtype) -> float:
+    """The least scale numerator: :data:`ZERO_ROW_FLOOR`, or the dtype's smallest normal number
+    where that rounds to zero in it (float16), which would turn a row of zeros into 0 / 0."""
+    return max(ZERO_ROW_FLOOR, torch.finfo(dtype).tiny)
 
 
 def _one_pass(x: torch.Tensor) -> bool:
@@ -57,7 +63,7 @@ def _one_pass(x: torch.Tensor) -> bool:
 @torch.library.custom_op("bcg_diffusers::quantize_rows_e4m3", mutates_args=())
 def quantize_rows_e4m3(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (rows, K) as e4m3 values (rows, K) and float32 scales (rows, 1), one per row: its
-    largest magnitude (never below 1e-12, so zeros stay zeros) over 448, computed in ``x``'s
+    largest magnitude (never below :func:`row_floor`, so zeros stay zeros) over 448, computed in ``x``'s
     dtype. With ``gelu_tanh``, of ``gelu(x, approximate="tanh")``. One pass on CUDA."""
     if x.dim() != 2:
         raise ValueError(f"quantize_rows_e4m3 takes (rows, K), got shape {tuple(x.shape)}")
@@ -80,8 +86,9 @@ def quantize_rows_e4m3(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.
                 scale,
                 k,
                 x.stride(0),
-                FLOOR=ZERO_ROW_FLOOR,
+                FLOOR=row_floor(x.dtype),
                 QMAX=E4M3_MAX,
+                INV_QMAX=float(torch.tensor(1 / E4M3_MAX, dtype=torch.float32)),
                 GELU_TANH=gelu_tanh,
                 BLOCK=block,
                 num_warps=warps,

@@ -20,6 +20,7 @@ def quantize_rows_kernel(
     stride_x,
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
+    INV_QMAX: tl.constexpr,
     GELU_TANH: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -36,9 +37,10 @@ def quantize_rows_kernel(
         inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
         x = (0.5 * x * (1.0 + libdevice.tanh(inner))).to(raw.dtype).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    # The scale in the input's dtype, as the tensor ops compute it, then widened.
+    # The scale in the input's dtype, as the tensor ops compute it on CUDA (a division by a number
+    # is a product with its float32 reciprocal there), then widened.
     amax = tl.maximum(amax, FLOOR).to(raw.dtype).to(tl.float32)
-    scale = tl.math.div_rn(amax, QMAX).to(raw.dtype).to(tl.float32)
+    scale = (amax * INV_QMAX).to(raw.dtype).to(tl.float32)
     q = tl.math.div_rn(x, scale)
     q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
     tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=mask)
