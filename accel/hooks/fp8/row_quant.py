@@ -11,13 +11,14 @@ GELU, 4096 rows of 12288, 154 us against 93.5).
 :func:`quantize_rows_e4m3` is one custom op, opaque to dynamo and inductor like
 :func:`~accel.hooks.fp8.scaled_mm.scaled_mm_rowwise`: on CUDA one Triton program per row keeps
 the row in registers, so it is read once; elsewhere (and for rows too long for registers) it is
-:func:`~accel.hooks.fp8.scaled_mm.quantize_rows`'s tensor ops. The operations, dtypes and rounding
-are the same (the scale computed in the input's dtype, IEEE division, round to nearest even), so
-both give the same bits. ``gelu_tanh=True`` quantizes ``gelu(x, approximate="tanh")`` rounded to
-``x``'s dtype, as diffusers' GELU module would hand it on, without writing it out: equal to the
-two ops in real arithmetic; bit for bit only where the GELU's float32 rounding agrees with
-ATen's, so it is used with ``compile=True`` only, whose rule is graphs equal to the same compiled
-model without graphs.
+:func:`quantize_rows_reference`, the tensor ops. Both give the same bits: the scale is computed
+in the input's dtype as ATen does, each quotient is correctly rounded, the cast rounds to nearest
+even (tests/cuda/test_fp8.py, every dtype). ``gelu_tanh=True`` quantizes
+``gelu(x, approximate="tanh")`` rounded to ``x``'s dtype, as diffusers' GELU module would hand it
+on, without writing it out: equal to the two ops in real arithmetic, with a faster tanh and
+division that leave a few values in 10,000 one float8 step away from them. A feed-forward hands
+it the GELU only with ``compile=True`` (:mod:`accel.hooks.compiled.fused`), whose rule is graphs
+equal to the same compiled model without graphs.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def quantize_rows_e4m3(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(k)
-        warps = 4 if block <= 2048 else 8 if block <= 4096 else 16
+        # Measured best on an H100 (scripts/device/probe_row_kernel.py): the GELU's arithmetic
+        # wants more warps per row than the plain quantization's bytes do.
+        warps = 4 if block <= 4096 else 16 if gelu_tanh and block > 8192 else 8
         with torch.cuda.device(x.device):
             quantize_rows_kernel[(rows,)](
                 x,
