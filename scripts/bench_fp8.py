@@ -24,8 +24,11 @@ GPU to the last kernel), the warm-up's seconds, and its distance to ``bf16-eager
 latents' and the decoded image's (8-bit pixels) largest absolute difference, relative L2 distance
 and, for the image, PSNR. Compiled rows also give ``vs_no_graphs``: the latents' largest difference
 from the same compiled (quantized, cached) pipeline with its graphs switched off, 0 when bit-equal.
-``--fp8-backend scaled-mm`` swaps torchao's tensor subclass for the opaque ``scaled_mm`` op
-(accel/hooks/fp8/scaled_mm.py). Writes ``results.json`` and ``results.md`` to ``--out`` after every row.
+The float8 layers are the library's choice for each model (the recipe's ``fp8_layers``: Qwen-Image
+the library's own, Z-Image torchao's); ``--fp8-backend torchao scaled-mm`` runs every model with
+each kind in turn: torchao's tensor subclass, then the opaque ``scaled_mm`` op with its one-pass
+quantization (accel/hooks/fp8/scaled_mm.py). Writes ``results.json`` and ``results.md`` to
+``--out`` after every row.
 """
 
 from __future__ import annotations

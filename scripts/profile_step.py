@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action=on_off, default=True, help="compile=True (CUDA only; default on)")
     p.add_argument("--graphs", action=on_off, default=True, help="replay the graphs (default); off: kernel by kernel")
     p.add_argument("--quantize", choices=("fp8",), default=None, help="quantize='fp8' (CUDA only)")
-    p.add_argument("--fp8-backend", choices=("torchao", "scaled-mm"), default="torchao", help="float8 layers' kind")
+    p.add_argument("--fp8-backend", choices=("default", "torchao", "scaled-mm"), default="default")
     p.add_argument("--bf16-beside", action=on_off, default=None, help="with --quantize: the bf16 step first (default)")
     p.add_argument("--gemms", action=on_off, default=True, help="the step's products by shape and the floor")
     p.add_argument("--outside", action=on_off, default=True, help="one end-to-end call split into phases")

@@ -134,8 +134,6 @@ def _joins_guidance(entry: ModulePlan, options: AcceleratorOptions, guard: bool)
 def plan_install(pipe: Any, options: AcceleratorOptions) -> InstallPlan:
     """Everything :func:`~accel.hooks.accelerator.accelerate_pipeline` will install in ``pipe``
     under ``options``, or the one-line refusal (QuantizeError, ValueError) of what cannot be."""
-    # Refused (one line) before anything is installed; quantizes nothing until the warm-up.
-    quantization = plan_quantization(pipe, options, DENOISER_NAMES)
     denoisers = [
         _module(name, module, options)
         for name in DENOISER_NAMES
@@ -146,6 +144,8 @@ def plan_install(pipe: Any, options: AcceleratorOptions) -> InstallPlan:
             f"{type(pipe).__name__} has no denoiser to accelerate (looked for components named "
             f"{', '.join(DENOISER_NAMES)})"
         )
+    # Refused (one line) before anything is installed; quantizes nothing until the warm-up.
+    quantization = plan_quantization(pipe, options, DENOISER_NAMES, denoisers[0].recipe.fp8_layers)
     known = denoisers[0].recipe.component_breaks()
     parts = []
     for name in components(pipe, options):

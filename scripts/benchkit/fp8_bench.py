@@ -138,7 +138,7 @@ class Bench:
         return seconds, latents
 
     def run(self, variant: str, backend: str) -> dict[str, Any]:
-        name = variant if not variant.startswith("fp8") or backend == "torchao" else f"{variant}[{backend}]"
+        name = variant if not variant.startswith("fp8") or backend == "default" else f"{variant}[{backend}]"
         row: dict[str, Any] = {"model": self.model, "variant": name, "resolution": res_name(self.wh)}
         cached = "dbcache" in variant
         try:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from accel.hooks.fp8 import quantizers
+from accel.hooks.fp8 import layer_kinds, quantizers
 from accel.hooks.fp8.scaled_mm import ScaledMMFloat8
 
 from .calls import register_recipes
@@ -27,12 +27,18 @@ BACKENDS: dict[str, Any] = {"torchao": quantizers.TorchAOFloat8, "scaled-mm": Sc
 
 @contextlib.contextmanager
 def fp8_backend(name: str) -> Iterator[None]:
-    """``quantize="fp8"`` takes the float8 layers of ``name`` (a :data:`BACKENDS` key) inside."""
-    original, quantizers.QUANTIZERS["fp8"] = quantizers.QUANTIZERS["fp8"], BACKENDS[name]
+    """``quantize="fp8"`` takes the float8 layers of ``name`` (a :data:`BACKENDS` key) inside,
+    whatever the recipe names; ``"default"``: the library's choice (the recipe's ``fp8_layers``)."""
+    if name == "default":
+        yield
+        return
+    original = quantizers.QUANTIZERS["fp8"], layer_kinds.FP8_LAYERS
+    quantizers.QUANTIZERS["fp8"] = BACKENDS[name]
+    layer_kinds.FP8_LAYERS = dict.fromkeys(original[1], BACKENDS[name])
     try:
         yield
     finally:
-        quantizers.QUANTIZERS["fp8"] = original
+        quantizers.QUANTIZERS["fp8"], layer_kinds.FP8_LAYERS = original
 
 
 def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
@@ -65,7 +71,13 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--only", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    p.add_argument("--fp8-backend", nargs="+", choices=sorted(BACKENDS), default=["torchao"])
+    p.add_argument(
+        "--fp8-backend",
+        nargs="+",
+        choices=["default", *sorted(BACKENDS)],
+        default=["default"],
+        help="float8 layers: the library's choice for the model (default), or one kind for every model",
+    )
     p.add_argument("--size", choices=("full", "tiny"), default=None, help="default: full on CUDA, tiny on CPU")
     p.add_argument("--resolution", type=parse_resolution, default=(1024, 1024))
     p.add_argument("--steps", type=int, default=None, help="default: 9 (Z-Image), 20 (Qwen-Image)")

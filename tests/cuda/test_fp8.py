@@ -29,7 +29,7 @@ import torch
 
 from accel import accelerate_pipeline
 from accel.graphs.tree import tensors
-from accel.hooks.fp8 import quantizers
+from accel.hooks.fp8 import layer_kinds, quantizers
 from accel.hooks.fp8.scaled_mm import ScaledMMFloat8
 from pipelines.builders import build_pipeline
 
@@ -52,6 +52,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     if request.param == "torchao":
         pytest.importorskip("torchao")
     monkeypatch.setitem(quantizers.QUANTIZERS, "fp8", BACKENDS[request.param])
+    monkeypatch.setattr(layer_kinds, "FP8_LAYERS", dict.fromkeys(layer_kinds.FP8_LAYERS, BACKENDS[request.param]))
     return request.param
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accel.hooks.fp8 import quantizers
+from accel.hooks.fp8 import layer_kinds, quantizers
 from accel.hooks.fp8.quantizers import Quantizer
 
 
@@ -101,6 +101,8 @@ def use_grid(monkeypatch: pytest.MonkeyPatch, **kwargs) -> list[GridQuantizer]:
         return made[-1]
 
     monkeypatch.setitem(quantizers.QUANTIZERS, "fp8", make)
+    # Whatever kind of float8 layer a recipe names.
+    monkeypatch.setattr(layer_kinds, "FP8_LAYERS", dict.fromkeys(layer_kinds.FP8_LAYERS, make))
     return made
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.fake_quant import GridQuantizer
+from tests.helpers.fake_quant import use_grid
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,9 +19,9 @@ def test_the_fp8_bench_runs_every_row_and_writes_its_tables(tmp_path: Path, monk
     spec = importlib.util.spec_from_file_location("bench_fp8_script", ROOT / "scripts" / "bench_fp8.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # puts scripts/ on sys.path
-    from benchkit.fp8_run import BACKENDS, VARIANTS
+    from benchkit.fp8_run import VARIANTS
 
-    monkeypatch.setitem(BACKENDS, "torchao", lambda: GridQuantizer(levels=32))
+    use_grid(monkeypatch, levels=32)
     out = tmp_path / "fp8"
     argv = ["--only", "z-image", "--size", "tiny", "--steps", "2", "--resolution", "32", "--runs", "1"]
     bench.main([*argv, "--out", str(out)])

@@ -39,8 +39,9 @@ import torch
 
 from ..components import module_device
 from ..options import AcceleratorOptions
+from .layer_kinds import quantizer_for
 from .layer_select import Selection, select_layers
-from .quantizers import QuantizeError, Quantizer, quantized_when_loaded, quantizer_for
+from .quantizers import QuantizeError, Quantizer, quantized_when_loaded
 
 __all__ = ["Quantization", "plan_quantization"]
 
@@ -207,12 +208,15 @@ class Quantization:
         return lines
 
 
-def plan_quantization(pipe: Any, options: AcceleratorOptions, denoisers: Sequence[str]) -> Quantization | None:
-    """What ``options.quantize`` will do to ``pipe``'s denoisers (by component name), refused in
+def plan_quantization(
+    pipe: Any, options: AcceleratorOptions, denoisers: Sequence[str], layers: str | None = None
+) -> Quantization | None:
+    """What ``options.quantize`` will do to ``pipe``'s denoisers (by component name), with float8
+    layers of the kind ``layers`` names (the recipe's ``fp8_layers``; None: torchao's), refused in
     one line where it cannot (QuantizeError) before anything is installed; None where there is
     nothing to quantize or report."""
     modules = {n: m for n in denoisers if isinstance(m := getattr(pipe, n, None), torch.nn.Module)}
-    quantizer = quantizer_for(options.quantize) if options.quantize is not None else None
+    quantizer = quantizer_for(options.quantize, layers) if options.quantize is not None else None
     loaded: dict[str, str] = {}
     for name, module in modules.items():
         how = quantized_when_loaded(module)

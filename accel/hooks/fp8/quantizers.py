@@ -32,11 +32,11 @@ __all__ = [
     "QuantizeError",
     "Quantizer",
     "TorchAOFloat8",
+    "check_bf16_weights",
     "check_fp8_device",
     "check_quantize",
     "module_bytes",
     "quantized_when_loaded",
-    "quantizer_for",
     "tensor_bytes",
 ]
 
@@ -102,6 +102,16 @@ def _weights_dtype(module: torch.nn.Module) -> torch.dtype | None:
     return None
 
 
+def check_bf16_weights(module: torch.nn.Module | None) -> None:
+    """QuantizeError unless ``module``'s Linear weights are bf16 (None: no model yet, nothing to check)."""
+    dtype = _weights_dtype(module) if module is not None else None
+    if dtype is not None and dtype != torch.bfloat16:
+        raise QuantizeError(
+            f"quantize='fp8' (per-row float8) needs bfloat16 weights; {type(module).__name__}'s are "
+            f"{str(dtype).removeprefix('torch.')}: load it with torch_dtype=torch.bfloat16"
+        )
+
+
 def _torchao_version() -> str | None:
     if importlib.util.find_spec("torchao") is None:
         return None
@@ -145,12 +155,7 @@ class TorchAOFloat8(Quantizer):
             tested = False
         if not tested:
             logger.warning("quantize='fp8' was tested with torchao %s; this is %s", TORCHAO_VERSIONS, version)
-        dtype = _weights_dtype(module) if module is not None else None
-        if dtype is not None and dtype != torch.bfloat16:
-            raise QuantizeError(
-                f"quantize='fp8' (per-row float8) needs bfloat16 weights; {type(module).__name__}'s are "
-                f"{str(dtype).removeprefix('torch.')}: load it with torch_dtype=torch.bfloat16"
-            )
+        check_bf16_weights(module)
 
     def takes(self, linear: torch.nn.Linear) -> bool:
         weight = linear.weight
@@ -186,14 +191,9 @@ def _is_torchao(t: torch.Tensor) -> bool:
     return type(t).__module__.split(".")[0] == "torchao"
 
 
-# quantize= value -> its quantizer. Tests put a stand-in here; the GPU tests and the fp8 bench put
-# the opaque-op quantizer (accel.hooks.fp8.scaled_mm) here to compare it with torchao's.
+# quantize= value -> its quantizer where the recipe names no kind of float8 layer
+# (accel.hooks.fp8.layer_kinds). Tests put a stand-in here (and there).
 QUANTIZERS: dict[str, Callable[[], Quantizer]] = {"fp8": TorchAOFloat8}
-
-
-def quantizer_for(value: str) -> Quantizer:
-    """A fresh quantizer for a ``quantize=`` value (validated by the options already)."""
-    return QUANTIZERS[value]()
 
 
 def check_quantize(value: str, device: torch.device) -> None:
@@ -201,7 +201,7 @@ def check_quantize(value: str, device: torch.device) -> None:
     before a model exists (the device, torchao); ValueError for a value that is none."""
     if value not in QUANTIZERS:
         raise ValueError(f"quantize must be None or one of {', '.join(QUANTIZERS)}; got {value!r}")
-    quantizer_for(value).check(None, torch.device(device))
+    QUANTIZERS[value]().check(None, torch.device(device))
 
 
 def quantized_when_loaded(module: torch.nn.Module) -> str | None:

@@ -35,7 +35,9 @@ E4M3_MAX = float(torch.finfo(E4M3).max)
 # Longest row one program holds in registers (16 warps, 32 values a thread); longer rows take
 # the tensor ops.
 MAX_ROW = 16384
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# float16 rows take the tensor ops: one float16 case of tests/cuda/test_fp8.py gave other bits on an
+# H100, and no supported model runs float8 from float16.
+_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def quantize_rows_reference(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

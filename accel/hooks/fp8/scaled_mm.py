@@ -11,7 +11,8 @@ same recipe as torchao's (e4m3, per-row scales of the activations and of the wei
 accumulation): the GPU tests and ``scripts/bench_fp8.py`` run both, so one run tells which path
 graphs and compile take.
 
-Not the default: ``quantize="fp8"`` is torchao's (:data:`accel.hooks.fp8.quantizers.QUANTIZERS`).
+``quantize="fp8"`` makes these layers where the recipe names them (``Recipe.fp8_layers``,
+:mod:`accel.hooks.fp8.layer_kinds`: Qwen-Image), torchao's elsewhere.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .quantizers import Quantizer, check_fp8_device
+from .quantizers import Quantizer, check_bf16_weights, check_fp8_device
 from .row_quant import E4M3_MAX, quantize_rows_e4m3
 from .row_quant import quantize_rows_reference as quantize_rows
 
@@ -106,6 +107,7 @@ class ScaledMMFloat8(Quantizer):
 
     def check(self, module: torch.nn.Module | None, device: torch.device) -> None:
         check_fp8_device(device)
+        check_bf16_weights(module)
 
     def takes(self, linear: torch.nn.Linear) -> bool:
         return (

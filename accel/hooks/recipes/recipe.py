@@ -99,6 +99,9 @@ class Recipe:
         fp8_keep: ``quantize="fp8"``: fnmatch patterns of the Linear layers (qualified names in
             the denoiser) kept in bf16 before anything is measured: those its float8 images are
             known to need in bf16 (:mod:`accel.hooks.fp8.layer_select`).
+        fp8_layers: ``quantize="fp8"``: the kind of float8 layer the model measured fastest with,
+            a key of :data:`accel.hooks.fp8.layer_kinds.FP8_LAYERS` (``"scaled-mm"``: the library's
+            own layers, whose activations are quantized in one pass); None: torchao's.
     """
 
     name: ClassVar[str] = "generic"
@@ -109,6 +112,7 @@ class Recipe:
     pad_mask_kwarg: ClassVar[str | None] = None
     padding_refused: str | None = None
     fp8_keep: ClassVar[tuple[str, ...]] = ()
+    fp8_layers: ClassVar[str | None] = None
 
     # -- installation ----------------------------------------------------------------------
     def install(self, module: torch.nn.Module) -> Callable[[], None]:

@@ -418,3 +418,37 @@ def test_candidates_leave_out_the_recipes_layers_peft_and_what_the_quantizer_can
     assert kept == ["embed", "blocks.0.mod"]
     assert chosen == ["blocks.0.ff"]
     assert not_taken == ["odd", "proj.base_layer", "proj.lora_A.default", "proj.lora_B.default"]
+
+
+def test_each_model_gets_the_kind_of_float8_layer_its_recipe_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accel.hooks.fp8 import layer_kinds
+    from accel.hooks.fp8.layer_kinds import quantizer_for
+
+    made: list[str] = []
+
+    def kind(name: str):
+        def make() -> GridQuantizer:
+            made.append(name)
+            return GridQuantizer()
+
+        return make
+
+    monkeypatch.setattr(layer_kinds, "FP8_LAYERS", {k: kind(k) for k in layer_kinds.FP8_LAYERS})
+    monkeypatch.setitem(quantizers.QUANTIZERS, "fp8", kind("quantize='fp8' itself"))
+    for name in ("qwen-image", "z-image"):
+        accelerate_pipeline(_pipe(name), quantize="fp8")
+    assert made == ["scaled-mm", "quantize='fp8' itself"]  # Qwen-Image names the library's; Z-Image none
+    with pytest.raises(ValueError, match="float8 layers must be one of torchao, scaled-mm; got 'int4'"):
+        quantizer_for("fp8", "int4")
+
+
+def test_the_library_float8_layers_refuse_weights_that_are_not_bf16(fake_gpu) -> None:
+    fake_gpu.capability = (9, 0)
+    pipe = _pipe("qwen-image")  # tiny pipelines are float32; Qwen-Image's recipe names the library's layers
+    with pytest.raises(QuantizeError) as e:
+        accelerate_pipeline(pipe, quantize="fp8")
+    assert _one_line(e) == (
+        "quantize='fp8' (per-row float8) needs bfloat16 weights; QwenImageTransformer2DModel's are float32: "
+        "load it with torch_dtype=torch.bfloat16"
+    )
+    assert "accel" not in vars(pipe)
