@@ -59,15 +59,22 @@ COMPILE_OPTIONS: dict[str, Any] = dict(fullgraph=True, dynamic=True)
 INDUCTOR_OPTIONS: dict[str, Any] = {}
 
 
+# The library's post-grad pass (accel.hooks.compiled.same_calls), under this inductor setting.
+PASS_SETTING = "post_grad_custom_pre_pass"
+
+
 def compile_options(inductor: Any = None) -> dict[str, Any]:
-    """``torch.compile``'s keyword arguments for the blocks, with the library's inductor settings
+    """``torch.compile``'s keyword arguments for the blocks: the library's pass
+    (:class:`~accel.hooks.compiled.same_calls.SameCallsOnce`), the library's inductor settings
     and ``inductor`` (``(name, value)`` pairs or a mapping) over them; ValueError naming a
     setting inductor does not know."""
-    settings = {**INDUCTOR_OPTIONS, **dict(inductor or ())}
-    if not settings:
+    if COMPILE_OPTIONS.get("backend", "inductor") != "inductor":  # settings are inductor's alone
         return dict(COMPILE_OPTIONS)
     from torch._inductor import list_options
 
+    from .same_calls import SAME_CALLS_ONCE
+
+    settings = {PASS_SETTING: SAME_CALLS_ONCE, **INDUCTOR_OPTIONS, **dict(inductor or ())}
     unknown = sorted(set(settings) - set(list_options()))
     if unknown:
         raise ValueError(f"inductor: unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
