@@ -15,6 +15,8 @@ very bits the removed one would have. Nothing else in the graph is touched.
 
 from __future__ import annotations
 
+import logging
+import operator
 from typing import Any
 
 import torch
@@ -24,6 +26,8 @@ __all__ = ["NAMESPACE", "SAME_CALLS_ONCE", "SameCallsOnce"]
 
 NAMESPACE = "bcg_diffusers"
 
+logger = logging.getLogger(__name__)
+
 
 def _pure(target: Any) -> bool:
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != NAMESPACE:
@@ -31,12 +35,30 @@ def _pure(target: Any) -> bool:
     return not target._schema.is_mutable
 
 
+# Nodes that only reshape a tensor or compute a size: each layer makes its own (every float8
+# layer reshapes its input to rows), so two calls on one tensor see two such nodes. They are
+# compared by what they compute, not by identity.
+_STRUCTURAL = {
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.sym_size.int,
+    operator.mul,
+    operator.add,
+    operator.floordiv,
+}
+
+
 def _key(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        if value.op == "call_function" and value.target in _STRUCTURAL:
+            return ("computed", value.target, _key(value.args), _key(value.kwargs))
+        return value
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, *map(_key, value))
     if isinstance(value, dict):
         return tuple(sorted((k, _key(v)) for k, v in value.items()))
-    return value  # fx nodes, numbers, dtypes, None: hashable
+    return value  # numbers, dtypes, None: hashable
 
 
 class SameCallsOnce(CustomGraphPass):
@@ -44,6 +66,7 @@ class SameCallsOnce(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         first: dict[Any, torch.fx.Node] = {}
+        seen = merged = 0
         for node in list(graph.nodes):
             if node.op != "call_function" or not _pure(node.target):
                 continue
@@ -52,10 +75,13 @@ class SameCallsOnce(CustomGraphPass):
                 hash(key)
             except TypeError:  # an argument that is not hashable: leave the call alone
                 continue
+            seen += 1
             earlier = first.setdefault(key, node)
             if earlier is not node:
                 node.replace_all_uses_with(earlier)
                 graph.erase_node(node)
+                merged += 1
+        logger.debug("%d of %d calls of the library's ops merged into earlier ones", merged, seen)
 
     def uuid(self) -> bytes:
         # Inductor's cache keys the compiled code by this: a change to the pass recompiles.

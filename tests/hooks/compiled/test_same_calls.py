@@ -71,3 +71,40 @@ def test_inductor_runs_the_merged_graph_with_the_same_result() -> None:
     torch.testing.assert_close(got, want)  # inductor rounds its own fused sums its way
     assert len(CALLS) == 2, "the two identical calls should run once"
     assert SAME_CALLS_ONCE.uuid() == SameCallsOnce().uuid()
+
+
+@torch.no_grad()
+def test_three_float8_layers_on_one_input_quantize_it_once_under_inductor(monkeypatch) -> None:
+    from accel.hooks.fp8 import row_quant
+    from accel.hooks.fp8.scaled_mm import ScaledMMFloat8
+
+    torch.manual_seed(0)
+    attn = torch.nn.ModuleDict({n: torch.nn.Linear(64, 32, dtype=torch.bfloat16) for n in ("to_q", "to_k", "to_v")})
+    ScaledMMFloat8().quantize(attn, ["to_q", "to_k", "to_v"])
+
+    def project(x: torch.Tensor) -> torch.Tensor:  # what an attention processor does
+        return attn["to_q"](x) + attn["to_k"](x) * attn["to_v"](x)
+
+    counted: list[int] = []
+    reference = row_quant.quantize_rows_reference
+    monkeypatch.setattr(row_quant, "quantize_rows_reference", lambda *a: counted.append(1) or reference(*a))
+    x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
+    want = project(x)
+    assert len(counted) == 3
+    options = compile_options()  # dynamic shapes, as the blocks compile
+    without = {**options, "options": {k: v for k, v in options["options"].items() if k != PASS_SETTING}}
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(project, **options)
+        unmerged = torch.compile(lambda t: project(t) + 0, **without)
+        for shape in [(2, 7, 64), (3, 5, 64)]:
+            y = torch.randn(*shape, dtype=torch.bfloat16)
+            compiled(y)
+            counted.clear()
+            got = compiled(y)
+            assert len(counted) == 1, f"{shape}: the input was quantized {len(counted)} times"
+            counted.clear()
+            assert torch.equal(got, unmerged(y)) and len(counted) == 3  # the same bits, three calls without it
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(want, project(x))
