@@ -113,10 +113,10 @@ class QwenImageRecipe(Recipe):
     )
 
     # The library's own float8 layers: their one-pass quantization (with the feed-forward's GELU
-    # inside it) ended the call at 4.313 s against torchao's 4.432 in one process (H100,
-    # 1024x1024, 20 steps, true CFG; 80d7e52, samples/gpu-run-2026-12-06d/). Z-Image keeps
-    # torchao's: its quantization fuses into the SiLU-gated product and the RMS norm there, 0.728 s
-    # against 0.748.
+    # inside it) ended the call at 4.313 s against torchao's 4.432, and at 4.362 against 4.434 in
+    # a second process (one H100, 1024x1024, 20 steps, true CFG; samples/gpu-run-2026-12-06d/).
+    # Z-Image keeps torchao's: there inductor fuses the quantization into the SiLU-gated product
+    # and the RMS norm, 0.728 s against 0.748.
     fp8_layers = "scaled-mm"
 
     pads_text = True

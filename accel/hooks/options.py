@@ -209,9 +209,11 @@ class AcceleratorOptions:
     Quantization (lossy, opt-in):
 
     Attributes:
-        quantize: ``"fp8"``: the denoisers' Linear layers in float8 (torchao's dynamic float8
-            activations and float8 weights with per-row scales, through ``torchao.quantize_``),
-            the layers that cost the image most kept in bf16. The first :meth:`warmup` call
+        quantize: ``"fp8"``: the denoisers' Linear layers in float8 (dynamic float8 activations
+            and float8 weights with per-row scales: torchao's, through ``torchao.quantize_``, or
+            where the recipe measured them faster the library's own layers, whose activations
+            are quantized in one pass, Qwen-Image's; :mod:`accel.hooks.fp8.layer_kinds`), the
+            layers that cost the image most kept in bf16. The first :meth:`warmup` call
             measures every quantized layer's output against bf16 and keeps the worst ones in bf16
             until the final latents are within ``fp8_budget``, starting from those the recipe
             names (embedders, modulation, final projection); until a warm-up the weights stay
