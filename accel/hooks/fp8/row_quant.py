@@ -32,6 +32,8 @@ __all__ = ["E4M3", "E4M3_MAX", "MAX_ROW", "quantize_rows_e4m3", "quantize_rows_r
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
+# 1 / 448 as a float32, the factor ATen's CUDA division by 448 multiplies with.
+_INV_QMAX = float(torch.tensor(1 / E4M3_MAX, dtype=torch.float32))
 # Longest row one program holds in registers (16 warps, 32 values a thread); longer rows take
 # the tensor ops.
 MAX_ROW = 16384
@@ -66,8 +68,8 @@ def _one_pass(x: torch.Tensor) -> bool:
 @torch.library.custom_op("bcg_diffusers::quantize_rows_e4m3", mutates_args=())
 def quantize_rows_e4m3(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (rows, K) as e4m3 values (rows, K) and float32 scales (rows, 1), one per row: its
-    largest magnitude (never below :func:`row_floor`, so zeros stay zeros) over 448, computed in ``x``'s
-    dtype. With ``gelu_tanh``, of ``gelu(x, approximate="tanh")``. One pass on CUDA."""
+    largest magnitude (never below :func:`row_floor`, so zeros stay zeros) over 448, computed in
+    ``x``'s dtype. With ``gelu_tanh``, of ``gelu(x, approximate="tanh")``. One pass on CUDA."""
     if x.dim() != 2:
         raise ValueError(f"quantize_rows_e4m3 takes (rows, K), got shape {tuple(x.shape)}")
     if not _one_pass(x):
@@ -93,7 +95,7 @@ def quantize_rows_e4m3(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.
                 x.stride(0),
                 FLOOR=row_floor(x.dtype),
                 QMAX=E4M3_MAX,
-                INV_QMAX=float(torch.tensor(1 / E4M3_MAX, dtype=torch.float32)),
+                INV_QMAX=_INV_QMAX,
                 GELU_TANH=gelu_tanh,
                 BLOCK=block,
                 num_warps=warps,
