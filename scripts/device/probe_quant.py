@@ -22,32 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _graph_ms(fn, reps: int = 20, rounds: int = 15) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
+from graph_timing import graph_ms
 
 
 def _triton_gelu_quant():
@@ -136,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         x = args[0]
         copy_src = torch.empty(x.numel() * 3 // 2, dtype=torch.uint8, device=dev)
         copy_dst = torch.empty_like(copy_src)
-        row = {"case": label, "copy_ms": _graph_ms(lambda: copy_dst.copy_(copy_src)), "bytes_one_pass": x.numel() * 3}
+        row = {"case": label, "copy_ms": graph_ms(lambda: copy_dst.copy_(copy_src)), "bytes_one_pass": x.numel() * 3}
         ref = None
         for name, opts in settings.items():
             torch._dynamo.reset()
             try:
                 compiled = torch.compile(fn, options=opts or None, dynamic=False)
                 out = compiled(*args)
-                row[name + "_ms"] = _graph_ms(lambda: compiled(*args))
+                row[name + "_ms"] = graph_ms(lambda: compiled(*args))
                 if ref is None:
                     ref = out
                 else:
@@ -156,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             gelu = "gelu" in label
             try:
                 out = triton_run(x, gelu)
-                row["triton_row_ms"] = _graph_ms(lambda: triton_run(x, gelu))
+                row["triton_row_ms"] = graph_ms(lambda: triton_run(x, gelu))
                 if ref is not None:
                     row["triton_row_equal"] = bool(torch.equal(out[0].view(torch.uint8), ref[0].view(torch.uint8)))
                     row["triton_row_scale_equal"] = bool(torch.equal(out[1], ref[1]))
@@ -175,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
         for m in (1, 2, 21, 42, 66, 132):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             xq, xs = quantize_rows(x)
-            row = {"m": m, "k": k, "n": n, "bf16_ms": _graph_ms(lambda: F.linear(x, w))}
+            row = {"m": m, "k": k, "n": n, "bf16_ms": graph_ms(lambda: F.linear(x, w))}
             try:
                 torch._scaled_mm(
                     xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=torch.bfloat16, use_fast_accum=True
                 )
-                row["fp8_ms"] = _graph_ms(
+                row["fp8_ms"] = graph_ms(
                     lambda: torch._scaled_mm(
                         xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1), out_dtype=torch.bfloat16, use_fast_accum=True
                     )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,6 +21,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from graph_timing import graph_ms
 
 
 @triton.jit
@@ -65,27 +67,6 @@ def variant_kernel(
     tl.store(s_ptr + row, scale)
 
 
-def _graph_ms(fn, reps: int = 20, rounds: int = 15) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -103,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         ref_q, ref_s = quantize_rows_reference(x, gelu)
         src = torch.empty(rows * k * 3 // 2, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
-        row = {"rows": rows, "k": k, "gelu": gelu, "copy_ms": _graph_ms(lambda: dst.copy_(src))}
-        row["library_ms"] = _graph_ms(lambda: quantize_rows_e4m3(x, gelu))
+        row = {"rows": rows, "k": k, "gelu": gelu, "copy_ms": graph_ms(lambda: dst.copy_(src))}
+        row["library_ms"] = graph_ms(lambda: quantize_rows_e4m3(x, gelu))
         q = torch.empty_like(x, dtype=torch.float8_e4m3fn)
         s = torch.empty(rows, 1, device=dev, dtype=torch.float32)
         block = triton.next_power_of_2(k)
@@ -121,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
                     name = f"div{div}_tanh{tanh}_w{warps}"
                     try:
-                        row[name + "_ms"] = _graph_ms(call)
+                        row[name + "_ms"] = graph_ms(call)
                         call()
                         row[name + "_differ"] = int((q.view(torch.uint8) != ref_q.view(torch.uint8)).sum())
                         row[name + "_scales_equal"] = bool(torch.equal(s, ref_s))
