@@ -102,7 +102,8 @@ def _gelu_input_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
     return forward
 
 
-def _gelu_feed_forward(module: torch.nn.Module, gelu_type: type) -> bool:
+def _gelu_feed_forward(module: torch.nn.Module) -> bool:
+    from diffusers.models.activations import GELU
     from diffusers.models.attention import FeedForward
 
     net = getattr(module, "net", None)
@@ -112,7 +113,7 @@ def _gelu_feed_forward(module: torch.nn.Module, gelu_type: type) -> bool:
         and "forward" not in vars(module)
         and isinstance(net, torch.nn.ModuleList)
         and len(net) in (3, 4)
-        and type(net[0]) is gelu_type
+        and type(net[0]) is GELU
         and net[0].approximate == "tanh"
         and type(net[1]) is torch.nn.Dropout
         and (len(net) == 3 or type(net[3]) is torch.nn.Dropout)
@@ -128,7 +129,7 @@ def fuse_gelu_epilogues(model: torch.nn.Module) -> Callable[[], None]:
 
     held, feed_forwards = [], 0
     for module in model.modules():
-        if _gelu_feed_forward(module, GELU):
+        if _gelu_feed_forward(module):
             feed_forwards += 1
             why = "a float8 down projection quantizes the GELU's output in one pass (compile=True)"
             held.append(patch(module, "forward", _gelu_input_forward(module), why=why, where="dict"))
