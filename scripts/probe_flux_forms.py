@@ -9,7 +9,7 @@ guidance 3.5, decoded (``output_type="pt"``). Variants side by side, each a medi
 
 * ``eager``: the stock pipeline;
 * ``compiled``: ``accelerate_pipeline(pipe, compile=True)`` as it is: FLUX.1's single-stream
-  form (pipelines/flux.py) and the decoder's GroupNorms through inductor
+  form (pipelines/families/flux/forms.py) and the decoder's GroupNorms through inductor
   (accel/hooks/compiled/group_norm.py);
 * ``compiled-stock-single``: the same with the single-stream blocks as diffusers wrote them;
 * ``compiled-stock-norms``: the same with the decoder's GroupNorms as ATen's;
@@ -56,7 +56,7 @@ def main() -> int:
     from accel import accelerate_pipeline
     from accel.hooks import graph_hook
     from pipelines import zoo
-    from pipelines.flux import FluxRecipe
+    from pipelines.families.flux.recipe import FluxRecipe
 
     register_recipes()
 

@@ -16,7 +16,7 @@ catalog     the models by name and alias; their classes, configs and tokenizers
 
 from __future__ import annotations
 
-from .catalog import (
+from .configs import (
     ALIASES,
     MODEL_NAMES,
     RELEASES,

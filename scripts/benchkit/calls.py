@@ -20,10 +20,10 @@ def register_recipes() -> None:
     (PYTHONPATH) has none, so register them by hand. Harmless when installed."""
     try:
         from accel.hooks.recipes.registry import register_recipe
-        from pipelines.flux import FluxRecipe
-        from pipelines.hunyuan_video15 import HunyuanVideo15Recipe
-        from pipelines.qwen_image import QwenImageRecipe
-        from pipelines.z_image import ZImageRecipe
+        from pipelines.families.flux.recipe import FluxRecipe
+        from pipelines.families.hunyuan_video15.recipe import HunyuanVideo15Recipe
+        from pipelines.families.qwen_image.recipe import QwenImageRecipe
+        from pipelines.families.z_image.recipe import ZImageRecipe
 
         for recipe in (FluxRecipe, HunyuanVideo15Recipe, QwenImageRecipe, ZImageRecipe):
             register_recipe(recipe)

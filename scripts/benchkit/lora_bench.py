@@ -41,7 +41,7 @@ def median(values: Sequence[float]) -> float:
 def exact_expected(model: str, reference: str, exact_text: bool, wh: tuple[int, int]) -> bool:
     """Whether the library promises the reference's image bit for bit (README's table): always
     the same model without graphs; stock, except where Qwen-Image's recipe pads the text."""
-    from pipelines.qwen_image import BUCKET_MAX_IMAGE_TOKENS, PATCH_PIXELS
+    from pipelines.families.qwen_image.recipe import BUCKET_MAX_IMAGE_TOKENS, PATCH_PIXELS
 
     if reference == "no-graphs" or model != "qwen-image" or exact_text:
         return True

@@ -124,7 +124,7 @@ def test_compiled_graphs_after_an_uncompiled_session_in_the_same_process(tmp_pat
 
 @torch.no_grad()
 def test_flux_compiled_forms_under_graphs_equal_the_same_compiled_model(tmp_path) -> None:
-    """FLUX.1's single-stream form (pipelines/flux.py) and the decoder's GroupNorms through inductor
+    """FLUX.1's single-stream form (pipelines/families/flux/forms.py) and the decoder's GroupNorms through inductor
     (accel/hooks/compiled/group_norm.py) at full size: both installed, the decoded images of their graphs
     equal to the same compiled model with every runner off, and near stock eager (a wrong weight
     split would be far off, not bf16 noise away)."""

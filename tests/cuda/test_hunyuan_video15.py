@@ -12,8 +12,8 @@ import torch
 
 from accel import GenericRecipe
 from accel.hooks.graph_hook import remove_graph_runner
-from pipelines.hunyuan_video15 import BREAK_NAME, HunyuanVideo15Recipe
-from tests.pipelines.test_hunyuan_video15 import CASES, _inputs, _install, _model, _User, use_recipe
+from pipelines.families.hunyuan_video15.recipe import BREAK_NAME, HunyuanVideo15Recipe
+from tests.pipelines.families.test_hunyuan_video15 import CASES, _inputs, _install, _model, _User, use_recipe
 
 pytestmark = pytest.mark.cuda
 

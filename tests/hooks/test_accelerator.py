@@ -17,8 +17,8 @@ from accel.hooks.recipes.generic import GenericRecipe
 from accel.hooks.recipes.recipe import Recipe
 from accel.hooks.recipes.registry import recipe_for
 from pipelines.builders import build_pipeline
-from pipelines.qwen_image import QwenImageRecipe
-from pipelines.z_image import ZImageRecipe
+from pipelines.families.qwen_image.recipe import QwenImageRecipe
+from pipelines.families.z_image.recipe import ZImageRecipe
 from tests.helpers.generate import generate
 
 MODELS = ["z-image", "qwen-image"]
@@ -376,7 +376,7 @@ def test_the_report_lists_the_patches_in_place_and_restore_takes_them_all_away(t
 
 
 def test_qwen_pads_text_only_where_the_forward_is_launch_bound() -> None:
-    from pipelines.qwen_image import BUCKET_MAX_IMAGE_TOKENS
+    from pipelines.families.qwen_image.recipe import BUCKET_MAX_IMAGE_TOKENS
 
     recipe = QwenImageRecipe()
     text = torch.randn(1, 40, 8)

@@ -17,7 +17,7 @@ from accel import accelerate_pipeline
 from accel.hooks.cfg_batch import CFGBatchHook, apply_cfg_batch, cfg_batch_hook_of, remove_cfg_batch
 from accel.hooks.graph_hook import graph_hook_of
 from pipelines.builders import build_pipeline
-from pipelines.qwen_image import BUCKET_MAX_IMAGE_TOKENS, QwenImageRecipe
+from pipelines.families.qwen_image.recipe import BUCKET_MAX_IMAGE_TOKENS, QwenImageRecipe
 from tests.helpers.generate import generate
 
 

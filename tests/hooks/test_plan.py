@@ -18,7 +18,7 @@ from accel.hooks.options import AcceleratorOptions
 from accel.hooks.plan import plan_install
 from accel.hooks.recipes.generic import GenericRecipe
 from pipelines.builders import build_pipeline
-from pipelines.qwen_image import QwenImageRecipe
+from pipelines.families.qwen_image.recipe import QwenImageRecipe
 
 
 def _untouched(pipe: Any) -> bool:

@@ -87,8 +87,8 @@ def test_a_single_process_is_told_how_to_launch(monkeypatch: pytest.MonkeyPatch)
 
 def test_recipes_know_their_branches_and_splits() -> None:
     from pipelines.builders import build_pipeline
-    from pipelines.qwen_image import QwenImageRecipe
-    from pipelines.z_image import ZImageRecipe
+    from pipelines.families.qwen_image.recipe import QwenImageRecipe
+    from pipelines.families.z_image.recipe import ZImageRecipe
 
     qwen = build_pipeline("qwen-image", "tiny").transformer
     recipe = QwenImageRecipe()

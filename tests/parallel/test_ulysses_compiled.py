@@ -4,7 +4,7 @@ Our Z-Image context-parallel plan puts diffusers' split hooks on the main layers
 repeated blocks ``compile=True`` compiles, so dynamo traces the hooks. Left alone, a split hook's
 first call looks its arguments up with ``inspect.signature`` inside the compiled block, and
 ``fullgraph=True`` fails on every rank ("Unexpected type in sourceless builder" on torch 2.11).
-The recipe resolves them before each call (``pipelines.z_image.resolve_split_hooks``).
+The recipe resolves them before each call (``pipelines.families.z_image.recipe.resolve_split_hooks``).
 
 On the CPU ``accelerate_pipeline`` does not compile, so the worker compiles the blocks itself the
 way ``accel.hooks.compiled.compile`` does on CUDA (diffusers' ``compile_repeated_blocks(fullgraph=True,

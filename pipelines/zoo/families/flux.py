@@ -1,4 +1,4 @@
-"""FLUX.1-dev, the built-in model's denoiser, VAE and scheduler (:mod:`pipelines.releases.flux1`)."""
+"""FLUX.1-dev, the built-in model's denoiser, VAE and scheduler (:mod:`pipelines.families.flux.release`)."""
 
 from __future__ import annotations
 

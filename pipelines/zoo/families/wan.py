@@ -1,5 +1,5 @@
 """Wan2.1 text-to-video, 14B and 1.3B: the built-in models' denoisers, VAE and schedulers
-(:mod:`pipelines.releases.wan21`), a short clip at 480p."""
+(:mod:`pipelines.families.wan.release`), a short clip at 480p."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from accel.hooks.fp8.layer_select import distance, select_layers
 from accel.hooks.fp8.quantizers import QuantizeError, check_fp8_device
 from accel.hooks.graph_hook import graph_hook_of
 from pipelines.builders import build_pipeline
-from pipelines.qwen_image import QwenImageRecipe
+from pipelines.families.qwen_image.recipe import QwenImageRecipe
 from tests.helpers.fake_quant import GridLinear, GridQuantizer, use_grid
 from tests.helpers.generate import generate
 

@@ -17,7 +17,7 @@ from accel.hooks import graph_hook, report
 from accel.hooks.recipes import padding_gate
 from accel.hooks.recipes.padding_gate import processors_dropping, refusal
 from pipelines.builders import build_pipeline, build_transformer
-from pipelines.qwen_image import QwenImageRecipe
+from pipelines.families.qwen_image.recipe import QwenImageRecipe
 from tests.helpers.emulator import emulate_pipelines
 from tests.helpers.generate import generate
 

@@ -28,7 +28,7 @@ FLAGS = ["--device", "cpu", "--resolutions", "32x32", "64x64", "--warmup", "32x3
 def warm_prompt() -> str:
     """A prompt whose text length the warm-up captured (on a CPU no recipe pads text to one)."""
     from pipelines.builders import build_pipeline
-    from pipelines.z_image import ZImageRecipe
+    from pipelines.families.z_image.recipe import ZImageRecipe
 
     pipe = build_pipeline("z-image", size="tiny", seed=0)
     return prompt_of_warm_length(pipe, ZImageRecipe(), random.Random(0), (32, 32))

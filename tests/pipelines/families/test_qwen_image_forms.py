@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from accel import accelerate_pipeline
-from pipelines import compiled_forms
 from pipelines.builders import build_pipeline
-from pipelines.compiled_forms import (
+from pipelines.families.qwen_image import forms
+from pipelines.families.qwen_image.forms import (
     QWEN_MODULE,
     qwen_rope_in_real_arithmetic,
     rotate_pairs,
@@ -47,12 +47,12 @@ def test_qwen_form_equals_diffusers_and_is_undone() -> None:
     try:
         assert mod.apply_rotary_emb_qwen is not stock
         calls = []
-        real = compiled_forms.rotate_pairs
-        compiled_forms.rotate_pairs = lambda *a: calls.append(1) or real(*a)  # counts the calls taking the form
+        real = forms.rotate_pairs
+        forms.rotate_pairs = lambda *a: calls.append(1) or real(*a)  # counts the calls taking the form
         try:
             got = _latents(pipe)
         finally:
-            compiled_forms.rotate_pairs = real
+            forms.rotate_pairs = real
         assert calls, "the patched helper never took the real-arithmetic path"
         assert torch.equal(got, want)
         x = torch.randn(1, 2, 4, 8)  # [B, H, S, D] on this path

@@ -39,7 +39,7 @@ import torch
 
 from accel import GenerationDefaults, Recipe, eager_on_graph, patch, tree, unpatched
 
-from .compiled_forms import QWEN_MODULE, qwen_rope_in_real_arithmetic
+from .forms import QWEN_MODULE, qwen_rope_in_real_arithmetic
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class QwenImageRecipe(Recipe):
         return _mark_mask_helper(modname)
 
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
-        # The complex rotary product is an ATen kernel inductor cannot fuse (pipelines/compiled_forms.py).
+        # The complex rotary product is an ATen kernel inductor cannot fuse (pipelines/families/qwen_image/forms.py).
         if type(module).__module__ != QWEN_MODULE:
             return lambda: None
         return qwen_rope_in_real_arithmetic()

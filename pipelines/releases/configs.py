@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
+from ..families.flux.release import FLUX_1_DEV
+from ..families.qwen_image.release import QWEN_IMAGE
+from ..families.wan.release import WAN_1_3B, WAN_14B
+from ..families.z_image.release import Z_IMAGE
 from ..tokenizer import build_tokenizer, special_token_ids
 from ..tokenizers_t5_clip import build_clip_tokenizer, build_t5_tokenizer
-from .flux1 import FLUX_1_DEV
-from .qwen_image import QWEN_IMAGE
 from .spec import Part, Release
-from .wan21 import WAN_1_3B, WAN_14B
-from .z_image import Z_IMAGE
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline

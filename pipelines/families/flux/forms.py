@@ -1,5 +1,5 @@
-"""Recipe for FLUX.1 denoisers (diffusers' FluxTransformer2DModel): the generic recipe, plus one
-compiled form for its single-stream blocks.
+"""FLUX.1's compiled form: its single-stream blocks without their concatenated copy (the one thing
+:class:`pipelines.families.flux.recipe.FluxRecipe` adds to the generic recipe).
 
 The generic recipe captures FLUX.1 whole (bit for bit, no breaks) and its warm-up reads the
 pipeline's distilled guidance from the call; nothing of that changes here. What FLUX.1 adds is
@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from accel import GenericRecipe, addmm_gelu_tanh, diffusers_in, fusable_linear, patch
+from accel import addmm_gelu_tanh, diffusers_in, fusable_linear, patch
 
-__all__ = ["FORM_VERSIONS", "FluxRecipe", "single_blocks_without_concat"]
+__all__ = ["FORM_VERSIONS", "single_blocks_without_concat"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +105,3 @@ def single_blocks_without_concat(model: torch.nn.Module) -> Callable[[], None]:
     if held:
         logger.info("%s: %d single-stream blocks without the concatenated copy", type(model).__name__, len(held))
     return lambda: [p.undo() for p in reversed(held)] and None
-
-
-class FluxRecipe(GenericRecipe):
-    """The generic recipe, with the single-stream blocks' compiled form (:func:`single_blocks_without_concat`)."""
-
-    name = "flux"
-    denoiser_classes = ("FluxTransformer2DModel",)
-
-    def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
-        return single_blocks_without_concat(module)

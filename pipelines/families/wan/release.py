@@ -9,9 +9,9 @@ from typing import Any
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
-from ..construction import init_defaults
-from .encoders import TINY_T5, UMT5_XXL
-from .spec import TINY_TEXT_HIDDEN, Part, Release
+from ...construction import init_defaults
+from ...releases.encoders import TINY_T5, UMT5_XXL
+from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
 
 __all__ = ["SCHEDULER", "WAN_1_3B", "WAN_14B"]
 

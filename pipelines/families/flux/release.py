@@ -8,8 +8,8 @@ from typing import Any
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from .encoders import CLIP_L_TEXT, T5_V1_1_XXL, TINY_CLIP_TEXT, TINY_T5
-from .spec import TINY_TEXT_HIDDEN, Part, Release
+from ...releases.encoders import CLIP_L_TEXT, T5_V1_1_XXL, TINY_CLIP_TEXT, TINY_T5
+from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
 
 __all__ = ["FLUX_1_DEV", "SCHEDULER", "TRANSFORMER", "VAE"]
 

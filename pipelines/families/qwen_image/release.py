@@ -7,8 +7,8 @@ from typing import Any
 from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from ..construction import init_defaults
-from .spec import TINY_TEXT_HIDDEN, Part, Release
+from ...construction import init_defaults
+from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
 
 __all__ = ["QWEN_IMAGE", "SCHEDULER", "TRANSFORMER", "VAE"]
 

@@ -7,9 +7,9 @@ from typing import Any
 from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
-from ..construction import init_defaults
-from . import flux1
-from .spec import TINY_TEXT_HIDDEN, Part, Release
+from ...construction import init_defaults
+from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
+from ..flux import release as flux1
 
 __all__ = ["Z_IMAGE"]
 

@@ -8,9 +8,10 @@ import torch
 from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
 
 from accel import accelerate_pipeline, recipe_for
-from pipelines import flux
 from pipelines.builders import build_pipeline
-from pipelines.flux import FluxRecipe, single_blocks_without_concat
+from pipelines.families.flux import forms
+from pipelines.families.flux.forms import single_blocks_without_concat
+from pipelines.families.flux.recipe import FluxRecipe
 
 
 def _block(seed: int = 0) -> FluxSingleTransformerBlock:
@@ -32,8 +33,8 @@ def test_the_form_is_the_stock_block_and_is_undone(monkeypatch: pytest.MonkeyPat
     hidden, text, temb = _inputs()
     want = block(hidden, text, temb)
     calls = []
-    real = flux.addmm_gelu_tanh
-    monkeypatch.setattr(flux, "addmm_gelu_tanh", lambda *a: calls.append(1) or real(*a))
+    real = forms.addmm_gelu_tanh
+    monkeypatch.setattr(forms, "addmm_gelu_tanh", lambda *a: calls.append(1) or real(*a))
     undo = single_blocks_without_concat(torch.nn.ModuleList([block]))
     try:
         assert "forward" in vars(block)
@@ -54,7 +55,7 @@ def test_a_replaced_projection_or_gradients_run_the_stock_block(monkeypatch: pyt
     block = _block()
     hidden, text, temb = _inputs()
     calls = []
-    monkeypatch.setattr(flux, "addmm_gelu_tanh", lambda *a: calls.append(1))
+    monkeypatch.setattr(forms, "addmm_gelu_tanh", lambda *a: calls.append(1))
     undo = single_blocks_without_concat(block)
     try:
 
@@ -86,7 +87,7 @@ def test_another_diffusers_or_class_keeps_the_stock_forward(monkeypatch: pytest.
     undo = single_blocks_without_concat(torch.nn.ModuleList([sub]))
     assert "forward" not in vars(sub)
     undo()
-    monkeypatch.setattr(flux, "FORM_VERSIONS", ">=99")
+    monkeypatch.setattr(forms, "FORM_VERSIONS", ">=99")
     undo = single_blocks_without_concat(block)
     assert "forward" not in vars(block)
     undo()

@@ -27,7 +27,12 @@ from accel import GenericRecipe, accelerate_pipeline, register_recipe
 from accel.hooks.graph_hook import GraphHook, apply_graph_runner, remove_graph_runner
 from accel.hooks.options import AcceleratorOptions
 from accel.hooks.recipes import registry as recipe_mod
-from pipelines.hunyuan_video15 import BREAK_NAME, HunyuanVideo15Recipe, combine_condition_tokens, split_forward
+from pipelines.families.hunyuan_video15.recipe import (
+    BREAK_NAME,
+    HunyuanVideo15Recipe,
+    combine_condition_tokens,
+    split_forward,
+)
 from tests.helpers.emulator import emulate_cuda, emulate_pipelines, segment_replays
 
 TINY = dict(

@@ -1,0 +1,6 @@
+"""Qwen-Image: a 20B double-stream DiT with a Qwen2.5-VL-7B text encoder and its own VAE.
+
+recipe    :class:`~pipelines.families.qwen_image.recipe.QwenImageRecipe` (text padding, the mask helper's break, true CFG)
+release   ``QWEN_IMAGE``, the released configs and a tiny model of the same structure
+forms     rotary embeddings in real arithmetic (``compile=True``)
+"""
