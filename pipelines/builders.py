@@ -15,9 +15,11 @@ guidance embedding, Wan's causal video VAE, the text encoder families) are those
 checkpoints. Nothing is downloaded: the tokenizers are made in-process (see
 :mod:`pipelines.tokenizer` and :mod:`pipelines.tokenizers_t5_clip`).
 
-The models' classes and configs are data, one module per family in :mod:`pipelines.releases`;
-this module builds them (seeded random weights, created in place: :mod:`pipelines.construction`)
-and refuses full-size weights that cannot fit the device (:func:`pipelines.limits.check_weights`).
+The models' classes and configs are data, one module per family
+(``pipelines/families/<family>/release.py``, read through :mod:`pipelines.releases`); this module
+builds them (seeded random weights, created in place: :mod:`pipelines.construction`) and refuses
+full-size weights that cannot fit the device (:func:`pipelines.limits.check_weights`). Which
+models exist is the catalog's answer (:mod:`pipelines.families.catalog`).
 
 Any other name is handed to ``DiffusionPipeline.from_pretrained`` (a local folder or a hub id),
 so callers can use one entry point for random and real weights::

@@ -10,10 +10,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ..families.catalog import video_model_names
 from . import values
 from .constants import DEFAULT_PROMPT, MAX_STEPS, MEMORY_MARGIN, PROG, accel_options, package_version
 from .errors import CLIError
-from .known_models import video_model_names
 from .model_flags import add_model_arguments, model_epilog
 
 

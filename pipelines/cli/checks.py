@@ -10,9 +10,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..families.catalog import known_model, video_model_names
 from .constants import VIDEO_SUFFIXES
 from .errors import CLIError, _one_line
-from .known_models import known_model, video_model_names
 
 # Bytes per pixel of one decoded image on the host: the pipeline's float32 RGB array plus the
 # 8-bit copy a PNG is made from. A floor no model can go below, checked before anything is built.

@@ -1,36 +1,21 @@
 """Model defaults: steps and guidance from the model's recipe (accel.Recipe.generation_defaults)
-or, for pipelines the generic recipe serves, from the table below; sizes and frames by model."""
+or, for pipelines the generic recipe serves, from their family's record in the catalog; sizes and
+frames by model (:mod:`pipelines.families.catalog`)."""
 
 from __future__ import annotations
 
 import inspect
-import math
 from typing import TYPE_CHECKING, Any
 
+from ..families.catalog import known_model, pipeline_generation
 from .constants import DEFAULT_RESOLUTION
-from .known_models import known_model
 
 if TYPE_CHECKING:  # accel imports torch: not before it is needed
     from accel import GenerationDefaults
 
-# Pipelines whose denoisers have no recipe of their own (accel's GenericRecipe serves them, and
-# knows no model), run as their model cards run them. FLUX.1-dev: 28 steps, guidance 3.5 fed to
-# its distilled guidance embedding; that is no classifier-free guidance, so none runs whatever
-# the scale (cfg_above infinite). Wan2.1: CFG above a scale of 1, as WanPipeline decides.
-_PIPELINE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "FluxPipeline": dict(steps=28, guidance=3.5, guidance_kwarg="guidance_scale", cfg_above=math.inf),
-    "WanPipeline": dict(steps=30, guidance=5.0, guidance_kwarg="guidance_scale", cfg_above=1.0),
-}
-
-# Wan2.1's video VAE decodes every frame at full resolution. Full size makes Wan's 480p
-# (832x480) at 33 frames; the tiny model stays small: its VAE decodes 5 frames of 512x512 in
-# about 7 s on 2 CPU cores, of 256x256 in 2 s (a whole 30-step run there: 3 s). Other built-in
-# models, tiny or full, use DEFAULT_RESOLUTION.
-_VIDEO_DEFAULTS: dict[str, tuple[tuple[int, int], int]] = {"tiny": ((256, 256), 5), "full": ((832, 480), 33)}
-
 
 def generation_defaults(pipe: Any) -> GenerationDefaults:
-    """How ``pipe`` is usually run: its recipe's defaults, else the table's, else what its signature allows."""
+    """How ``pipe`` is usually run: its recipe's defaults, else its family's, else what its signature allows."""
     from accel import DENOISER_NAMES, GenerationDefaults, recipe_for
 
     for name in DENOISER_NAMES:
@@ -40,7 +25,7 @@ def generation_defaults(pipe: Any) -> GenerationDefaults:
             if defaults is not None:
                 return defaults
             break
-    known = _PIPELINE_DEFAULTS.get(type(pipe).__name__)
+    known = pipeline_generation(type(pipe).__name__)
     if known is not None:
         return GenerationDefaults(**known)
     # No recipe default: leave the pipeline's own guidance alone, but know its argument's name.
@@ -55,6 +40,12 @@ def generation_defaults(pipe: Any) -> GenerationDefaults:
 def _is_builtin_video(model: str) -> bool:
     known = known_model(model)
     return known is not None and known.video
+
+
+def _video_run(model: str, size: str) -> tuple[tuple[int, int], int] | None:
+    """A built-in video model's run at ``size`` that names no resolution or frames, or None."""
+    known = known_model(model)
+    return known.video_runs.get(size) if known is not None and known.video else None
 
 
 def is_video_model(model: str) -> bool | None:
@@ -81,9 +72,8 @@ def is_video_model(model: str) -> bool | None:
 
 def default_resolution(model: str, size: str) -> tuple[int, int]:
     """The resolution of a run that names none: the built-in video model's own, else 512x512."""
-    if size in _VIDEO_DEFAULTS and _is_builtin_video(model):
-        return _VIDEO_DEFAULTS[size][0]
-    return DEFAULT_RESOLUTION
+    run = _video_run(model, size)
+    return run[0] if run is not None else DEFAULT_RESOLUTION
 
 
 def default_frames(model: str, size: str, pipe: Any) -> int | None:
@@ -94,6 +84,7 @@ def default_frames(model: str, size: str, pipe: Any) -> int | None:
     param = inspect.signature(pipe.__call__).parameters.get("num_frames")
     if param is None:
         return None
-    if size in _VIDEO_DEFAULTS and _is_builtin_video(model):
-        return _VIDEO_DEFAULTS[size][1]
+    run = _video_run(model, size)
+    if run is not None:
+        return run[1]
     return param.default if isinstance(param.default, int) and param.default > 0 else None

@@ -2,8 +2,22 @@
 
 A family folder (``pipelines/families/<family>/``) holds, each in its own module:
 
-recipe    the ``accel.Recipe`` of its denoiser, found by accel through the ``bcg_diffusers.recipes``
-          entry point that names it (a family the generic recipe serves has none)
-release   its released configs as data (``pipelines.releases.spec.Release``), one per built-in model
-forms     its compiled forms: code swapped in under ``compile=True`` (a family with none has none)
+models    torch-free: ``FAMILY``, a :class:`~pipelines.families.records.Family` record with its
+          built-in models (name, aliases, pipeline class, video or not) and the generation
+          defaults its pipelines run at (steps, guidance, a video model's size and frames).
+          Required: it is what makes the folder a family.
+recipe    the ``accel.Recipe`` of its denoiser, found by accel through the one line in
+          pyproject.toml's ``bcg_diffusers.recipes`` entry points that names it (a family the
+          generic recipe serves has no recipe and no line)
+release   ``RELEASES``: the released configs of its built-in models, as data
+          (:class:`pipelines.releases.spec.Release`), read by :mod:`pipelines.releases`
+forms     its compiled forms: code swapped in under ``compile=True`` (where it has any)
+
+and an ``__init__`` docstring naming them. Nothing outside the folder lists a family:
+:mod:`~pipelines.families.catalog` finds every package here and reads its ``models.FAMILY``, so
+adding a family is one folder and, if it has a recipe, one entry-point line (docs/development.md,
+"Adding a model family"). The modules of this package:
+
+records   :class:`~pipelines.families.records.ModelRecord`, :class:`~pipelines.families.records.Family`
+catalog   the one catalog: which models exist, by name and alias, read without torch
 """

@@ -1,13 +1,15 @@
-"""The built-in models by name: their classes, their configs at each size, and their tokenizers.
+"""The built-in models' classes, their configs at each size, and their tokenizers, read from each
+family's release data (``pipelines/families/<family>/release.py``, for the models the catalog
+lists).
 
-Configs are read from the release data (one module per model family) as copies; a text encoder's
-config adds what only its tokenizer knows: the special token ids, so that generation-side ids
-(pad, eos, image tokens) agree with what the pipeline's tokenizer produces, and at the tiny size
-the vocabulary size.
+Configs are read as copies; a text encoder's config adds what only its tokenizer knows: the
+special token ids, so that generation-side ids (pad, eos, image tokens) agree with what the
+pipeline's tokenizer produces, and at the tiny size the vocabulary size.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -15,10 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
-from ..families.flux.release import FLUX_1_DEV
-from ..families.qwen_image.release import QWEN_IMAGE
-from ..families.wan.release import WAN_1_3B, WAN_14B
-from ..families.z_image.release import Z_IMAGE
+from ..families.catalog import ALIASES, FAMILIES, MODEL_NAMES, canonical_name, known_model, module_name
+from ..families.records import ModelRecord
 from ..tokenizer import build_tokenizer, special_token_ids
 from ..tokenizers_t5_clip import build_clip_tokenizer, build_t5_tokenizer
 from .spec import Part, Release
@@ -48,12 +48,26 @@ __all__ = [
     "vae_config",
 ]
 
-# "flux" is FLUX.1-dev; "wan" is Wan2.1-T2V-14B and "wan-1.3b" its 1.3B sibling.
-RELEASES: dict[str, Release] = {r.name: r for r in (Z_IMAGE, QWEN_IMAGE, FLUX_1_DEV, WAN_14B, WAN_1_3B)}
-MODEL_NAMES: tuple[str, ...] = tuple(RELEASES)
 SIZES: tuple[str, ...] = ("tiny", "full")
-# Every spelling a model is known by (its name included), lower case.
-ALIASES: dict[str, str] = {alias: r.name for r in RELEASES.values() for alias in (r.name, *r.aliases)}
+
+
+def _read_releases() -> dict[str, Release]:
+    """Every built-in model's :class:`Release`, in the catalog's order: each family with models
+    names them in its ``release`` module's ``RELEASES``, exactly the models its ``models`` lists."""
+    found: dict[str, Release] = {}
+    for family, record in FAMILIES.items():
+        if not record.models:
+            continue
+        releases = importlib.import_module(module_name(family, "release")).RELEASES
+        named = sorted(r.name for r in releases)
+        if named != sorted(m.name for m in record.models):
+            raise ImportError(f"{module_name(family, 'release')}.RELEASES {named} differ from its models.py")
+        found.update((r.name, r) for r in releases)
+    return {name: found[name] for name in MODEL_NAMES}
+
+
+# "flux" is FLUX.1-dev; "wan" is Wan2.1-T2V-14B and "wan-1.3b" its 1.3B sibling.
+RELEASES: dict[str, Release] = _read_releases()
 
 _TOKENIZERS: dict[str, Callable[[], PreTrainedTokenizerBase]] = {
     "qwen": build_tokenizer,
@@ -62,17 +76,18 @@ _TOKENIZERS: dict[str, Callable[[], PreTrainedTokenizerBase]] = {
 }
 
 
-def canonical_name(name: str) -> str | None:
-    """Return the built-in model ``name`` refers to (one of :data:`MODEL_NAMES`), or None."""
-    return ALIASES.get(name.strip().lower())
-
-
 def require_model(name: str) -> str:
     """The canonical name of ``name``; ValueError listing the models otherwise."""
     model = canonical_name(name)
     if model is None:
         raise ValueError(f"unknown embedded model {name!r}: expected one of {', '.join(map(repr, MODEL_NAMES))}")
     return model
+
+
+def _record(name: str) -> ModelRecord:
+    record = known_model(require_model(name))
+    assert record is not None  # require_model raised otherwise
+    return record
 
 
 def check_size(size: str) -> str:
@@ -99,7 +114,7 @@ def pipeline_class(name: str) -> type[DiffusionPipeline]:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        return getattr(diffusers, release(name).pipeline)
+        return getattr(diffusers, _record(name).pipeline)
     finally:
         quiet.setLevel(level)
 

@@ -39,15 +39,14 @@ class Part:
 class Release:
     """A built-in model at its released configuration, and a tiny one of the same structure.
 
-    ``text_encoders`` are by pipeline component name (``text_encoder``, ``text_encoder_2``); each
-    one's tokenizer is the pipeline's ``tokenizer`` (``tokenizer_2``). ``pipeline`` is a diffusers
-    class name, imported on first use. ``redrawn`` are transformer parameters drawn from a normal
-    distribution after construction, where their zero init would hide what they do.
+    ``name`` is the model's in the catalog (:mod:`pipelines.families.catalog`), which also holds
+    its aliases and pipeline class. ``text_encoders`` are by pipeline component name
+    (``text_encoder``, ``text_encoder_2``); each one's tokenizer is the pipeline's ``tokenizer``
+    (``tokenizer_2``). ``redrawn`` are transformer parameters drawn from a normal distribution
+    after construction, where their zero init would hide what they do.
     """
 
     name: str
-    aliases: tuple[str, ...]
-    pipeline: str
     transformer: Part
     vae: Part
     text_encoders: Mapping[str, Part]

@@ -1,8 +1,8 @@
-"""The released configs as data (pipelines/releases/ and pipelines/zoo/families/): every built-in
-model's components construct from their data at the tiny size (on the CPU) and at the full size (on
-the meta device: no storage), with the data's values in their configs; reads are copies; the weight
-count of the limits equals the builders' modules; the zoo's data is complete and its order does not
-depend on the process's hash seed.
+"""The released configs as data (pipelines/families/*/release.py, pipelines/releases/ and
+pipelines/zoo/families/): every built-in model's components construct from their data at the tiny
+size (on the CPU) and at the full size (on the meta device: no storage), with the data's values in
+their configs; reads are copies; the weight count of the limits equals the builders' modules; the
+zoo's data is complete and its order does not depend on the process's hash seed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from transformers import PreTrainedConfig
 
 from pipelines import builders, limits, releases, zoo
 from pipelines.construction import constructing_on
+from pipelines.families import catalog
 from pipelines.releases.spec import TOKENIZERS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +102,8 @@ def test_full_components_construct_on_meta(name: str, component: str) -> None:
 def test_release_data_is_complete() -> None:
     seen: dict[str, str] = {}
     for name, release in releases.RELEASES.items():
-        for alias in (name, *release.aliases):
+        assert release.name == name
+        for alias in (name, *catalog.known_model(name).aliases):  # type: ignore[union-attr]
             assert alias == alias.lower().strip() and alias not in seen, alias
             seen[alias] = name
             assert builders.canonical_name(alias.upper()) == name
@@ -109,7 +111,7 @@ def test_release_data_is_complete() -> None:
             assert set(part.configs) == set(releases.SIZES), (name, component)
             if component.startswith("text_encoder"):
                 assert part.config_class is not None and part.tokenizer in TOKENIZERS, (name, component)
-        assert builders.pipeline_class(name).__name__ == release.pipeline
+        assert builders.pipeline_class(name).__name__ == catalog.known_model(name).pipeline  # type: ignore[union-attr]
         assert isinstance(builders.build_scheduler(name), release.scheduler_class)
     assert seen == releases.ALIASES
 
@@ -159,6 +161,8 @@ def test_no_set_orders_the_data() -> None:
     process's hash seed. SD3.5's and SDXL's pooled embeddings once did."""
     modules = sorted((ROOT / "pipelines" / "zoo" / "families").glob("*.py"))
     modules += sorted((ROOT / "pipelines" / "releases").glob("*.py"))
+    modules += sorted((ROOT / "pipelines" / "families").glob("*/release.py"))
+    modules += sorted((ROOT / "pipelines" / "families").glob("*/models.py"))
     assert len(modules) > 20
     for path in modules:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -11,7 +11,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 from ...releases.encoders import CLIP_L_TEXT, T5_V1_1_XXL, TINY_CLIP_TEXT, TINY_T5
 from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
 
-__all__ = ["FLUX_1_DEV", "SCHEDULER", "TRANSFORMER", "VAE"]
+__all__ = ["FLUX_1_DEV", "RELEASES", "SCHEDULER", "TRANSFORMER", "VAE"]
 
 # transformer/config.json: 19 double-stream and 38 single-stream blocks, 24 heads x 128 = 3072
 # wide, packed 2x2 latent patches (64 = 16 x 4 input channels), T5-XXL text (4096) and pooled
@@ -91,8 +91,6 @@ SCHEDULER: dict[str, Any] = dict(
 
 FLUX_1_DEV = Release(
     name="flux",
-    aliases=("flux.1", "flux1", "flux-dev", "flux.1-dev", "flux1-dev"),
-    pipeline="FluxPipeline",
     transformer=TRANSFORMER,
     vae=VAE,
     text_encoders={
@@ -113,3 +111,6 @@ FLUX_1_DEV = Release(
     scheduler_class=FlowMatchEulerDiscreteScheduler,
     scheduler=SCHEDULER,
 )
+
+# The family's built-in models (models.py names them and their pipelines).
+RELEASES = (FLUX_1_DEV,)

@@ -42,6 +42,8 @@ import torch
 
 from accel import GenerationDefaults, Recipe, eager_on_graph
 
+from .models import FAMILY
+
 logger = logging.getLogger(__name__)
 
 BREAK_NAME = "hunyuan-video-1.5 condition tokens"
@@ -290,9 +292,7 @@ class HunyuanVideo15Recipe(Recipe):
         return bound
 
     def generation_defaults(self) -> GenerationDefaults:
-        # HunyuanVideo15Pipeline's own: 50 steps. Its guidance scale is no call argument but
-        # the checkpoint's guider (ClassifierFreeGuidance, which guides above a scale of 1).
-        return GenerationDefaults(steps=50, guidance=None, guidance_kwarg=None, cfg_above=1.0, default_negative=None)
+        return GenerationDefaults(**FAMILY.generation)  # the family's (models.py)
 
     def cfg_parallel_support(self, module: torch.nn.Module) -> str | None:
         return (

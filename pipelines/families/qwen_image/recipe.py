@@ -40,6 +40,7 @@ import torch
 from accel import GenerationDefaults, Recipe, eager_on_graph, patch, tree, unpatched
 
 from .forms import QWEN_MODULE, qwen_rope_in_real_arithmetic
+from .models import FAMILY
 
 logger = logging.getLogger(__name__)
 
@@ -219,10 +220,7 @@ class QwenImageRecipe(Recipe):
         return {"text_encoder": ("transformers.masking_utils._ignore_causal_mask_sdpa",)}
 
     def generation_defaults(self) -> GenerationDefaults:
-        # True CFG runs only with a negative prompt and a scale above 1.
-        return GenerationDefaults(
-            steps=20, guidance=4.0, guidance_kwarg="true_cfg_scale", cfg_above=1.0, default_negative=" "
-        )
+        return GenerationDefaults(**FAMILY.generation)  # the family's (models.py)
 
     # -- several GPUs ----------------------------------------------------------------------
     def cfg_parallel_support(self, module: torch.nn.Module) -> str | None:

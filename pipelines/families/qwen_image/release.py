@@ -10,7 +10,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from ...construction import init_defaults
 from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
 
-__all__ = ["QWEN_IMAGE", "SCHEDULER", "TRANSFORMER", "VAE"]
+__all__ = ["QWEN_IMAGE", "RELEASES", "SCHEDULER", "TRANSFORMER", "VAE"]
 
 # diffusers' defaults are the release: 60 layers, 24 heads x 128, joint_attention_dim 3584 (= the
 # width of Qwen2.5-VL-7B).
@@ -99,8 +99,6 @@ _TINY_QWEN25_VL: dict[str, Any] = dict(
 
 QWEN_IMAGE = Release(
     name="qwen-image",
-    aliases=("qwenimage", "qwen_image"),
-    pipeline="QwenImagePipeline",
     transformer=TRANSFORMER,
     vae=VAE,
     text_encoders={
@@ -114,3 +112,6 @@ QWEN_IMAGE = Release(
     scheduler_class=FlowMatchEulerDiscreteScheduler,
     scheduler=SCHEDULER,
 )
+
+# The family's built-in models (models.py names them and their pipelines).
+RELEASES = (QWEN_IMAGE,)

@@ -13,7 +13,7 @@ from ...construction import init_defaults
 from ...releases.encoders import TINY_T5, UMT5_XXL
 from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
 
-__all__ = ["SCHEDULER", "WAN_1_3B", "WAN_14B"]
+__all__ = ["RELEASES", "SCHEDULER", "WAN_1_3B", "WAN_14B"]
 
 # Wan2.1-T2V-14B (Wan-AI/Wan2.1-T2V-14B-Diffusers, transformer/config.json): 40 layers, 40 heads
 # x 128 = 5120 wide, FFN 13824, 1x2x2 patches of the 16-channel video latents, UMT5-XXL text.
@@ -77,7 +77,6 @@ SCHEDULER: dict[str, Any] = dict(
 )
 
 _COMMON: dict[str, Any] = dict(
-    pipeline="WanPipeline",
     vae=Part(AutoencoderKLWan, {"full": _VAE, "tiny": {**_VAE, "base_dim": 16, "num_res_blocks": 1}}),
     text_encoders={
         "text_encoder": Part(
@@ -92,7 +91,6 @@ _COMMON: dict[str, Any] = dict(
 
 WAN_14B = Release(
     name="wan",
-    aliases=("wan2.1", "wan-14b", "wan2.1-14b", "wan2.1-t2v-14b"),
     transformer=Part(
         WanTransformer3DModel, {"full": _TRANSFORMER_14B, "tiny": {**_TRANSFORMER_14B, **_TINY_TRANSFORMER}}
     ),
@@ -101,10 +99,12 @@ WAN_14B = Release(
 )
 WAN_1_3B = Release(
     name="wan-1.3b",
-    aliases=("wan2.1-1.3b", "wan2.1-t2v-1.3b"),
     transformer=Part(
         WanTransformer3DModel, {"full": _TRANSFORMER_1_3B, "tiny": {**_TRANSFORMER_1_3B, **_TINY_TRANSFORMER}}
     ),
     scheduler={**SCHEDULER, "flow_shift": 3.0},
     **_COMMON,
 )
+
+# The family's built-in models (models.py names them and their pipelines).
+RELEASES = (WAN_14B, WAN_1_3B)

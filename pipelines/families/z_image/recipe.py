@@ -34,6 +34,8 @@ import torch
 
 from accel import GenerationDefaults, Recipe
 
+from .models import FAMILY
+
 logger = logging.getLogger(__name__)
 
 SEQ_MULTIPLE = 32  # diffusers' SEQ_MULTI_OF for Z-Image
@@ -221,10 +223,7 @@ class ZImageRecipe(Recipe):
         return {"text_encoder": ("transformers.masking_utils._ignore_causal_mask_sdpa",)}
 
     def generation_defaults(self) -> GenerationDefaults:
-        # Turbo-like: few steps, no guidance (the pipeline runs CFG whenever guidance_scale > 0).
-        return GenerationDefaults(
-            steps=9, guidance=0.0, guidance_kwarg="guidance_scale", cfg_above=0.0, default_negative=None
-        )
+        return GenerationDefaults(**FAMILY.generation)  # the family's (models.py)
 
     # -- several GPUs ----------------------------------------------------------------------
     def cfg_parallel_support(self, module: torch.nn.Module) -> str | None:

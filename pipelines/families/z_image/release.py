@@ -11,7 +11,7 @@ from ...construction import init_defaults
 from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
 from ..flux import release as flux1
 
-__all__ = ["Z_IMAGE"]
+__all__ = ["RELEASES", "Z_IMAGE"]
 
 # diffusers' defaults are the release: dim 3840, 30 layers + 2 refiner layers, 30 heads x 128,
 # cap_feat_dim 2560 (= Qwen3-4B's width).
@@ -47,8 +47,6 @@ _TINY_QWEN3: dict[str, Any] = dict(
 
 Z_IMAGE = Release(
     name="z-image",
-    aliases=("zimage", "z_image"),
-    pipeline="ZImagePipeline",
     transformer=Part(
         ZImageTransformer2DModel,
         {
@@ -77,3 +75,6 @@ Z_IMAGE = Release(
     # numerically invisible and hide padding bugs.
     redrawn=("x_pad_token", "cap_pad_token"),
 )
+
+# The family's built-in models (models.py names them and their pipelines).
+RELEASES = (Z_IMAGE,)

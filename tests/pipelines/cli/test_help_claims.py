@@ -1,7 +1,7 @@
 """What the help texts of bcg-generate and bcg-serve claim about support is what the code does: which
 built-in model takes which step cache, which makes videos and at what frame counts, what --lora
-takes in each tool, which extra each optional feature needs; and the mirror of the built-in
-models that the flags are checked against before torch loads equals the models themselves."""
+takes in each tool, which extra each optional feature needs (the built-in models' records are
+checked against the models themselves in tests/pipelines/families/test_catalog.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pipelines.cli import build_parser
 from pipelines.cli.caches import KNOBS, NOT_ON, CacheRequest, check_supported, support_text
 from pipelines.cli.errors import CLIError
 from pipelines.cli.extras import install_command
-from pipelines.cli.known_models import KNOWN_MODELS, known_model, video_model_names
-from pipelines.releases import ALIASES, MODEL_NAMES, SIZES, pipeline_class, release, vae_config
+from pipelines.families.catalog import MODELS, video_model_names
+from pipelines.releases import MODEL_NAMES, pipeline_class
 from pipelines.serve.config import UsageError
 from pipelines.serve.config import build_parser as serve_parser
 from pipelines.serve.config import parse_args as serve_args
@@ -32,20 +32,6 @@ def _text(parser_help: str) -> str:
 GENERATE = _text(build_parser().format_help())
 SERVE = _text(serve_parser().format_help())
 DIFFUSERS_CACHES = [m for m in KNOBS if CacheRequest(m).diffusers_hook]
-
-
-def test_the_mirror_of_the_built_in_models_equals_the_releases() -> None:
-    assert tuple(m.name for m in KNOWN_MODELS) == MODEL_NAMES
-    assert {alias: known_model(alias).name for alias in ALIASES} == ALIASES  # type: ignore[union-attr]
-    assert known_model(" Z-Image ") is known_model("z-image") and known_model("no-such-model") is None
-    for model in KNOWN_MODELS:
-        cls = pipeline_class(model.name)
-        assert model.pipeline == cls.__name__
-        assert model.aliases == release(model.name).aliases
-        assert model.video == ("num_frames" in inspect.signature(cls.__call__).parameters), model.name
-        for size in SIZES:
-            temporal = vae_config(model.name, size).get("scale_factor_temporal") if model.video else None
-            assert model.frames_per_latent == temporal, (model.name, size)
 
 
 def _refused(method: str, model: str) -> bool:
@@ -67,12 +53,10 @@ def test_the_cache_support_the_help_states_is_what_the_cli_refuses() -> None:
 
 
 def test_the_video_models_the_help_names_are_those_that_make_videos() -> None:
-    videos = {
-        m.name for m in KNOWN_MODELS if "num_frames" in inspect.signature(pipeline_class(m.name).__call__).parameters
-    }
+    videos = {m.name for m in MODELS if "num_frames" in inspect.signature(pipeline_class(m.name).__call__).parameters}
     assert set(video_model_names()) == videos
     assert f"--frames video models only ({', '.join(video_model_names())}), 4k+1: the VAE packs 4 frames" in GENERATE
-    assert {m.frames_per_latent for m in KNOWN_MODELS if m.video} == {4}
+    assert {m.frames_per_latent for m in MODELS if m.video} == {4}
 
 
 def test_lora_help_says_what_each_tool_takes(tmp_path: Path) -> None:
