@@ -17,6 +17,13 @@ Inside a layer (:data:`CIRCLE_LAYERS`) no files import each other in a circle, c
 inside functions and under ``TYPE_CHECKING``: a circle shows a job in the wrong file. There are
 no exceptions: a circle fails the test, which names the imports that make it.
 
+Inside ``pipelines``, the model families (``pipelines/families/<family>/``, :data:`FAMILIES`) sit
+below the front ends: they import only the shared helpers of :data:`FAMILIES_MAY_IMPORT`, never
+the builders, the CLI or the server that read them; what is read before torch loads (the catalog,
+the records and each family's ``models`` module, :data:`TORCH_FREE`) imports the standard library
+and :data:`TORCH_FREE` only. Each family folder has a ``models`` module and an ``__init__`` that
+names its modules.
+
 ``scripts/`` (the benchmarks, their ``benchkit`` and the GPU machine's ``device/`` scripts) is
 above both: nothing in ``accel`` or ``pipelines`` imports it. Its files run with ``scripts/`` on
 ``sys.path``, so its modules are named from there (``benchkit.rows``, ``bench_breadth``); no two
@@ -26,7 +33,10 @@ import each other in a circle, and none is over :data:`MAX_SCRIPT_LINES` lines.
 from __future__ import annotations
 
 import ast
+import fnmatch
+import functools
 import itertools
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +57,31 @@ PUBLIC_MODULES = {
     "accel.hooks.options": "standard library only: the CLI reads its constants and checks before torch is imported",
 }
 OURS = ("accel", "pipelines")
+# The model families: one folder each (pipelines/families/<family>/), and what they may import of
+# pipelines besides pipelines.families: the helpers every family shares, none of the front ends
+# (builders, limits, cli, serve) or the accessors (pipelines.releases' configs) that read them.
+FAMILIES = "pipelines.families"
+FAMILIES_MAY_IMPORT = (
+    "pipelines.construction",
+    "pipelines.lazy",
+    "pipelines.releases.encoders",
+    "pipelines.releases.spec",
+    "pipelines.tokenizer",
+    "pipelines.tokenizers_t5_clip",
+    "pipelines.zoo.names",
+)
+# Read before torch loads (the CLI checks its flags against the catalog): the standard library and
+# these only. A name ending in ".*" is one module of every family folder.
+TORCH_FREE = (
+    "pipelines.families",
+    "pipelines.families.records",
+    "pipelines.families.catalog",
+    "pipelines.families.*",
+    "pipelines.families.*.models",
+    "pipelines.zoo",
+    "pipelines.zoo.names",
+    "pipelines.lazy",
+)
 # accel.hooks' parts, one floor each: what a part may import of accel.hooks besides itself (and
 # accel.graphs, as the layer may). The base modules are below every part; the install core (the
 # other top-level modules: graph_hook, plan, install, warmup, report, accelerator, ...) is above
@@ -127,6 +162,7 @@ def _violations(path: Path) -> list[str]:
     imports = _imports_of(path.read_text(encoding="utf-8"), module, path.name == "__init__.py")
     bad: list[str] = []
     if _within(module, "pipelines"):
+        bad += _families_violations(module, where, imports)
         public = _public_names()
         for line, target, names in imports:
             if not _within(target, "accel"):
@@ -149,6 +185,47 @@ def _violations(path: Path) -> list[str]:
             if _within(target, package):
                 bad.append(f"{where}:{line}: imports {target}; {layer} is torch only")
     return bad
+
+
+def _is_torch_free(module: str) -> bool:
+    """Whether ``module`` is one of :data:`TORCH_FREE` (a pattern's ``*`` stands for one name)."""
+    depth = module.count(".")
+    return any(fnmatch.fnmatchcase(module, p) and depth == p.count(".") for p in TORCH_FREE)
+
+
+def _loads_torch_free(target: str, names: tuple[str, ...]) -> bool:
+    """Whether importing ``names`` from ``target`` (or ``target`` itself) stays :data:`TORCH_FREE`."""
+    top = target.partition(".")[0]
+    if top not in OURS:
+        return top in sys.stdlib_module_names or top == "__future__"
+    modules = _all_modules()
+    return all(_is_torch_free(f"{target}.{n}" if f"{target}.{n}" in modules else target) for n in names or ("",))
+
+
+def _families_violations(module: str, where: str, imports: list[tuple[int, str, tuple[str, ...]]]) -> list[str]:
+    """Imports of ``module`` (of pipelines) against the families' rules (:data:`FAMILIES`, :data:`TORCH_FREE`)."""
+    bad: list[str] = []
+    for line, target, names in imports:
+        if _is_torch_free(module):
+            if not _loads_torch_free(target, names):
+                bad.append(f"{where}:{line}: imports {target}; {module} is read before torch loads")
+        elif (
+            _within(module, FAMILIES)
+            and _within(target, "pipelines")
+            and not any(_within(target, ok) for ok in (FAMILIES, *FAMILIES_MAY_IMPORT))
+        ):
+            bad.append(f"{where}:{line}: imports {target}; a family imports only {', '.join(FAMILIES_MAY_IMPORT)}")
+    return bad
+
+
+def _all_modules() -> frozenset[str]:
+    """Every module of this project, by name."""
+    return _modules_under(ROOT)
+
+
+@functools.cache
+def _modules_under(root: Path) -> frozenset[str]:
+    return frozenset(_module_name(p, root) for package in OURS for p in (root / package).rglob("*.py"))
 
 
 def _layer_edges(layer: str) -> dict[str, dict[str, str]]:
@@ -439,3 +516,34 @@ def test_accel_hooks_keeps_its_top_level_small_and_each_part_says_what_it_owns()
     for part in parts:
         doc = ast.get_docstring(ast.parse((hooks / part / "__init__.py").read_text(encoding="utf-8")))
         assert doc and "May import" in doc, f"accel/hooks/{part}/__init__.py must say what it owns and may import"
+
+
+def test_the_families_checker_finds_each_kind_of_violation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    family = tmp_path / "pipelines" / "families" / "made_up"
+    family.mkdir(parents=True)
+    (tmp_path / "accel").mkdir()
+    (tmp_path / "accel" / "__init__.py").write_text("__all__ = []\n")
+    (tmp_path / "pipelines" / "families" / "records.py").write_text("")
+    (family / "models.py").write_text(
+        "import math\nimport torch\nfrom ..records import Family\nfrom ... import builders\nfrom .release import X\n"
+    )
+    (family / "release.py").write_text("from ...releases.spec import Part\nfrom ...cli import main\nimport torch\n")
+    assert [v.split(": ", 1)[1] for v in _violations(family / "models.py")] == [
+        "imports torch; pipelines.families.made_up.models is read before torch loads",
+        "imports pipelines; pipelines.families.made_up.models is read before torch loads",
+        "imports pipelines.families.made_up.release; pipelines.families.made_up.models is read before torch loads",
+    ]
+    assert [v.split(": ", 1)[1] for v in _violations(family / "release.py")] == [
+        f"imports pipelines.cli; a family imports only {', '.join(FAMILIES_MAY_IMPORT)}"
+    ]
+
+
+@pytest.mark.parametrize("family", sorted(p.parent for p in (ROOT / "pipelines" / "families").glob("*/__init__.py")),
+                         ids=lambda p: p.name)  # fmt: skip
+def test_each_family_folder_has_its_record_and_names_its_modules(family: Path) -> None:
+    assert (family / "models.py").is_file(), f"{family.name}: a family folder's models.py names its FAMILY"
+    doc = ast.get_docstring(ast.parse((family / "__init__.py").read_text(encoding="utf-8"))) or ""
+    modules = sorted(p.stem for p in family.glob("*.py") if p.name != "__init__.py")
+    missing = [m for m in modules if not any(line.startswith(m + " ") for line in doc.splitlines())]
+    assert not missing, f"pipelines/families/{family.name}/__init__.py names none of {missing} (one line each)"
