@@ -8,7 +8,7 @@ equal to the stock call; where it names a difference (Qwen-Image's text buckets)
 accelerated pipeline run eagerly, so that a recapture is exactly as exact as the first capture.
 
 The rows reach LoRA (pipeline and model level, PEFT merges), attention processors (wrapped, edited
-in place, taking only ``*args, **kwargs``), attention backends, fused projections, train/eval,
+in place, taking only ``*args, **kwargs``), attention backends (one that refuses masks), fused projections, train/eval,
 weights given other memory or edited in place through ``.data``, and components and the
 scheduler replaced.
 """
@@ -184,6 +184,8 @@ ROWS: list[tuple[str, Callable[[Any, Setup], None]]] = [
     ("processors taking only *args, **kwargs", lambda p, s: _set_each(p, _args_kwargs)),
     ("the stock processors back", _stock_back),
     ("set_attention_backend", lambda p, s: p.transformer.set_attention_backend("_native_math")),
+    # A backend that refuses masks: padded text would raise in it, so none is padded (stock exact).
+    ("a backend that refuses masks (_native_flash)", lambda p, s: p.transformer.set_attention_backend("_native_flash")),
     ("reset_attention_backend", _reset_backend),
     ("fused projections", _fuse_projections),
     ("train mode", lambda p, s: p.transformer.train()),

@@ -92,9 +92,10 @@ class Recipe:
         pads_text: the recipe takes a ``text_buckets`` argument (``None`` for no padding).
         pad_mask_kwarg: the keyword of the mask the recipe's padding hands the model's attention
             (None: it pads nothing attention must ignore). Padding runs only while every
-            attention processor in the module names it (:mod:`accel.hooks.recipes.padding_gate`).
+            attention processor in the module names it and every attention backend in use
+            applies a mask (:mod:`accel.hooks.recipes.padding_gate`).
         padding_refused: set by the graph hook: why padding must not run now (a processor does
-            not take ``pad_mask_kwarg``), or None. While it is set :meth:`prepare` and
+            not take ``pad_mask_kwarg``, a backend refuses masks), or None. While it is set :meth:`prepare` and
             :meth:`batch_cfg` are not called, and :meth:`prepare_context_parallel` must not pad.
         fp8_keep: ``quantize="fp8"``: fnmatch patterns of the Linear layers (qualified names in
             the denoiser) kept in bf16 before anything is measured: those its float8 images are
