@@ -146,7 +146,8 @@ def attempt(
                 # Fresh containers for every run (rebuilt from the signature): a callee that fills
                 # a list it is given (a causal VAE's feature cache) finds it as the caller built it.
                 warm: stores.Recording | None = None
-                with torch.cuda.stream(pool.stream):
+                # The warm-up runs are the eager call the graph replaces: their transient peak is measured.
+                with torch.cuda.stream(pool.stream), pool.measure_eager():
                     for _ in range(config.warmup_runs):
                         args, kwargs = sig.rebuild(static_inputs)
                         given = stores.Given(args, kwargs)

@@ -4,21 +4,28 @@ All segments of all captured signatures of all denoisers of a pipeline allocate 
 only one graph replays at a time, so their intermediates can overlay. The pool also serialises
 replays (a lock for threads, an event for streams), because two graphs replaying at once would
 write the same blocks.
+
+Memory accounting: a capture's eager warm-up runs measure the most they allocate above what was
+allocated when they began (:meth:`GraphPool.measure_eager`), the transient peak of the call the
+graph replaces. That takes resetting torch's peak counters of the device; what they held before is
+kept here, so :func:`peak_memory` still gives the process's peak across those resets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .errors import BCGError, DeviceMemoryShortError
 
-__all__ = ["GraphPool"]
+__all__ = ["GraphPool", "peak_memory", "reset_peak_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +35,53 @@ PINNED_WARNING_BYTES = 4 << 30
 # every intermediate: far more than this for any denoiser).
 MIN_FREE_TO_CAPTURE = 256 << 20
 
+# Per device index: the (allocated, reserved) peaks torch's counters held before this module reset
+# them to measure an eager run.
+_held_peaks: dict[int, tuple[int, int]] = {}
+
+
+def _index(device: torch.device | str | int | None) -> int:
+    if isinstance(device, int):
+        return device
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def peak_memory(device: torch.device | str | int | None = None) -> tuple[int, int]:
+    """The most bytes allocated and reserved on ``device`` since :func:`reset_peak_memory` (or the
+    process's start): torch's peak counters, with what they held before the pools reset them."""
+    index = _index(device)
+    held = _held_peaks.get(index, (0, 0))
+    return (
+        max(torch.cuda.max_memory_allocated(index), held[0]),
+        max(torch.cuda.max_memory_reserved(index), held[1]),
+    )
+
+
+def reset_peak_memory(device: torch.device | str | int | None = None) -> None:
+    """Start :func:`peak_memory`'s window now (torch's counters and the ones held here)."""
+    index = _index(device)
+    _held_peaks.pop(index, None)
+    torch.cuda.reset_peak_memory_stats(index)
+
+
+def _hold_peaks(index: int) -> None:
+    """Keep torch's current peaks of the device before they are reset."""
+    _held_peaks[index] = peak_memory(index)
+
 
 class GraphPool:
-    """One graph memory pool, capture stream and replay lock on one CUDA device."""
+    """One graph memory pool, capture stream and replay lock on one CUDA device.
+
+    Attributes:
+        give_back_before_capture: set by a warm-up: the allocator's cache is given back before
+            every capture (see :meth:`make_room`).
+        eager_peak: the largest transient peak :meth:`measure_eager` measured since
+            :meth:`take_eager_peak`.
+    """
+
+    give_back_before_capture: bool = False
+    eager_peak: int = 0
 
     def __init__(self, device: torch.device | str | int | None = None) -> None:
         if not torch.cuda.is_available():
@@ -75,13 +126,20 @@ class GraphPool:
         failed capture as under way: :mod:`accel.graphs.bcg` ends that.) DeviceMemoryShortError,
         and no capture begun, where too little would be left for one: a capture that runs out of
         memory midway can leave the device unusable.
+
+        With :attr:`give_back_before_capture` (a warm-up sets it) the cache is given back before
+        every capture: it holds the transient of the capture's own eager warm-up runs (on the
+        capture stream) and of earlier eager calls, dead weight beside the pool the capture grows,
+        which would otherwise add to the process's peak. Elsewhere (a capture on first use) the
+        cache is kept where the device has room: emptying it makes later allocations outside the
+        graphs ask the driver again.
         """
         free, _ = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if cached <= free and free >= MIN_FREE_TO_CAPTURE:
+        if cached <= free and free >= MIN_FREE_TO_CAPTURE and not self.give_back_before_capture:
             return 0
         released = 0
-        if cached > free:
+        if cached > free or self.give_back_before_capture:
             released = self.release_cached()
             cached -= released
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -107,6 +165,25 @@ class GraphPool:
                 f"{free / 2**20:.0f} MiB of {self.device} free{held}: a capture would run out of memory{_remedy()}"
             )
         return released
+
+    @contextlib.contextmanager
+    def measure_eager(self) -> Iterator[None]:
+        """Around eager runs of a call (a capture's warm-up runs): the most they allocate on the
+        device above what was allocated when they began is kept in :attr:`eager_peak` (the
+        largest since :meth:`take_eager_peak`)."""
+        index = _index(self.device)
+        _hold_peaks(index)
+        torch.cuda.reset_peak_memory_stats(index)
+        start = torch.cuda.memory_allocated(index)
+        try:
+            yield
+        finally:
+            self.eager_peak = max(self.eager_peak, torch.cuda.max_memory_allocated(index) - start)
+
+    def take_eager_peak(self) -> int:
+        """The largest eager peak measured since the last call (0 if none), and start again."""
+        peak, self.eager_peak = self.eager_peak, 0
+        return peak
 
     def free_in_pool(self) -> int:
         """Free bytes in this pool's segments, which its next capture can take without asking the device."""

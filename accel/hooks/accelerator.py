@@ -23,9 +23,10 @@ from ..graphs.errors import BCGError
 from ..graphs.pool import GraphPool
 from ..graphs.runner import GraphRunner, RunnerStats
 from .compiled.compile import compile_options
-from .components import DENOISER_NAMES, module_device
+from .components import DENOISER_NAMES, VAE_DECODER, module_device
 from .fp8.quantize import Quantization
 from .graph_hook import HOOK_NAME, GraphHook
+from .images.decoder_trial import SLOWER
 from .install import Installation, ParallelSession, register_parallel_session
 from .options import MODES, RESOLUTION_MULTIPLE, AcceleratorOptions, with_overrides
 from .plan import InstallPlan, plan_install
@@ -270,6 +271,7 @@ class PipelineAccelerator:
                 r.pool = installed.pool_for(device)
         compiled = any(h.compiled for h in hooks.values())
         components = [h.runner for n, h in hooks.items() if n not in denoisers and h.active]
+        decoder = hooks.get(VAE_DECODER)
         with contextlib.ExitStack() as forcing:
             for name in denoisers:
                 caches = hooks[name].caches
@@ -287,12 +289,15 @@ class PipelineAccelerator:
                 negative_prompt=negative_prompt,
                 components=components,
                 components_compiled=any(h.compiled for n, h in hooks.items() if n not in denoisers and h.active),
+                decoder=(VAE_DECODER, decoder.runner) if decoder is not None and decoder.active else None,
             )
+        installed.warmups.append(result)
         for hook in hooks.values():
             hook.follow_weights()
         for name, hook in hooks.items():
             for reason in set(hook.runner.blocked.values()):
-                logger.warning("%s: a warm-up capture failed and runs eagerly: %s", name, reason)
+                if not reason.startswith(SLOWER):
+                    logger.warning("%s: a warm-up capture failed and runs eagerly: %s", name, reason)
         logger.info("warmup done:\n%s", result)
         return result
 

@@ -97,6 +97,8 @@ class Installation:
         self.cfg_batch: dict[str, CFGBatchHook] = {}
         self.quantization: Quantization | None = plan.quantization
         self._own_pool: GraphPool | None = None
+        # The warm-ups' reports (accel.hooks.warmup.WarmupReport), for report()'s memory lines.
+        self.warmups: list[Any] = []
         # What each layer entered takes out again, run last-in first-out by uninstall().
         self._undo: list[Callable[[], None]] = []
         if plan.parallel is not None and _parallel_session is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..graphs import patches
 from .components import component, module_device
 from .graph_hook import GraphHook
+from .images.decoder_trial import SLOWER
 from .install import Installation
 
 __all__ = ["graph_memory_bytes", "image_line", "report"]
@@ -71,7 +72,11 @@ def _module_lines(installed: Installation, name: str, h: GraphHook, why_no_graph
         lines.append(f"    text not padded: {h.recipe.padding_refused}")
     events = h.follower.events
     lines.append(f"    guard, last call: {'; '.join(events) if events else 'nothing changed'}")
-    lines += [f"    capture failed: {reason}" for reason in sorted(set(h.runner.blocked.values()))]
+    reasons = sorted(set(h.runner.blocked.values()))
+    lines += [f"    capture failed: {reason}" for reason in reasons if not reason.startswith(SLOWER)]
+    lines += [
+        f"    decoded eagerly: {reason[len(SLOWER) :].lstrip()}" for reason in reasons if reason.startswith(SLOWER)
+    ]
     lines += [f"    capture broke at: {site}" for site in h.runner.found_breaks]
     if h.caches is not None and h.caches.active:
         lines += [f"    step cache, last call: {line}" for line in h.caches.describe()]
@@ -89,6 +94,24 @@ def _module_lines(installed: Installation, name: str, h: GraphHook, why_no_graph
     return lines
 
 
+def _memory_lines(installed: Installation) -> list[str]:
+    """Graph memory now, and per resolution of the last warm-up beside the eager peak it replaces."""
+    lines = [f"  graph memory: {graph_memory_bytes(installed.hooks) / 2**20:.1f} MiB"]
+    warmed = next((w for w in reversed(installed.warmups) if not w.skipped and w.rows), None)
+    if warmed is None:
+        return lines
+    per = ", ".join(f"{r.size} {r.resident_bytes / 2**20:.1f} / {r.eager_peak_bytes / 2**20:.1f}" for r in warmed.rows)
+    lines.append(f"    last warm-up, graph MiB added / eager peak MiB it replaces: {per}")
+    decoded = [r.decoder for r in warmed.rows if r.decoder is not None]
+    if decoded:
+        said = ", ".join(
+            f"{t.label} {'graphs' if t.kept else 'eager'} ({t.graph_ms:.1f} ms graphs, {t.eager_ms:.1f} eager)"
+            for t in decoded
+        )
+        lines.append(f"    VAE decoder, timed at that warm-up: {said}")
+    return lines
+
+
 def report(installed: Installation | None, pipeline: str, mode: str) -> str:
     """The report of one accelerator (``installed`` None once it was restored)."""
     head = f"bcg-diffusers: {pipeline}, mode {mode}"
@@ -102,7 +125,7 @@ def report(installed: Installation | None, pipeline: str, mode: str) -> str:
         lines += installed.quantization.describe()
     if installed.parallel is not None:
         lines.append(f"  {installed.parallel.describe()}")
-    lines.append(f"  graph memory: {graph_memory_bytes(installed.hooks) / 2**20:.1f} MiB")
+    lines += _memory_lines(installed)
     in_place = patches.active()
     lines.append("  patches in place (process-wide): " + ("none" if not in_place else str(len(in_place))))
     lines += [f"    {line}" for line in in_place]

@@ -6,7 +6,14 @@ resolution cost (:class:`WarmupReport`). With compiled blocks, one uncaptured ca
 compiles first, so compile seconds are reported apart from capture seconds. Components (text
 encoders, the VAE decoder) are captured last, by real pipeline calls with text prompts that decode
 an image: one per resolution (the VAE's latent shapes) and one per further prompt (the text
-encoder's token lengths).
+encoder's token lengths). The decoder keeps graphs only at the sizes where they replay at least as
+fast as it decodes eagerly (:mod:`accel.hooks.images.decoder_trial`).
+
+Memory, per resolution: the graph memory it added (the pool's growth, static inputs, boundary
+buffers) beside the eager peak it replaces (the most a capture's eager warm-up runs allocated
+above what was allocated before them: the transient of the call the graphs stand for). During a
+warm-up the allocator's cache is given back before every capture and once at the end, so the eager
+warm-up runs' transients do not stay beside the pool.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ from typing import Any
 import torch
 
 from ..graphs.capture import capture_session
-from ..graphs.pool import GraphPool
+from ..graphs.pool import GraphPool, peak_memory
 from ..graphs.runner import GraphRunner
 from .call_shape import read_call_shape
 from .compiled.compile import compiled_graph_count
+from .images import decoder_trial
+from .images.decoder_trial import DecoderTrial, Timing
 from .recipes.recipe import Recipe
 from .warmup_plan import WarmupCase, WarmupPlan, case_calls
 
@@ -38,7 +47,10 @@ logger = logging.getLogger(__name__)
 class WarmupRow:
     """What warming up one resolution (and frame count, for video) cost. ``seconds`` is capture
     time; ``compile_seconds`` the first compiled call's (0 without compile); ``frames`` None
-    for images."""
+    for images. ``resident_bytes``: the graph memory it added (pool growth, static inputs,
+    boundary buffers); ``eager_peak_bytes``: the largest eager transient its captures replace (0
+    where nothing was captured); ``decoder``: the VAE decoder's timings at this size (replay and
+    eager ms, whether its graphs were kept), None where it was not tried."""
 
     width: int
     height: int
@@ -47,6 +59,8 @@ class WarmupRow:
     resident_bytes: int
     compile_seconds: float = 0.0
     frames: int | None = None
+    eager_peak_bytes: int = 0
+    decoder: Timing | None = None
 
     @property
     def size(self) -> str:
@@ -61,13 +75,16 @@ class WarmupReport:
     ``compiled_graphs`` counts the graphs inductor compiled during the warm-up (recompiles
     included; 0 without compile); ``capture_passes`` is 2 where inductor compiled again during
     the first capture pass and every case was captured once more (rows count the graphs kept,
-    their seconds both passes); ``skipped`` says why nothing was captured, if so.
+    their seconds both passes); ``skipped`` says why nothing was captured, if so;
+    ``peak_reserved_bytes``: the device's peak reserved memory when the warm-up ended (since the
+    process began or :func:`accel.graphs.pool.reset_peak_memory`).
     """
 
     rows: list[WarmupRow]
     compiled_graphs: int = 0
     skipped: str | None = None
     capture_passes: int = 1
+    peak_reserved_bytes: int = 0
 
     @property
     def total_seconds(self) -> float:
@@ -85,23 +102,39 @@ class WarmupReport:
     def total_resident_bytes(self) -> int:
         return sum(r.resident_bytes for r in self.rows)
 
+    @property
+    def largest_eager_peak_bytes(self) -> int:
+        """The largest eager transient the graphs replace: what graph memory is held to."""
+        return max((r.eager_peak_bytes for r in self.rows), default=0)
+
     def __str__(self) -> str:
         if self.skipped:
             return f"nothing captured: {self.skipped}"
         compiled = any(r.compile_seconds for r in self.rows)
         video = any(r.frames is not None for r in self.rows)
+        decoder = any(r.decoder is not None for r in self.rows)
         head = f"{'resolution':>12}" + (f" {'frames':>6}" if video else "")
-        head += f" {'capture s':>9} {'graphs':>6} {'graph MiB':>10}"
+        head += f" {'capture s':>9} {'graphs':>6} {'graph MiB':>10} {'eager peak MiB':>14}"
+        head += f" {'decode ms graph/eager':>29}" if decoder else ""
         lines = [head + (f" {'compile s':>9}" if compiled else "")]
         for r in self.rows:
             line = f"{r.width:>5}x{r.height:<6}"
             if video:
                 line += f" {r.frames if r.frames is not None else '-':>6}"
-            line += f" {r.seconds:9.2f} {r.captures:6d} {r.resident_bytes / 2**20:10.1f}"
+            line += (
+                f" {r.seconds:9.2f} {r.captures:6d} {r.resident_bytes / 2**20:10.1f} {r.eager_peak_bytes / 2**20:14.1f}"
+            )
+            if decoder:
+                d = r.decoder
+                line += f" {'-':>29}" if d is None else f" {_decode(d):>29}"
             lines.append(line + (f" {r.compile_seconds:9.2f}" if compiled else ""))
         total = f"{'total':>12}" + (" " * 7 if video else "")
         total += f" {self.total_seconds:9.2f} {self.total_captures:6d} {self.total_resident_bytes / 2**20:10.1f}"
+        total += f" {self.largest_eager_peak_bytes / 2**20:14.1f}" + (" " * 30 if decoder else "")
         lines.append(total + (f" {self.total_compile_seconds:9.2f}" if compiled else ""))
+        lines.append(
+            "(eager peak: the most a resolution's eager calls allocate above the weights, which its graphs replace)"
+        )
         if compiled:
             lines.append(f"inductor compiled {self.compiled_graphs} graph(s)")
         if self.capture_passes > 1:
@@ -110,6 +143,10 @@ class WarmupReport:
                 "(the earlier graphs were dropped; capture s counts every pass)"
             )
         return "\n".join(lines)
+
+
+def _decode(t: Timing) -> str:
+    return f"{t.graph_ms:.1f} / {t.eager_ms:.1f} {'graphs' if t.kept else 'eager'}"
 
 
 @contextlib.contextmanager
@@ -184,9 +221,13 @@ def _run_capturing(
     runners: list[GraphRunner],
     pool: GraphPool,
     calls: Iterable[dict[str, Any]],
+    on_trial: GraphRunner | None = None,
 ) -> None:
-    """Run these pipeline calls (the runners capturing) and add their cost to ``row``."""
+    """Run these pipeline calls (the runners capturing) and add their cost to ``row``; the
+    memory of ``on_trial``'s graphs is counted where they are kept, not here."""
     captures0 = sum(r.stats(memory=False).captures for r in runners)
+    held_by = [r for r in runners if r is not on_trial]
+    held0 = _held_bytes(held_by)
     resident0 = pool.resident_bytes()
     t0 = time.perf_counter()
     for kwargs in calls:
@@ -194,7 +235,15 @@ def _run_capturing(
     torch.cuda.synchronize(device)
     row.seconds += time.perf_counter() - t0
     row.captures += sum(r.stats(memory=False).captures for r in runners) - captures0
-    row.resident_bytes += pool.resident_bytes() - resident0
+    row.resident_bytes += pool.resident_bytes() - resident0 + _held_bytes(held_by) - held0
+    pools = {id(r.pool): r.pool for r in runners if r.pool is not None}
+    row.eager_peak_bytes = max(row.eager_peak_bytes, *(p.take_eager_peak() for p in pools.values()))
+
+
+def _held_bytes(runners: list[GraphRunner]) -> int:
+    """Static inputs and boundary buffers of the runners' graphs (outside the pool)."""
+    stats = [r.stats(memory=True, pool=False) for r in runners]
+    return sum(s.static_bytes + s.boundary_bytes for s in stats)
 
 
 def _row(case: WarmupCase) -> WarmupRow:
@@ -214,11 +263,14 @@ def run_warmup(
     negative_prompt: str | None = None,
     components: Sequence[GraphRunner] = (),
     components_compiled: bool = False,
+    decoder: tuple[str, GraphRunner] | None = None,
 ) -> WarmupReport:
     """Run ``plan``'s warm-up calls through ``pipe`` with ``runners`` capturing; then, when
     ``components`` (runners among ``runners``) are given, the calls that capture them. With
     ``compiled``, every call runs uncaptured first (the components' too where
-    ``components_compiled``), so nothing is captured over kernels a later shape recompiles."""
+    ``components_compiled``), so nothing is captured over kernels a later shape recompiles.
+    ``decoder``: the VAE decoder's name and runner (one of ``components``), whose graphs are
+    kept only where they pay (:class:`~accel.hooks.images.decoder_trial.DecoderTrial`)."""
     pool = runners[0].pool
     assert pool is not None
     rows: dict[tuple[int, int, int | None], WarmupRow] = {}
@@ -226,6 +278,7 @@ def run_warmup(
     passes = 1
     progress_config = dict(getattr(pipe, "_progress_bar_config", {}))
     pipe.set_progress_bar_config(disable=True)
+    pool.give_back_before_capture = True
     try:
         component_calls = (
             list(_component_calls(recipe, pipe, plan, prompts or [WARMUP_PROMPT], negative_prompt))
@@ -277,12 +330,52 @@ def run_warmup(
                     break
                 logger.info("warmup: inductor compiled again during capture; capturing every case once more")
             if components:
-                bar = _progress(len(component_calls), progress, "capturing text encoder and VAE")
-                for size, kwargs in component_calls:
-                    _run_capturing(pipe, device, rows[size], runners, pool, [kwargs])
-                    bar.update()
-                bar.close()
+                _capture_components(pipe, device, rows, runners, pool, component_calls, decoder, progress)
     finally:
+        pool.give_back_before_capture = False
         pipe._progress_bar_config = progress_config
+        # What the eager runs left cached (their transient, on the capture stream too) is given
+        # back: the graphs replace it.
+        torch.cuda.synchronize(device)
+        pool.release_cached()
     graphs = compiled_graph_count() - graphs0 if compiled else 0
-    return WarmupReport(list(rows.values()), compiled_graphs=graphs, capture_passes=passes)
+    peak = peak_memory(device)[1] if device.type == "cuda" else 0
+    return WarmupReport(list(rows.values()), compiled_graphs=graphs, capture_passes=passes, peak_reserved_bytes=peak)
+
+
+def _capture_components(
+    pipe: Any,
+    device: torch.device,
+    rows: dict[tuple[int, int, int | None], WarmupRow],
+    runners: list[GraphRunner],
+    pool: GraphPool,
+    calls: list[tuple[tuple[int, int, int | None], dict[str, Any]]],
+    decoder: tuple[str, GraphRunner] | None,
+    progress: bool,
+) -> None:
+    """The component calls (see :func:`_component_calls`), the decoder on trial where given."""
+    trying = decoder is not None and decoder[1].enabled and decoder_trial.timed_on(pool.device)
+    trial = DecoderTrial(decoder[1], decoder[0]) if trying else None
+    bar = _progress(len(calls), progress, "capturing text encoder and VAE")
+    for size, kwargs in calls:
+        row = rows[size]
+        if trial is not None:
+            trial.before_call()
+        _run_capturing(pipe, device, row, runners, pool, [kwargs], decoder[1] if trial is not None else None)
+        if trial is not None:
+            t0 = time.perf_counter()
+            for timing in trial.after_call(size):
+                row.captures -= 1  # the trial's graph: counted where it is captured again, if kept
+                row.decoder = timing
+            row.seconds += time.perf_counter() - t0
+        bar.update()
+    bar.close()
+    if trial is not None:
+
+        def added(size: tuple[int, int, int | None], graphs: int, grown: int, seconds: float) -> None:
+            row = rows[size]
+            row.captures += graphs
+            row.resident_bytes += grown
+            row.seconds += seconds
+
+        trial.finish(added)

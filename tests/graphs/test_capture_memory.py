@@ -169,3 +169,37 @@ def test_make_room_keeps_the_cache_when_the_device_has_room(monkeypatch) -> None
     pool, emptied = _pool_on(monkeypatch, free=80 * GiB, reserved=60 * GiB, allocated=21 * GiB)
     assert pool.make_room() == 0
     assert emptied == []
+
+
+def test_a_warm_up_gives_the_cache_back_before_every_capture(monkeypatch) -> None:
+    """What the capture's own eager warm-up runs and earlier eager calls left cached would sit
+    beside the pool the capture grows: during a warm-up it is given back whatever the room."""
+    pool, emptied = _pool_on(monkeypatch, free=80 * GiB, reserved=60 * GiB, allocated=21 * GiB)
+    pool.give_back_before_capture = True
+    assert pool.make_room() == 39 * GiB and emptied == [39 * GiB]
+
+
+def test_eager_peaks_are_measured_and_the_process_peak_survives_the_resets(monkeypatch) -> None:
+    """measure_eager resets torch's peak counters to read one eager run's peak; peak_memory still
+    gives the process's peak across those resets, until reset_peak_memory starts a new window."""
+    from accel.graphs import pool as pool_mod
+
+    state = {"allocated": 10 * GiB, "peak": 30 * GiB, "reserved_peak": 40 * GiB, "reserved": 35 * GiB}
+
+    def reset(device=None) -> None:
+        state["peak"], state["reserved_peak"] = state["allocated"], state["reserved"]
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: state["reserved_peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(pool_mod, "_held_peaks", {})
+    pool = object.__new__(GraphPool)
+    pool.device = torch.device("cuda", 0)
+    for transient in (3 * GiB, 5 * GiB, 2 * GiB):
+        with pool.measure_eager():
+            state["peak"] = max(state["peak"], state["allocated"] + transient)
+    assert pool.take_eager_peak() == 5 * GiB and pool.take_eager_peak() == 0
+    assert pool_mod.peak_memory(0) == (30 * GiB, 40 * GiB)  # the process's, from before the resets
+    pool_mod.reset_peak_memory(0)
+    assert pool_mod.peak_memory(0) == (10 * GiB, 35 * GiB)

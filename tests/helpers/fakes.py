@@ -53,6 +53,8 @@ class FakePool:
         self.device = torch.device("cpu")
         self.lock = threading.RLock()
         self.stream = FakeStream()
+        self.give_back_before_capture = False
+        self.eager_peak = 0
 
     def handle_for(self, graph: Any) -> None:
         return None
@@ -65,6 +67,14 @@ class FakePool:
 
     def release_cached(self) -> int:
         return FakePool.released
+
+    @contextlib.contextmanager
+    def measure_eager(self) -> Iterator[None]:
+        yield
+
+    def take_eager_peak(self) -> int:
+        peak, self.eager_peak = self.eager_peak, 0
+        return peak
 
     def order_after_last_replay(self, stream: Any) -> None:
         pass

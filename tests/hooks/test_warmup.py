@@ -36,8 +36,8 @@ class FakeRunner:
         finally:
             self.capturing_depth -= 1
 
-    def stats(self, memory: bool = True) -> Any:
-        return type("Stats", (), {"captures": self.captures})()
+    def stats(self, memory: bool = True, *, pool: bool = True) -> Any:
+        return type("Stats", (), {"captures": self.captures, "static_bytes": 0, "boundary_bytes": 0})()
 
 
 class FakePipe:
@@ -216,3 +216,47 @@ def test_the_components_are_captured_at_every_batch_size() -> None:
     assert batches == {1, 2, 4}
     assert len(calls) == len(batches) * 2 and {size for size, _ in calls} == {(512, 512, None), (256, 256, None)}
     assert all(kwargs["output_type"] == "pil" for _, kwargs in calls)
+
+
+class PeakPipe(FakePipe):
+    """A FakePipe whose captures grow the pool and measure an eager peak, by resolution, and
+    whose decoder (on its own pool) measures a larger one at the largest size."""
+
+    def __init__(self, runner: FakeRunner, decoder: FakeRunner) -> None:
+        super().__init__(runner, [0], set())
+        self.decoder = decoder
+        self.giving_back: list[bool] = []
+
+    def __call__(self, *, width: int, height: int, prompt_length: int, generator: Any, **kwargs: Any) -> None:
+        super().__call__(width=width, height=height, prompt_length=prompt_length, generator=generator)
+        self.giving_back.append(self.runner.pool.give_back_before_capture)
+        if self.runner.capturing_depth:
+            FakePool.resident += width * 1024  # the pool grows by what the capture allocated
+            self.runner.pool.eager_peak = max(self.runner.pool.eager_peak, width * 4096)
+            if "output_type" in kwargs:  # a component call decodes
+                self.decoder.pool.eager_peak = width * 8192 if width == 1024 else 1
+
+
+def test_each_resolution_shows_the_graph_memory_it_added_beside_the_eager_peak_it_replaces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    FakePool.resident = 0
+    recipe, runner, decoder = LengthRecipe(), FakeRunner(), FakeRunner()
+    released: list[int] = []
+    monkeypatch.setattr(FakePool, "release_cached", lambda self: released.append(1) or 0)
+    pipe = PeakPipe(runner, decoder)
+    pipe.components = {}
+    plan = _plan(recipe, pipe, [(512, 512), (1024, 1024)])
+    report = run_warmup(
+        pipe, recipe, plan, [runner, decoder], torch.device("cpu"), compiled=False, progress=False, components=[decoder]
+    )
+    rows = {r.width: r for r in report.rows}
+    assert rows[1024].resident_bytes == 3 * 1024 * 1024 and rows[512].resident_bytes == 3 * 512 * 1024
+    # The largest of what every pool's captures measured in the row: the decoder's at 1024.
+    assert rows[1024].eager_peak_bytes == 1024 * 8192 and rows[512].eager_peak_bytes == 512 * 4096
+    assert report.largest_eager_peak_bytes == 1024 * 8192
+    text = str(report)
+    assert "eager peak MiB" in text and f"{1024 * 8192 / 2**20:14.1f}" in text
+    # The cache was given back before every capture during the warm-up, and once more at its end.
+    assert pipe.giving_back and all(pipe.giving_back) and not runner.pool.give_back_before_capture and released
