@@ -288,7 +288,6 @@ class PipelineAccelerator:
                 prompts=([prompts] if isinstance(prompts, str) else list(prompts)) if prompts else None,
                 negative_prompt=negative_prompt,
                 components=components,
-                components_compiled=any(h.compiled for n, h in hooks.items() if n not in denoisers and h.active),
                 decoder=(VAE_DECODER, decoder.runner) if decoder is not None and decoder.active else None,
             )
         installed.warmups.append(result)

@@ -262,13 +262,12 @@ def run_warmup(
     prompts: list[str] | None = None,
     negative_prompt: str | None = None,
     components: Sequence[GraphRunner] = (),
-    components_compiled: bool = False,
     decoder: tuple[str, GraphRunner] | None = None,
 ) -> WarmupReport:
     """Run ``plan``'s warm-up calls through ``pipe`` with ``runners`` capturing; then, when
     ``components`` (runners among ``runners``) are given, the calls that capture them. With
-    ``compiled``, every call runs uncaptured first (the components' too where
-    ``components_compiled``), so nothing is captured over kernels a later shape recompiles.
+    ``compiled``, every call runs uncaptured first, the components' too, so nothing is captured
+    over kernels a later shape recompiles.
     ``decoder``: the VAE decoder's name and runner (one of ``components``), whose graphs are
     kept only where they pay (:class:`~accel.hooks.images.decoder_trial.DecoderTrial`)."""
     pool = runners[0].pool
@@ -280,11 +279,15 @@ def run_warmup(
     pipe.set_progress_bar_config(disable=True)
     pool.give_back_before_capture = True
     try:
-        component_calls = (
-            list(_component_calls(recipe, pipe, plan, prompts or [WARMUP_PROMPT], negative_prompt))
-            if components
-            else []
-        )
+
+        def component_calls() -> list[tuple[tuple[int, int, int | None], dict[str, Any]]]:
+            # Made afresh for every pass: a pipeline may rewrite the prompt list it is given in
+            # place (Z-Image's encode_prompt applies its chat template to each item), and a list
+            # used twice reached the text encoder templated twice, a longer caption than real calls'.
+            if not components:
+                return []
+            return list(_component_calls(recipe, pipe, plan, prompts or [WARMUP_PROMPT], negative_prompt))
+
         if compiled:
             # Every case runs once uncaptured first: dynamo compiles (and recompiles, on new
             # shapes) here, so that the capture below times capture alone and no graph is
@@ -299,9 +302,12 @@ def run_warmup(
                     torch.cuda.synchronize(device)
                     row.compile_seconds += time.perf_counter() - t0
                     bar.update()
-                # And, where a component has compiled kernels too (a VAE decoder's GroupNorms),
-                # the calls that capture the components: their sizes compile before any capture.
-                for size, kwargs in component_calls if components_compiled else ():
+                # And the calls that capture the components: they run the compiled denoiser on
+                # real text embeddings, whose layout the cases' random ones do not have (Z-Image's
+                # rotary table, a view of a longer one: dynamo guards on its stride), and a
+                # component's own compiled kernels (a VAE decoder's GroupNorms). Compiled there,
+                # after the captures, they dropped every graph captured so far.
+                for size, kwargs in component_calls():
                     t0 = time.perf_counter()
                     pipe(**kwargs, generator=torch.Generator(device).manual_seed(0))
                     torch.cuda.synchronize(device)
@@ -330,7 +336,7 @@ def run_warmup(
                     break
                 logger.info("warmup: inductor compiled again during capture; capturing every case once more")
             if components:
-                _capture_components(pipe, device, rows, runners, pool, component_calls, decoder, progress)
+                _capture_components(pipe, device, rows, runners, pool, component_calls(), decoder, progress)
     finally:
         pool.give_back_before_capture = False
         pipe._progress_bar_config = progress_config
