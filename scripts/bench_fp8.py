@@ -28,7 +28,13 @@ The float8 layers are the library's choice for each model (the recipe's ``fp8_la
 the library's own, Z-Image torchao's); ``--fp8-backend torchao scaled-mm`` runs every model with
 each kind in turn: torchao's tensor subclass, then the opaque ``scaled_mm`` op with its one-pass
 quantization (accel/hooks/fp8/scaled_mm.py). Writes ``results.json`` and ``results.md`` to
-``--out`` after every row.
+``--out`` after every row. Each compiled row also says what dynamo compiled in its warm-up
+(``compiled_graphs``), whether it compiled again while capturing (``capture_passes`` 2) and
+whether a later compile dropped graphs (``recompile_drops``). ``--cold`` builds the model again
+before every compiled row that is not the first thing run on it (dynamo reset, an empty inductor
+cache folder each): the float8 + DBCache row then measures, quantizes and compiles from scratch as
+the float8 row did, so their setup seconds compare within one run (with ``TORCH_LOGS=recompiles``,
+the log says what recompiled and why).
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ parallel_report   device and versions, the tables, results.json and results.md
 
 scripts/bench_caches.py: cache_run (flags, the run, results.md), cache_bench (step caches with and
 without graphs on one pipeline). scripts/bench_fp8.py: fp8_run, fp8_bench (bf16 and float8 rows).
-scripts/bench_guard.py: guard_timing. scripts/bench_vae.py: vae_decode.
+scripts/bench_guard.py: guard_timing. scripts/bench_vae.py: vae_decode. scripts/bench_memory.py:
+memory_run (flags, each model's eager and graph peaks in one process, results.md).
 
 scripts/profile_step.py:
 kernels         what a kernel does, from its name (float8 GEMMs and quantization apart)

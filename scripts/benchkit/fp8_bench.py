@@ -92,6 +92,11 @@ class Bench:
 
         t0 = time.perf_counter()
         options: dict[str, Any] = dict(compile=True)
+        if getattr(self.args, "cold", False):
+            # A fresh, empty inductor cache: this row's compiles are cold, whatever ran before.
+            import tempfile
+
+            options["compile_cache_dir"] = tempfile.mkdtemp(prefix="bcg-fp8-cold-")
         if quantize:
             options.update(quantize="fp8", fp8_budget=self.args.fp8_budget)
         accelerate_pipeline(self.pipe, **options)
@@ -108,6 +113,11 @@ class Bench:
             setup_s=round(time.perf_counter() - t0, 2),
             capture_s=round(report.total_seconds, 2),
             compile_s=round(report.total_compile_seconds, 2),
+            # What dynamo compiled in the warm-up, whether it compiled again while capturing (every
+            # case captured twice) and whether a compile after the captures dropped graphs.
+            compiled_graphs=report.compiled_graphs,
+            capture_passes=report.capture_passes,
+            recompile_drops=self.pipe.accel.hooks[next(iter(self.pipe.accel.runners))].recompile_drops,
         )
         q = self.pipe.accel.quantization
         if q is not None:

@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
     p.add_argument("--steps", type=int, default=None, help="default: 9 (Z-Image), 20 (Qwen-Image)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--fp8-budget", type=float, default=None, help="default: the library's")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="every compiled row on a freshly built bf16 model with dynamo reset and an empty inductor cache "
+        "(setup seconds comparable between rows of one run)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     args.size = args.size or ("full" if torch.cuda.is_available() else "tiny")
@@ -120,13 +126,20 @@ def run(args: argparse.Namespace) -> None:
     for model in args.only:
         bench = Bench(args, model)
         bench.build()
+        built = True  # the model as built, nothing compiled or quantized yet
         for variant in (v for v in args.variants if v.startswith("bf16")):
+            if args.cold and variant != "bf16-eager" and not built:
+                bench.build()
             write(bench.run(variant, "bf16"))
+            built = built and variant == "bf16-eager"
         for i, backend in enumerate(args.fp8_backend):
-            if i:
+            if i or (args.cold and not built):
                 bench.build()  # the previous backend's float8 layers stay: a fresh bf16 model
             with fp8_backend(backend):
-                for variant in (v for v in args.variants if v.startswith("fp8")):
+                for j, variant in enumerate(v for v in args.variants if v.startswith("fp8")):
+                    if args.cold and j:
+                        bench.build()  # measured again, compiled cold: not the last row's float8 model
                     write(bench.run(variant, backend))
+            built = False
         bench.pipe = None
     print(md)

@@ -44,3 +44,29 @@ def test_the_fp8_bench_runs_every_row_and_writes_its_tables(tmp_path: Path, monk
         assert key in result["env"]
     md = (out / "results.md").read_text()
     assert md.count("\n| z-image | ") == 4 and "| fp8-compiled-graphs | 32x32 |" in md
+
+
+def test_cold_rows_each_start_from_a_fresh_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--cold``: every compiled row builds the model again (dynamo reset, an empty inductor
+    cache), so the float8 + DBCache row measures and compiles as the float8 row did, and their
+    setup seconds compare."""
+    spec = importlib.util.spec_from_file_location("bench_fp8_script", ROOT / "scripts" / "bench_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from benchkit import fp8_bench
+
+    built: list[int] = []
+    build = fp8_bench.Bench.build
+    monkeypatch.setattr(fp8_bench.Bench, "build", lambda self: built.append(1) or build(self))
+    use_grid(monkeypatch, levels=32)
+    out = tmp_path / "cold"
+    variants = ["bf16-eager", "fp8-compiled-graphs", "fp8-dbcache-compiled-graphs"]
+    argv = ["--only", "z-image", "--size", "tiny", "--steps", "2", "--resolution", "32", "--runs", "1", "--cold"]
+    bench.main([*argv, "--variants", *variants, "--out", str(out)])
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    # Built once for bf16 eager and the float8 row after it (eager changes nothing), once more for DBCache.
+    assert [r["status"] for r in rows] == ["ok"] * 3 and len(built) == 2
+    fp8, cached = rows[1:]
+    assert cached["quantize"].startswith("fp8 (stand-in grid): ") and cached["selection"] == fp8["selection"]
+    for r in (fp8, cached):
+        assert {"compiled_graphs", "capture_passes", "recompile_drops"} <= set(r)
