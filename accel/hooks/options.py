@@ -172,8 +172,10 @@ class AcceleratorOptions:
             (they hold no collectives). Default on.
         vae: graphs for the VAE's decoder, one per latent shape, captured by the warm-up in the
             same memory pool as the denoiser's graphs, so the decode's activations reuse the
-            pool instead of adding to it. With ``parallel`` every rank decodes with its own.
-            Default on.
+            pool instead of adding to it; kept only at the sizes where, timed at warm-up, they
+            replay at least as fast as the eager decode (the others decode eagerly; see
+            :mod:`accel.hooks.images.decoder_trial`). With ``parallel`` every rank decodes with
+            its own. Default on.
         cfg_batch: where a pipeline calls the denoiser once per guidance branch (Qwen-Image's
             true CFG) and the recipe finds it pays (Qwen-Image: up to 768x768 on one GPU, where
             it pads text anyway; up to 1024x1024 under ``parallel="ulysses"`` on 2 ranks), run the
