@@ -30,7 +30,7 @@ from .graphs.bcg import (
 )
 from .graphs.errors import BCGError
 from .graphs.patches import patch, unpatched
-from .graphs.pool import GraphPool
+from .graphs.pool import GraphPool, peak_memory, reset_peak_memory
 from .graphs.runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
 from .hooks.compiled.fused import addmm_gelu_tanh, fusable_linear
@@ -79,8 +79,10 @@ __all__ = [
     "fusable_linear",
     "is_capturing",
     "patch",
+    "peak_memory",
     "recipe_for",
     "register_recipe",
+    "reset_peak_memory",
     "to_pil_images",
     "tree",
     "unpatched",

@@ -95,8 +95,11 @@ class CallClock:
 
         if self.device is None:
             return 0
+        from accel import reset_peak_memory
+
         torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        # The library's: a capture resets torch's counters to measure its eager runs.
+        reset_peak_memory(self.device)
         return torch.cuda.memory_allocated(self.device)
 
     def _peak(self, before: int) -> int:
@@ -104,8 +107,10 @@ class CallClock:
 
         if self.device is None:
             return 0
+        from accel import peak_memory
+
         torch.cuda.synchronize(self.device)
-        return max(torch.cuda.max_memory_allocated(self.device) - before, 0)
+        return max(peak_memory(self.device)[0] - before, 0)
 
     @contextmanager
     def timing(self) -> Iterator[CallClock]:

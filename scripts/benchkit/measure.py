@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from accel.graphs import tree
+from accel.graphs.pool import peak_memory, reset_peak_memory
 
 from .rows import err_text, rnd
 from .settings import MiB
@@ -124,7 +125,7 @@ class MemWatch:
         if self.clock.cuda:
             gc.collect()
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.clock.device)
+            reset_peak_memory(self.clock.device)  # the library's window: captures reset torch's counters
             self.base = torch.cuda.memory_allocated(self.clock.device)
             self.reserved0 = torch.cuda.memory_reserved(self.clock.device)
         return self
@@ -137,7 +138,7 @@ class MemWatch:
         if not self.clock.cuda:
             return {}
         dev = self.clock.device
-        peak = torch.cuda.max_memory_allocated(dev)
+        peak = peak_memory(dev)[0]
         return {
             "peak_mb": rnd(peak / MiB, 1),
             "peak_over_base_mb": rnd((peak - self.base) / MiB, 1),

@@ -21,6 +21,7 @@ import torch
 from accel import accelerate_pipeline
 from accel.graphs import tree
 from accel.graphs.runner import GraphRunner
+from accel.hooks.images import decoder_trial
 from pipelines.builders import build_pipeline
 from tests.helpers.generate import generate
 
@@ -69,12 +70,15 @@ def model(request):
 
 
 @torch.no_grad()
-def test_decoded_images_and_embeddings_equal_eager(model) -> None:
+def test_decoded_images_and_embeddings_equal_eager(model, monkeypatch) -> None:
     name, pipe = model
     cases = [(p, wh) for p in PROMPTS for wh in RESOLUTIONS]
     images = {c: _image(pipe, name, *c) for c in cases}
     embeds = {p: _embeddings(pipe, name, p) for p in PROMPTS}
 
+    # Every size's decoder graph kept, untimed: their replays are what this test holds to eager
+    # (test_the_decoder_keeps_graphs_only_where_they_pay times them).
+    monkeypatch.setattr(decoder_trial, "timed_on", lambda device: False)
     accelerate_pipeline(pipe, text_buckets=None)
     report = pipe.accel.warmup(RESOLUTIONS, prompts=PROMPTS, negative_prompt=NEGATIVE, cfg=True, progress=False)
     print(f"\n{name} warmup:\n{report}\n{pipe.accel.report()}")
@@ -102,6 +106,32 @@ def test_decoded_images_and_embeddings_equal_eager(model) -> None:
     assert after["vae.decoder"].eager_calls == eager_before, pipe.accel.report()
     assert after["text_encoder"].replays > before["text_encoder"], pipe.accel.report()
     assert after["text_encoder"].misses == 0 and after["vae.decoder"].misses == 0, pipe.accel.report()
+    pipe.accel.restore()
+
+
+@torch.no_grad()
+def test_the_decoder_keeps_graphs_only_where_they_pay(model) -> None:
+    """The warm-up times each size's decoder replay against its eager decode: graphs are kept
+    where at least as fast, the rest decode eagerly; every image equals eager's either way."""
+    name, pipe = model
+    prompt = PROMPTS[0]
+    images = {wh: _image(pipe, name, prompt, wh) for wh in RESOLUTIONS}
+    accelerate_pipeline(pipe, text_buckets=None)
+    report = pipe.accel.warmup(RESOLUTIONS, prompts=[prompt], negative_prompt=NEGATIVE, cfg=True, progress=False)
+    print(f"\n{name} warmup:\n{report}")
+    timings = [r.decoder for r in report.rows]
+    assert all(t is not None and t.graph_ms > 0 and t.eager_ms > 0 for t in timings), report
+    kept = sum(t.kept for t in timings)
+    decoder = pipe.accel.runners["vae.decoder"]
+    assert decoder.stats().entries == kept and len(decoder.blocked) == len(RESOLUTIONS) - kept
+    assert all(r.startswith(decoder_trial.SLOWER) for r in decoder.blocked.values())
+    assert decoder.pool is pipe.accel.runners["transformer"].pool
+    before = decoder.stats()
+    for wh in RESOLUTIONS:
+        _churn()
+        assert torch.equal(_image(pipe, name, prompt, wh), images[wh]), wh
+    after = decoder.stats()
+    assert after.replays - before.replays == kept and after.eager_calls - before.eager_calls == len(RESOLUTIONS) - kept
     pipe.accel.restore()
 
 
