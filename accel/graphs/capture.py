@@ -147,10 +147,11 @@ def attempt(
                 # a list it is given (a causal VAE's feature cache) finds it as the caller built it.
                 warm: stores.Recording | None = None
                 # The warm-up runs are the eager call the graph replaces: their transient peak is measured.
+                versions = [static_inputs[i]._version for i in sorted(entry.state_inputs)]
                 with torch.cuda.stream(pool.stream), pool.measure_eager():
                     for _ in range(config.warmup_runs):
                         args, kwargs = sig.rebuild(static_inputs)
-                        given = stores.Given(args, kwargs)
+                        given = stores.Given(args, kwargs, sig.state)
                         with bcg.rerun(memo):
                             out = fn(*args, **kwargs)
                         restore()
@@ -159,13 +160,14 @@ def attempt(
                 pool.stream.synchronize()
                 pool.make_room()
                 args, kwargs = sig.rebuild(static_inputs)
-                given = stores.Given(args, kwargs)
+                given = stores.Given(args, kwargs, sig.state)
                 watch = given.unchanged_by if given.found else None
                 handle = pool.handle_for(graph)
                 with bcg.capture(graph, pool=handle, stream=pool.stream, memo=memo, watch=watch):
                     output = captured(*args, **kwargs)
                 done = stores.record(given, name, static_inputs, sig.objects, output, pool.device)
                 done.check_against(warm, name)
+                _check_state_unwritten(entry, versions, name)
                 kept = stores.Stores(done, PoolMap(handle, pool.device)) if done.stored else None
                 del args, kwargs, given, done
                 caller.wait_stream(pool.stream)
@@ -181,6 +183,18 @@ def attempt(
     except BaseException:
         graph.reset()
         raise
+
+
+def _check_state_unwritten(entry: Entry, versions: list[int], name: str) -> None:
+    """BreakError if the call wrote in place into a tensor of a state object it was given (its
+    version counter moved since ``versions``): a replay writes the graph's static copy, not the
+    caller's tensor, and the entry's replays copy such tensors in only when they changed."""
+    for i, was in zip(sorted(entry.state_inputs), versions):
+        if entry.static_inputs[i]._version != was:
+            raise BreakError(
+                f"{name}: the call writes in place into {entry.signature.field(i)}, a tensor of a state object it is "
+                "given: a replay would write the graph's copy, not the caller's tensor"
+            )
 
 
 def verify(
@@ -202,12 +216,12 @@ def verify(
     args, kwargs = sig.rebuild(entry.static_inputs)
     with torch.inference_mode(False), torch.no_grad():
         with bcg.rerun(memo):
-            expected = tree.clone((fn(*args, **kwargs), _containers(args, kwargs)))
+            expected = tree.clone((fn(*args, **kwargs), _containers(args, kwargs, sig.state)))
         restore()
         trial = GraphTree()
         trial.add(chain)
         args, kwargs = sig.rebuild(entry.static_inputs)
-        got = (entry.replay(pool, trial, None, memo, call=(args, kwargs, None)), _containers(args, kwargs))
+        got = (entry.replay(pool, trial, None, memo, call=(args, kwargs, None)), _containers(args, kwargs, sig.state))
         restore()
     (want, want_key), (have, have_key) = tree.flatten_key(expected), tree.flatten_key(got)
     same = want_key == have_key and all(_same_leaf(a, b) for a, b in zip(want, have))
@@ -215,9 +229,9 @@ def verify(
         raise BreakError(f"{name}: the graph's output differs from an eager run of the same inputs")
 
 
-def _containers(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+def _containers(args: tuple[Any, ...], kwargs: dict[str, Any], state: frozenset[type]) -> list[Any]:
     """The containers a call was given, which it may have stored into."""
-    return [c for _, c in stores.Given(args, kwargs).found]
+    return [c for _, c in stores.Given(args, kwargs, state).found]
 
 
 def _same_leaf(a: Any, b: Any) -> bool:

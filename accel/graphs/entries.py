@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import weakref
 from collections.abc import Hashable, Iterable
 from typing import Any, Protocol
 
@@ -37,7 +38,9 @@ class RunnerStats:
     at a decision. ``paths_per_entry``: the captured decision paths of each signature.
     ``stored_bytes``: what one replay of every chain copies into the containers its call is given
     (a causal VAE's feature cache; :mod:`accel.graphs.stores`): copies the caller owns and frees,
-    allocated outside the pool; the graphs pin none of it.
+    allocated outside the pool; the graphs pin none of it. ``state_bytes_kept``: the bytes of
+    state (tensors of a per-call object, a K/V cache) that replays did not copy into the static
+    inputs because those held them already (:attr:`Entry.state_inputs`).
     """
 
     captures: int = 0
@@ -57,6 +60,7 @@ class RunnerStats:
     static_bytes: int = 0
     boundary_bytes: int = 0
     stored_bytes: int = 0
+    state_bytes_kept: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,6 +87,13 @@ class Entry:
     :attr:`EntryStore.recapture`). Its other decision paths are captured as calls take them,
     as the warm-up that captured the dropped graphs did: a step cache's cached steps, say,
     which would otherwise run eagerly until the next warm-up.
+
+    ``state_inputs``: the positions of the call's tensors that a per-call object of state holds
+    (:attr:`Signature.state_inputs`; a K/V cache the later steps of a pipeline call read, as large
+    as the prefix times the layers). The call never writes them (a capture that does is refused),
+    so a replay copies one only when its static input does not hold it already: when the caller's
+    tensor is another object than the one copied last, or was written since (its version
+    counter moved). An inference tensor has no version counter: it is always copied.
     """
 
     key: Hashable
@@ -91,10 +102,26 @@ class Entry:
     tree: GraphTree
     blocked_paths: dict[tuple[Any, ...], str] = dataclasses.field(default_factory=dict)
     refill: bool = False
+    state_inputs: frozenset[int] = frozenset()
+    state_bytes_kept: int = 0
+    # What each state input's static buffer holds: (the tensor copied in, weakly; its version then).
+    _held: dict[int, tuple[weakref.ref[torch.Tensor], int]] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def capture_seconds(self) -> float:
         return sum(c.capture_seconds for c in self.tree.chains.values())
+
+    def _holds(self, i: int, t: torch.Tensor) -> bool:
+        """Whether static input ``i`` holds ``t`` already (it was copied from ``t``, unwritten since);
+        remembers ``t`` as what it will hold otherwise."""
+        if t.is_inference():
+            self._held.pop(i, None)
+            return False
+        held = self._held.get(i)
+        if held is not None and held[0]() is t and held[1] == t._version:
+            return True
+        self._held[i] = (weakref.ref(t), t._version)
+        return False
 
     def static_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.static_inputs)
@@ -120,9 +147,13 @@ class Entry:
         with pool.lock:
             stream = torch.cuda.current_stream(pool.device)
             pool.order_after_last_replay(stream)
-            for s, t in zip(self.static_inputs, leaves or ()):
-                if s is not t:
-                    s.copy_(t)
+            for i, (s, t) in enumerate(zip(self.static_inputs, leaves or ())):
+                if s is t:
+                    continue
+                if i in self.state_inputs and self._holds(i, t):
+                    self.state_bytes_kept += s.numel() * s.element_size()
+                    continue
+                s.copy_(t)
             try:
                 chain = graphs.replay(memo)
                 # The output buffers are rewritten by the next replay of any graph in the pool,

@@ -19,7 +19,18 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["ALWAYS_LEAF", "BY_REGISTRY", "DATACLASS", "NAMEDTUPLE", "OBJECT", "Node", "kind", "node", "ours"]
+__all__ = [
+    "ALWAYS_LEAF",
+    "BY_REGISTRY",
+    "DATACLASS",
+    "NAMEDTUPLE",
+    "OBJECT",
+    "Node",
+    "holds_hidden_tensors",
+    "kind",
+    "node",
+    "ours",
+]
 
 # How instances of a type are walked, decided on first sight of the type.
 BY_REGISTRY = "by torch's registry"  # a container if torch's registry holds it (now or later), else a leaf
@@ -73,9 +84,42 @@ def _classify(value: Any) -> str:
     if dataclasses.is_dataclass(cls):
         _add(cls, DATACLASS)
         return DATACLASS
-    if hasattr(value, "__dict__") and not callable(value) and cls.__new__ in _REBUILDABLE_NEW:
+    if hasattr(value, "__dict__") and not callable(value) and cls.__new__ in _REBUILDABLE_NEW and not _slots(cls):
         return OBJECT  # its functions are made when first opened: the arguments view never needs them
     return BY_REGISTRY
+
+
+def _slots(cls: type) -> tuple[str, ...]:
+    """The slots of ``cls`` and its bases that hold state (``__dict__`` and ``__weakref__`` do not):
+    an object with them is not rebuilt from its ``__dict__`` alone."""
+    names: list[str] = []
+    for base in cls.__mro__:
+        declared = base.__dict__.get("__slots__", ())
+        names += [declared] if isinstance(declared, str) else list(declared)
+    return tuple(n for n in names if n not in ("__dict__", "__weakref__"))
+
+
+def holds_hidden_tensors(value: Any, depth: int = 4) -> bool:
+    """Whether ``value``, a leaf that is no container, holds a tensor in its ``__dict__`` or slots
+    (through lists, tuples, dicts and objects like it, ``depth`` levels down).
+
+    Modules, callables, classes and torch's opaque types are not looked into: their tensors are
+    weights and what they were built with, which other checks follow.
+    """
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth < 0 or isinstance(value, (torch.nn.Module, type, str, bytes)) or callable(value):
+        return False
+    if isinstance(value, dict):
+        return any(holds_hidden_tensors(v, depth - 1) for v in value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return any(holds_hidden_tensors(v, depth - 1) for v in value)
+    cls = type(value)
+    held = list(getattr(value, "__dict__", {}).values())
+    held += [getattr(value, n) for n in _slots(cls) if hasattr(value, n)]
+    if not held or _is_opaque(cls):
+        return False
+    return any(holds_hidden_tensors(v, depth - 1) for v in held)
 
 
 def kind(value: Any) -> str:

@@ -68,7 +68,7 @@ class CapturePolicy:
             static_inputs = [torch.empty_like(t) for t in leaves]
             for s, t in zip(static_inputs, leaves):
                 s.copy_(t)
-        entry = Entry(key, sig, static_inputs, GraphTree())
+        entry = Entry(key, sig, static_inputs, GraphTree(), state_inputs=frozenset(sig.state_inputs))
         marks, emptied = 0, False
         while marks <= config.max_auto_breaks:
             try:

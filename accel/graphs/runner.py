@@ -32,7 +32,7 @@ from .entries import Entry, EntryStore, RunnerStats, StepState
 from .errors import GraphMemoryBudgetError
 from .policy import CapturePolicy
 from .pool import GraphPool
-from .signature import Signature, describe_diff, flatten
+from .signature import Signature, Unopenable, describe_diff, flatten
 from .sites import BreakSite
 
 __all__ = ["GraphMemoryBudgetError", "GraphRunner", "RunnerConfig", "RunnerStats", "StepState", "capture_session"]
@@ -70,6 +70,9 @@ class GraphRunner:
         state: the :class:`StepState` a capture must leave as one call would (set by whoever
             installs stateful breaks).
         enabled: False: every call runs ``fn`` as it is (no graphs, nothing counted).
+        state_types: the types of request-scoped state (a K/V cache a pipeline makes per call):
+            a call's objects of these types are matched by structure, not identity, and what the
+            call stores into them is put back by every replay (see :mod:`accel.graphs.stores`).
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class GraphRunner:
         self.pool = pool
         self.capture_scope = capture_scope
         self.key_extra: Callable[[], Hashable] | None = None
+        self.state_types: frozenset[type] = frozenset()
         self.state: StepState | None = None
         # The callable ``fn`` stands for, when ``fn`` wraps it (a hook's forward wraps the
         # module's): refused as a break like ``fn`` itself.
@@ -104,7 +108,14 @@ class GraphRunner:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.enabled:
             return self.fn(*args, **kwargs)
-        sig, leaves = flatten(args, kwargs)
+        try:
+            sig, leaves = flatten(args, kwargs, self.state_types)
+        except Unopenable as refused:
+            self._say_once(
+                ("unopenable", refused.type_name), f"{self.name}: {refused}; such calls run eagerly", logging.WARNING
+            )
+            self.counts.eager_calls += 1
+            return self.fn(*args, **kwargs)
         key = sig.key if self.key_extra is None else (sig.key, self.key_extra())
         entry = self.store.get(key)
         if entry is not None:
@@ -154,7 +165,9 @@ class GraphRunner:
             with self.lock:
                 chain = self.policy.capture_path(self._target(), entry, miss)
             if chain is not None:
-                return self._replay(entry, flatten(args, kwargs)[1], args, kwargs, memo=miss.memo, copied=True)
+                return self._replay(
+                    entry, flatten(args, kwargs, self.state_types)[1], args, kwargs, memo=miss.memo, copied=True
+                )
         self._say_once(
             ("path", entry.key, path),
             f"{self.name}: no graph for decision path {path_label(path)} of a captured call; running it eagerly"
@@ -192,12 +205,14 @@ class GraphRunner:
     ) -> Any:
         """Replay ``entry`` for this call (``copied``: its inputs are in the static inputs already)."""
         if entry.tree.stores:
-            twice = stores.given_twice(args, kwargs)
+            twice = stores.given_twice(args, kwargs, entry.signature.state)
             if twice is not None:
                 raise _GivenTwice(twice)
+        kept = entry.state_bytes_kept
         out = entry.replay(self.pool, entry.tree, None if copied else leaves, memo, call=(args, kwargs, leaves))
         self.store.used(entry)
         self.counts.replays += 1
+        self.counts.state_bytes_kept += entry.state_bytes_kept - kept
         return out
 
     def _eager_given_twice(
@@ -256,7 +271,13 @@ class GraphRunner:
 
     def capture(self, *args: Any, **kwargs: Any) -> bool:
         """Capture this call's signature now (no output). True if a graph exists afterwards."""
-        sig, leaves = flatten(args, kwargs)
+        try:
+            sig, leaves = flatten(args, kwargs, self.state_types)
+        except Unopenable as refused:
+            self._say_once(
+                ("unopenable", refused.type_name), f"{self.name}: {refused}; such calls run eagerly", logging.WARNING
+            )
+            return False
         key = sig.key if self.key_extra is None else (sig.key, self.key_extra())
         if self.store.get(key) is not None:
             return True

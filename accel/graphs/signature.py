@@ -1,10 +1,23 @@
 """Call signatures: what must match for a captured graph to serve a call.
 
 A signature is the call's structure (positional and keyword arguments and every container in
-them, as :mod:`accel.graphs.tree` sees arguments) and a key per leaf: a tensor by (shape, dtype,
-device), a literal constant by (type, value), anything else by identity. Two calls with equal
-signatures can share one graph: tensor values are copied into static buffers, everything else
-was baked into the graph at capture.
+them) and a key per leaf: a tensor by (shape, dtype, device), a literal constant by (type, value),
+anything else by identity. Two calls with equal signatures can share one graph: tensor values are
+copied into static buffers, everything else was baked into the graph at capture.
+
+Containers are what :mod:`accel.graphs.tree` opens in its arguments view; plain objects are
+leaves there, matched by identity, except *request-scoped state*: objects of the types the
+runner is given (:attr:`~accel.graphs.runner.GraphRunner.state_types`, filled by recipes: a K/V
+cache a pipeline makes for every call, its per-layer caches in a list, each holding a tensor or
+None). Those, and every plain object they hold, are keyed by their structure: type, attributes,
+and what each holds (a tensor's shape and dtype, ``None``, a constant), never by identity; so two
+calls' caches share a graph, as do the cond and uncond branches' caches of one call. What a call
+stores into them is :mod:`accel.graphs.stores`' to record and put back. Other plain objects stay
+matched by identity: a step cache's state object passed to every step is read and called by its
+graphs' breaks as that very object. A state object the library cannot open safely (its class
+makes instances otherwise than ``object.__new__``, or keeps state in ``__slots__``) is refused
+(:class:`Unopenable`) where it holds a tensor: keyed by identity, its graph would read the
+tensors it held at capture. The runner runs such a call eagerly, with one warning.
 
 Literals are matched with their type, so ``True``, ``1`` and ``1.0`` never share a graph.
 Objects matched by identity (a module, a callback, a plain object) are held by the signature, so
@@ -20,13 +33,29 @@ from typing import Any
 
 import torch
 
-from . import tree
+from . import nodes, tree
 
-__all__ = ["LITERALS", "Signature", "describe_diff", "flatten"]
+__all__ = ["LITERALS", "Signature", "Unopenable", "describe_diff", "flatten"]
 
 # Matched by value: immutable, so a graph that baked one in serves any equal one (torch.Size too).
 LITERALS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, torch.Size)
 _BY_IDENTITY = "identity"  # first item of an identity leaf key; tensor and literal keys start with a type
+
+
+class Unopenable(TypeError):
+    """A call holds a tensor in an object the signature cannot open (see the module's contract).
+
+    ``type_name``: the object's class, qualified; ``field``: where the call holds it.
+    """
+
+    def __init__(self, type_name: str, field: str) -> None:
+        super().__init__(
+            f"{field} is a {type_name}, request-scoped state holding tensors that a call signature cannot open "
+            "(its class makes its instances otherwise than object.__new__, or keeps state in __slots__): a graph "
+            "keyed on its identity would read the tensors it held at capture"
+        )
+        self.type_name = type_name
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -36,6 +65,7 @@ class Signature:
     ``key`` is ``(spec key, leaf keys)``; ``objects`` holds the identity-matched objects strongly
     (a graph baked them in). ``spec`` and ``template`` (the call's leaves with ``None`` in place
     of every tensor, so the caller's tensors are not kept alive) serve :meth:`rebuild`.
+    ``state``: the types of request-scoped state the signature opened (see the module's contract).
     """
 
     key: Hashable
@@ -43,10 +73,26 @@ class Signature:
     spec: tree.TreeSpec = field(compare=False, repr=False)
     template: tuple[Any, ...] = field(compare=False, repr=False)
     tensor_at: tuple[int, ...] = field(compare=False, repr=False)
+    state: frozenset[type] = field(default=frozenset(), compare=False, repr=False)
 
     @property
     def leaf_keys(self) -> tuple[Hashable, ...]:
         return self.key[1]  # type: ignore[index]
+
+    @property
+    def state_inputs(self) -> tuple[int, ...]:
+        """Positions, among the call's tensors, of those that request-scoped state holds (a
+        per-call cache's tensors, which a graph reads as state)."""
+        found = self.__dict__.get("_state_inputs")
+        if found is None:
+            inside = _inside_objects(self.spec, False)
+            found = tuple(k for k, leaf in enumerate(self.tensor_at) if inside[leaf])
+            object.__setattr__(self, "_state_inputs", found)
+        return found
+
+    def field(self, tensor: int) -> str:
+        """The field of the call's tensor number ``tensor``: ``args[0]``, ``kv_cache.layers[3].k``."""
+        return _field(self.spec, self.tensor_at[tensor])
 
     def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Rebuild ``(args, kwargs)`` from this signature with ``tensors`` as the tensor leaves."""
@@ -57,9 +103,20 @@ class Signature:
         return args, kwargs
 
 
-def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Signature, list[torch.Tensor]]:
-    """Signature of a call and its tensor leaves, in a fixed order (keywords sorted by name)."""
-    leaves, structure, spec = tree.structure((tuple(args), dict(sorted(kwargs.items()))), into_objects=False)
+_NONE: frozenset[type] = frozenset()
+
+
+def flatten(
+    args: tuple[Any, ...], kwargs: dict[str, Any], state: frozenset[type] = _NONE
+) -> tuple[Signature, list[torch.Tensor]]:
+    """Signature of a call and its tensor leaves, in a fixed order (keywords sorted by name).
+
+    ``state``: the types of request-scoped state (see the module's contract); raises
+    :class:`Unopenable` for such an object that cannot be opened and holds a tensor.
+    """
+    leaves, structure, spec = tree.structure(
+        (tuple(args), dict(sorted(kwargs.items()))), into_objects=False, state=state
+    )
     keys: list[Hashable] = []
     tensors: list[torch.Tensor] = []
     tensor_at: list[int] = []
@@ -74,10 +131,48 @@ def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Signature, l
         elif isinstance(leaf, LITERALS):
             keys.append((type(leaf), leaf))
         else:
+            if state and _unopenable(leaf, state, spec, structure, i):
+                raise Unopenable(f"{type(leaf).__module__}.{type(leaf).__qualname__}", _field(spec, i))
             keys.append((_BY_IDENTITY, type(leaf), id(leaf)))
             objects.append(leaf)
     key = (structure, tuple(keys))
-    return Signature(key, tuple(objects), spec, tuple(template), tuple(tensor_at)), tensors
+    return Signature(key, tuple(objects), spec, tuple(template), tuple(tensor_at), state), tensors
+
+
+_inside_state: dict[Hashable, list[bool]] = {}  # per structure: which leaves request-scoped state holds
+
+
+def _unopenable(leaf: Any, state: frozenset[type], spec: tree.TreeSpec, structure: Hashable, i: int) -> bool:
+    """Whether ``leaf``, kept by identity, is state that holds a tensor: an object of a state type
+    that could not be opened, or such an object inside one that was."""
+    if type(leaf) not in state:
+        inside = _inside_state.get(structure)
+        if inside is None:
+            if len(_inside_state) >= 1024:
+                _inside_state.clear()
+            inside = _inside_state[structure] = _inside_objects(spec, False)
+        if not inside[i]:
+            return False
+    return nodes.holds_hidden_tensors(leaf)
+
+
+def _inside_objects(spec: tree.TreeSpec, inside: bool) -> list[bool]:
+    """For every leaf of ``spec``, whether an opened plain object holds it (at any depth): in a
+    call's spec, only request-scoped state is one."""
+    if spec.is_leaf():
+        return [inside]
+    inside = inside or nodes.ours(spec.type) is nodes.OBJECT
+    return [flag for _, child in tree.named_children(spec) for flag in _inside_objects(child, inside)]
+
+
+def _field(spec: tree.TreeSpec, leaf: int) -> str:
+    """The field of leaf number ``leaf`` of a call's ``(args, kwargs)`` spec: ``args[1]``, ``kv_cache.cache``."""
+    path = tree.leaf_paths(spec)[leaf]  # "[0][1]..." or "[1]['name']..."
+    if path.startswith("[0]"):
+        return "args" + path[3:]
+    rest = path[3:]
+    head, _, tail = rest.partition("]")
+    return head[2:-1] + tail if head.startswith("['") else "kwargs" + rest
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,21 +1,25 @@
-"""What a call stores into the lists and dicts it is given: recorded at capture, put back by every replay.
+"""What a call stores into the containers and state objects it is given: recorded at capture, put back by every replay.
 
 A replay runs no Python, so a call that fills a container it is given (a causal VAE's per-frame
 feature cache: ``decoder(x, feat_cache=[None] * n, feat_idx=[0])`` stores each convolution's last
-input frame and counts in ``feat_idx``) would leave the caller's container as it was. A capture
-therefore records what the call left in each container it was given, and every replay puts the
-same contents into the caller's containers.
+input frame and counts in ``feat_idx``; a DiT's prefix K/V cache, filled at a pipeline call's first
+step) would leave the caller's container as it was. A capture therefore records what the call left
+in each container it was given, and every replay puts the same contents into the caller's
+containers.
 
 Contract:
 
-* *Given containers* are the lists, dicts and deques in a call's arguments, at any depth of
-  tuples, lists, dicts, namedtuples and dataclasses (what the call signature opens). What they
-  hold at entry is part of the signature (a tensor's shape, a constant's value: ``None`` against
-  a tensor, ``feat_idx``'s int), so a replay meets them as the capture did. The same container
-  given twice in one call is not replayed (a capture sees two containers): such a call runs
-  eagerly (:func:`given_twice`).
-* For every given container whose contents changed, the capture keeps its final contents, each
-  item as one of:
+* *Given containers* are the lists, dicts and deques in a call's arguments, the fields of its
+  dataclasses, and the attributes of its *request-scoped state*: objects of the types the runner
+  is given as state (``GraphRunner.state_types``, which recipes fill) and every plain object those
+  hold, at any depth of tuples, lists, dicts, namedtuples, dataclasses and state (what the call
+  signature opens; :mod:`accel.graphs.signature`). What they hold at entry is part of the
+  signature (a tensor's shape, a constant's value: ``None`` against a tensor, ``feat_idx``'s int),
+  so a replay meets them as the capture did. The same container given twice in one call is not
+  replayed (a capture sees two containers): such a call runs eagerly (:func:`given_twice`).
+* For every given container whose contents changed, the capture keeps its final contents (a
+  list's items, a dict's keys and values, an object's attribute names and values, those the call
+  added or deleted included), each item as one of:
 
   - a plain constant (the signature's literals: ``None``, ``"Rep"``, an int): put back as it is;
   - one of the call's tensor inputs (that very object, also one it found in the container and
@@ -38,9 +42,11 @@ Contract:
   with another the caller gets (a view of the output, of an input, of another stored tensor: its
   copy would not share it), any other object (a new
   list, a module that is no argument), a store made inside an eager break (a replay runs the
-  break on the capture's containers, not the caller's; debug mode is one such break), a changed
-  field of a dataclass, and any store at all without a warm-up run (nothing to tell a tensor the
-  call made from one it found). A call whose two runs store differently is refused too.
+  break on the capture's containers, not the caller's; debug mode is one such break), an item
+  stored into a state object that is also a dict, and any store at all without a warm-up run
+  (nothing to tell a tensor the call made from one it found). A call whose two runs store
+  differently is refused too, and so is one that writes in place into a tensor its state holds
+  (:mod:`accel.graphs.capture`: a replay would write the graph's copy, not the caller's tensor).
 * Memory: the chain holds a stored tensor that lives in the pool as a non-owning view, as a
   break's pool-resident arguments are held: within a replay the graph writes it and the copy
   reads it before any other graph of the pool runs, so later captures may reuse that memory, and
@@ -48,6 +54,24 @@ Contract:
   holds anyway). What it costs is per replay: the copies it hands out (``RunnerStats.stored_bytes``,
   the bytes a replay of every chain copies), allocated outside the pool and freed when the caller
   drops them (a causal VAE's ``clear_cache``), as the tensors an eager call stores are.
+
+Request-scoped state, end to end (Qwen-Image 2.1's ``QwenImage21KVCache``, FLUX.2 klein KV's
+``Flux2KVCache``): a recipe names the cache's top-level class (``Recipe.state_types``), and:
+
+* given state (a new cache per pipeline call, passed at every step): the first step's call
+  ("extract") finds the layers' ``k``/``v`` None and stores cloned K/V into them; its graph makes
+  them (stored tensors) and every replay puts copies into the caller's cache, as eagerly. The
+  later steps' calls ("cached") find tensors there: another signature, whose graph reads them as
+  static inputs. The cond and uncond caches of true CFG share both graphs (same structure).
+* returned state (the first step makes the cache and returns it): the output's copy is a new
+  cache with copies of its tensors (:mod:`accel.graphs.tree` opens plain objects in outputs); the
+  later steps pass it back, as given state.
+* copies: the cached steps' static inputs are copied from the caller's cache at a replay only
+  where they do not hold it already (another tensor object, or one written since: its version
+  counter; ``RunnerStats.state_bytes_kept`` counts what was not copied). Without CFG, a cache is
+  copied in once per pipeline call; with true CFG the two caches alternate on one graph, so each
+  step copies its branch's cache (the prefix's K/V of every layer). Resident memory above eager:
+  one set of static inputs the size of one branch's cache.
 """
 
 from __future__ import annotations
@@ -89,40 +113,63 @@ def label(path: Path) -> str:
 # --------------------------------------------------------------------------------------------
 # The containers a call is given
 # --------------------------------------------------------------------------------------------
-def _opened(node: Any) -> bool:
-    """Whether the call signature walks into ``node`` (the arguments' view of accel.graphs.tree)."""
+def _opened(node: Any, state: bool) -> bool:
+    """Whether the call signature walks into ``node`` (``state``: request-scoped state holds it,
+    or is it: plain objects are opened too)."""
     kind = nodes.kind(node)
-    if kind is nodes.NAMEDTUPLE or kind is nodes.DATACLASS:
+    if kind is nodes.NAMEDTUPLE or kind is nodes.DATACLASS or (kind is nodes.OBJECT and state):
         return True
     return kind is nodes.BY_REGISTRY and type(node) in pytree.SUPPORTED_NODES
 
 
+def _has_attributes(node: Any) -> bool:
+    """A container whose contents are attributes: a dataclass (its fields) or a plain object (its ``__dict__``)."""
+    kind = nodes.kind(node)
+    return kind is nodes.DATACLASS or kind is nodes.OBJECT
+
+
+def _attributes(node: Any) -> list[tuple[str, Any]]:
+    if nodes.kind(node) is nodes.DATACLASS:
+        present = ((f.name, getattr(node, f.name, _UNSET)) for f in dataclasses.fields(node))
+        return [(n, v) for n, v in present if v is not _UNSET]
+    return list(vars(node).items())
+
+
 def _children(node: Any) -> list[tuple[Step, Any]]:
+    if _has_attributes(node):
+        items = [(("key", k), v) for k, v in dict.items(node)] if isinstance(node, dict) else []
+        return items + [(("attr", n), v) for n, v in _attributes(node)]
     if isinstance(node, dict):
         return [(("key", k), v) for k, v in node.items()]
     if isinstance(node, (list, tuple, collections.deque)):
         return [(("index", i), v) for i, v in enumerate(node)]
-    if dataclasses.is_dataclass(node):
-        return [(("attr", f.name), getattr(node, f.name, _UNSET)) for f in dataclasses.fields(node)]
     return []  # another registered container: nothing of it can be stored into
 
 
 def _mutable(node: Any) -> bool:
-    return isinstance(node, (list, dict, collections.deque)) or dataclasses.is_dataclass(node)
+    return isinstance(node, (list, dict, collections.deque)) or _has_attributes(node)
 
 
-def _find(node: Any, path: Path, out: list[tuple[Path, Any]]) -> None:
-    if isinstance(node, torch.Tensor) or not _opened(node):
+def _find(node: Any, path: Path, out: list[tuple[Path, Any]], types: frozenset[type], state: bool = False) -> None:
+    if isinstance(node, torch.Tensor):
+        return
+    state = state or type(node) in types
+    if not _opened(node, state):
         return
     if _mutable(node):
         out.append((path, node))
     for step, child in _children(node):
-        _find(child, (*path, step), out)
+        _find(child, (*path, step), out, types, state)
 
 
 def _contents(container: Any) -> tuple[Any, ...]:
-    """What a container holds now, as a flat tuple of the objects themselves (a dict's keys, then
-    its values), compared by identity."""
+    """What a container holds now, as a flat tuple of the objects themselves (a dict's keys or an
+    object's attribute names, then the values), compared by identity."""
+    if _has_attributes(container):
+        items = _attributes(container)
+        if isinstance(container, dict):  # a dict subclass with attributes: its items count too
+            items = list(dict.items(container)) + items
+        return (*(n for n, _ in items), *(v for _, v in items))
     if isinstance(container, dict):
         return (*container.keys(), *container.values())
     if isinstance(container, (list, collections.deque)):
@@ -140,9 +187,9 @@ class Given:
     The objects held are referenced strongly, so no identity is reused while it is compared.
     """
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], state: frozenset[type] = frozenset()) -> None:
         self.found: list[tuple[Path, Any]] = []
-        _find((args, kwargs), (), self.found)
+        _find((args, kwargs), (), self.found, state)
         self.held = [_contents(c) for _, c in self.found]
 
     def changed(self) -> list[tuple[Path, Any, tuple[Any, ...]]]:
@@ -167,10 +214,10 @@ class Given:
                 )
 
 
-def given_twice(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+def given_twice(args: tuple[Any, ...], kwargs: dict[str, Any], state: frozenset[type] = frozenset()) -> str | None:
     """The field of a container given a second time in one call (the first found), else None."""
     found: list[tuple[Path, Any]] = []
-    _find((args, kwargs), (), found)
+    _find((args, kwargs), (), found, state)
     seen: set[int] = set()
     for path, c in found:
         if id(c) in seen:
@@ -199,11 +246,13 @@ class Item:
 
 @dataclasses.dataclass(frozen=True)
 class Stored:
-    """The final contents of one given container (``keys``: a dict's, in order)."""
+    """The final contents of one given container (``keys``: a dict's, or an object's attribute
+    names where ``attributes``, in order)."""
 
     path: Path
     keys: tuple[Any, ...] | None
     items: tuple[Item, ...]
+    attributes: bool = False
 
 
 @dataclasses.dataclass
@@ -264,13 +313,17 @@ def record(
     stored = []
     for path, container, now in given.changed():
         where = label(path)
-        if dataclasses.is_dataclass(container):
-            raise BreakError(f"{name}: the call sets a field of a dataclass it is given ({where}): a replay would not")
-        keys = now[: len(now) // 2] if isinstance(container, dict) else None
+        attributes = _has_attributes(container)
+        if attributes and isinstance(container, dict):
+            raise BreakError(
+                f"{name}: the call stores into {where}, a {type(container).__name__} that is a dict with attributes: "
+                "a replay cannot put both back"
+            )
+        keys = now[: len(now) // 2] if isinstance(container, dict) or attributes else None
         values = list(now[len(now) // 2 :] if keys is not None else now)
         items = []
         for i, v in enumerate(values):
-            field = f"{where}[{keys[i] if keys is not None else i!r}]"
+            field = f"{where}.{keys[i]}" if attributes else f"{where}[{keys[i] if keys is not None else i!r}]"
             if isinstance(v, torch.Tensor):
                 if id(v) in input_at:
                     items.append(Item(INPUT, input_at[id(v)]))
@@ -296,7 +349,7 @@ def record(
                     f"{name}: the call stores a {type(v).__name__} into {field}, which a replay cannot put back "
                     "(only tensors and plain constants)"
                 )
-        stored.append(Stored(path, keys, tuple(items)))
+        stored.append(Stored(path, keys, tuple(items), attributes))
     _check_own_memory(name, made, fields, inputs, out_leaves.tensors)
     likes = [torch.empty_like(t, device="meta") for t in made]
     return Recording(tuple(stored), made, [weakref.ref(t) for t in made], likes, fields)
@@ -368,7 +421,20 @@ class Stores:
                     values.append(out_leaves[ref])
                 else:  # CONST, OBJECT
                     values.append(ref)
-            _write(node, stored.keys, values)
+            if stored.attributes:
+                _set_attributes(node, stored.keys or (), values)
+            else:
+                _write(node, stored.keys, values)
+
+
+def _set_attributes(obj: Any, names: tuple[str, ...], values: list[Any]) -> None:
+    """Leave ``obj`` with exactly these attributes (a dataclass: these fields), as the call left its own."""
+    for n, _ in _attributes(obj):
+        if n not in names:
+            object.__delattr__(obj, n)
+    for n, v in zip(names, values):
+        if getattr(obj, n, _UNSET) is not v:
+            object.__setattr__(obj, n, v)  # as the class's own attribute store would, frozen or not
 
 
 def _write(container: Any, keys: tuple[Any, ...] | None, values: list[Any]) -> None:

@@ -28,7 +28,11 @@ Contract:
   objects: ``into_objects=True``, the default. Values it passes on to someone else's code (call
   arguments, a break's recorded arguments) keep plain objects as leaves, ``into_objects=False``:
   the callee may rely on the object's identity or mutate it, so it must get the object itself.
-  Dataclasses and registered containers are containers in both views.
+  Dataclasses and registered containers are containers in both views. One exception: call
+  signatures open the plain objects of the types a caller names as *request-scoped state* (a K/V
+  cache a pipeline makes per call), and every plain object those hold, as the values view does
+  (:func:`structure`'s ``state``): such objects are per call, so their identity means nothing,
+  and what a call stores into them is recorded (:mod:`accel.graphs.stores`).
 * A spec is a torch ``TreeSpec``; :func:`spec_key` is its hashable, exact form (a TreeSpec's own
   hash and equality are not: dict contexts are lists, and types compare by name). Rebuild values
   with :func:`unflatten`, not ``TreeSpec.unflatten`` (which knows only torch's registry).
@@ -90,16 +94,22 @@ else:
         return spec.children_specs
 
 
-def _walk(node: Any, leaves: list[Any], open_objects: bool, build: bool) -> Any:
+_NONE: frozenset[type] = frozenset()
+
+
+def _walk(node: Any, leaves: list[Any], open_objects: bool, build: bool, state: frozenset[type] = _NONE) -> Any:
     """Flatten ``node`` into ``leaves``; return its spec (``build``) or its spec key.
 
     The one traversal of the module. Like ``pytree.tree_flatten`` with an ``is_leaf`` hook, but
     it can produce the hashable key without building TreeSpec objects (costly on hot paths).
+    ``state``: plain object types opened in the arguments view too, with every plain object in them.
     """
     cls = type(node)
     kind = _KINDS.get(cls)
     if kind is None:
         kind = nodes.kind(node)
+    if kind is nodes.OBJECT and not open_objects and cls in state:
+        open_objects = True  # request-scoped state: opened, and every plain object it holds
     if kind is nodes.BY_REGISTRY or kind is nodes.DATACLASS or (kind is nodes.OBJECT and open_objects):
         node_type: Any = cls
     elif kind is nodes.NAMEDTUPLE:
@@ -113,8 +123,8 @@ def _walk(node: Any, leaves: list[Any], open_objects: bool, build: bool) -> Any:
         return _LEAF_SPEC if build else None
     children, context = node_def.flatten_fn(node)
     if build:
-        return TreeSpec(node_type, context, [_walk(c, leaves, open_objects, True) for c in children])
-    return (node_type, _hashable(context), tuple([_walk(c, leaves, open_objects, False) for c in children]))
+        return TreeSpec(node_type, context, [_walk(c, leaves, open_objects, True, state) for c in children])
+    return (node_type, _hashable(context), tuple([_walk(c, leaves, open_objects, False, state) for c in children]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,13 +134,18 @@ _specs: dict[Hashable, TreeSpec] = {}  # known structures, so hot paths never bu
 _MAX_SPECS = 4096
 
 
-def structure(obj: Any, *, into_objects: bool = True) -> tuple[list[Any], Hashable, TreeSpec]:
-    """``obj``'s leaves (depth first), its spec key and its spec, in one walk for a known structure."""
+def structure(
+    obj: Any, *, into_objects: bool = True, state: frozenset[type] = _NONE
+) -> tuple[list[Any], Hashable, TreeSpec]:
+    """``obj``'s leaves (depth first), its spec key and its spec, in one walk for a known structure.
+
+    ``state``: in the arguments view, plain objects of these types are opened as in the values
+    view, and every plain object they hold (request-scoped state: see the module's contract)."""
     leaves: list[Any] = []
-    key = _walk(obj, leaves, into_objects, False)
+    key = _walk(obj, leaves, into_objects, False, state)
     spec = _specs.get(key)
     if spec is None:
-        spec = _walk(obj, [], into_objects, True)
+        spec = _walk(obj, [], into_objects, True, state)
         if len(_specs) >= _MAX_SPECS:  # callers that never repeat a structure must not grow it forever
             _specs.clear()
         _specs[key] = spec

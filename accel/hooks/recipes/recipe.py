@@ -103,6 +103,11 @@ class Recipe:
         fp8_layers: ``quantize="fp8"``: the kind of float8 layer the model measured fastest with,
             a key of :data:`accel.hooks.fp8.layer_kinds.FP8_LAYERS` (``"scaled-mm"``: the library's
             own layers, whose activations are quantized in one pass); None: torchao's.
+        state_types: the classes of the request-scoped state the denoiser is called with (a K/V
+            cache its pipeline makes per call: Qwen-Image 2.1's ``QwenImage21KVCache``, FLUX.2
+            klein KV's ``Flux2KVCache``). Its objects, and the plain objects they hold (the
+            per-layer caches), are matched by structure, not identity, and what a call stores
+            into them is put back by every replay (:mod:`accel.graphs.stores`).
     """
 
     name: ClassVar[str] = "generic"
@@ -114,6 +119,7 @@ class Recipe:
     padding_refused: str | None = None
     fp8_keep: ClassVar[tuple[str, ...]] = ()
     fp8_layers: ClassVar[str | None] = None
+    state_types: ClassVar[tuple[type, ...]] = ()
 
     # -- installation ----------------------------------------------------------------------
     def install(self, module: torch.nn.Module) -> Callable[[], None]:
