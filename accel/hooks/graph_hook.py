@@ -102,6 +102,7 @@ class GraphHook(ModelHook):
             # against an eager run once, at capture.
             verify=component,
         )
+        self.runner.state_types = frozenset(recipe.state_types)
         self.active = False
         self.inactive_reason: str | None = None
         self.compiled = False
@@ -235,6 +236,9 @@ class GraphHook(ModelHook):
             self._gate_padding(module)
             if self.recipe.padding_refused is None:
                 args, kwargs = self.recipe.prepare(args, kwargs)
+        # Before the runner runs: a capture it begins refuses the forward it stands for as a found
+        # break, which it knows only once the forward is resolved.
+        self._resolved_forward()
         captures = self.runner.counts.captures
         with contextlib.ExitStack() as stack:
             if self.caches is not None:
@@ -247,13 +251,18 @@ class GraphHook(ModelHook):
         return out
 
     def _recipe_forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._resolved_forward()(*args, **kwargs)
+
+    def _resolved_forward(self) -> Callable[..., Any]:
+        """The forward the runner calls, made on first use (the registry sets ``fn_ref`` after
+        :meth:`initialize_hook`); ``runner.entry`` becomes the module's own forward with it."""
         if self._forward is None:
             # Decided by whether the recipe is installed, not by `active`: offloading switches
             # graphs off and on again, while prepare() may add what only the wrapper accepts.
             original = self.fn_ref.original_forward
             self.runner.entry = original
             self._forward = self.recipe.wrap_forward(original) if self.recipe_installed else original
-        return self._forward(*args, **kwargs)
+        return self._forward
 
     def module(self) -> torch.nn.Module | None:
         """The hooked module (None before the hook is initialised, or once it is gone)."""
