@@ -2,8 +2,9 @@
 
 A signature is the call's structure (positional and keyword arguments and every container in
 them) and a key per leaf: a tensor by (shape, dtype, device), a literal constant by (type, value),
-anything else by identity. Two calls with equal signatures can share one graph: tensor values are
-copied into static buffers, everything else was baked into the graph at capture.
+a slice of such constants by its bounds, anything else by identity. Two calls with equal
+signatures can share one graph: tensor values are copied into static buffers, everything else was
+baked into the graph at capture.
 
 Containers are what :mod:`accel.graphs.tree` opens in its arguments view; plain objects are
 leaves there, matched by identity, except *request-scoped state*: objects of the types the
@@ -130,6 +131,8 @@ def flatten(
             template[i] = None
         elif isinstance(leaf, LITERALS):
             keys.append((type(leaf), leaf))
+        elif type(leaf) is slice and all(isinstance(p, LITERALS) for p in (leaf.start, leaf.stop, leaf.step)):
+            keys.append((slice, (leaf.start, leaf.stop, leaf.step)))  # a value, unhashable before Python 3.12
         else:
             if state and _unopenable(leaf, state, spec, structure, i):
                 raise Unopenable(f"{type(leaf).__module__}.{type(leaf).__qualname__}", _field(spec, i))
@@ -186,6 +189,8 @@ def _describe_leaf(key: Hashable) -> str:
     if head == _BY_IDENTITY:
         cls = rest[0]
         return f"<{cls.__module__}.{cls.__qualname__} object>"
+    if head is slice:
+        return repr(slice(*rest[0]))
     return repr(rest[0])
 
 

@@ -173,3 +173,11 @@ def test_describe_diff_dtype_device_keys_and_lengths() -> None:
     diffs = describe_diff(sig(torch.zeros(2), a=[True, 2], d={"x": 1}), base)
     assert diffs == ["a[0]: True vs 1"]
     assert describe_diff(base, sig(torch.ones(2), a=[1, 2], d={"x": 1})) == []
+
+
+def test_slices_are_matched_by_their_bounds() -> None:
+    s = sig(torch.zeros(1), write=slice(0, 7))
+    assert sig(torch.zeros(1), write=slice(0, 7)).key == s.key and s.objects == ()
+    other = sig(torch.zeros(1), write=slice(0, 8))
+    assert describe_diff(other, s) == ["write: slice(0, 8, None) vs slice(0, 7, None)"]
+    assert s.rebuild([torch.ones(1)])[1]["write"] == slice(0, 7)
