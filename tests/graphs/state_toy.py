@@ -98,29 +98,35 @@ class ToyPrefixModel(nn.Module):
         return (out, kv_cache) if mode == "extract" else (out,)
 
 
-def inputs(seed: int, batch: int = 1, prefix: int = 5, target: int = 4, width: int = 8) -> dict[str, torch.Tensor]:
+def inputs(
+    seed: int, batch: int = 1, prefix: int = 5, target: int = 4, width: int = 8, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {
-        "cond": torch.randn(batch, prefix, width, generator=g),
-        "uncond": torch.randn(batch, prefix, width, generator=g),
-        "latents": torch.randn(batch, target, width, generator=g),
-    }
+    made = {name: torch.randn(batch, prefix, width, generator=g) for name in ("cond", "uncond")}
+    made["latents"] = torch.randn(batch, target, width, generator=g)
+    return {name: t.to(device) for name, t in made.items()}
 
 
 def denoise(
-    fn: Callable[..., Any], model: ToyPrefixModel, seed: int, steps: int = 3, *, returned: bool = False
+    fn: Callable[..., Any],
+    model: ToyPrefixModel,
+    seed: int,
+    steps: int = 3,
+    *,
+    returned: bool = False,
+    device: str = "cpu",
 ) -> tuple[torch.Tensor, list[ToyCache]]:
     """One pipeline call: true CFG, a prefix cache per branch filled at step 0 and read after.
 
     Returns the final latents and both caches as they were left (for comparing state)."""
-    data = inputs(seed)
+    data = inputs(seed, width=model.qkv[0].in_features, device=device)
     prefix = data["cond"].shape[1]
     latents = data["latents"]
     caches: dict[str, ToyCache | None] = {
         name: (None if returned else ToyCache(model.num_layers)) for name in ("cond", "uncond")
     }
     for step in range(steps):
-        t = torch.full((latents.shape[0],), 1.0 - step / steps)
+        t = torch.full((latents.shape[0],), 1.0 - step / steps, device=device)
         preds = {}
         for name in ("cond", "uncond"):
             if step == 0:

@@ -40,8 +40,10 @@ def tiny() -> QwenImage21Transformer2DModel:
 
 
 def branch(seed: int, latents: torch.Tensor, cond_latents: torch.Tensor) -> dict[str, Any]:
-    """One guidance branch's call, as the pipeline makes it: condition image first, target last."""
+    """One guidance branch's call, as the pipeline makes it: condition image first, target last
+    (on the latents' device, in their dtype)."""
     g = torch.Generator().manual_seed(seed)
+    device, dtype = latents.device, latents.dtype
     cond_slots, target_slots = COND[1] * COND[2] // 4, TARGET[1] * TARGET[2] // 4
     vlm = TEXT[0] + cond_slots + TEXT[1]
     img_mask = torch.zeros(1, vlm + target_slots, dtype=torch.bool)
@@ -51,10 +53,10 @@ def branch(seed: int, latents: torch.Tensor, cond_latents: torch.Tensor) -> dict
     text_mask[0, -1] = False  # a padded prompt position: never attended to
     return {
         "hidden_states": torch.cat([cond_latents, latents], 1),
-        "encoder_hidden_states": torch.randn(1, vlm, WIDTH, generator=g),
-        "encoder_hidden_states_mask": text_mask,
+        "encoder_hidden_states": torch.randn(1, vlm, WIDTH, generator=g).to(device, dtype),
+        "encoder_hidden_states_mask": text_mask.to(device),
         "img_shapes": [[COND, TARGET]],
-        "img_mask": img_mask,
+        "img_mask": img_mask.to(device),
     }
 
 
@@ -98,19 +100,24 @@ def block_loop(model: QwenImage21Transformer2DModel) -> Any:
 
 
 def denoise(
-    fn: Any, seed: int, steps: int = 3, cfg: bool = True
+    fn: Any,
+    seed: int,
+    steps: int = 3,
+    cfg: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[list[torch.Tensor], list[QwenImage21KVCache]]:
     """One pipeline call: a cache per guidance branch, extract at step 0, cached after; the noise
     predictions of every step and the caches as they were left."""
     g = torch.Generator().manual_seed(100 + seed)
-    latents = torch.randn(1, TARGET[1] * TARGET[2], 16, generator=g)
-    cond_latents = torch.randn(1, COND[1] * COND[2], 16, generator=g)
+    latents = torch.randn(1, TARGET[1] * TARGET[2], 16, generator=g).to(device, dtype)
+    cond_latents = torch.randn(1, COND[1] * COND[2], 16, generator=g).to(device, dtype)
     names = ("cond", "uncond") if cfg else ("cond",)
     calls = {name: branch(2 * seed + k, latents, cond_latents) for k, name in enumerate(names)}
     caches = {name: QwenImage21KVCache(3) for name in names}
     preds = []
     for step in range(steps):
-        t = torch.full((1,), 1.0 - step / steps)
+        t = torch.full((1,), 1.0 - step / steps, device=device, dtype=dtype)
         out = {}
         for name in names:
             call = {**calls[name], "hidden_states": torch.cat([cond_latents, latents], 1)}
