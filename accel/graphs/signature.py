@@ -203,7 +203,10 @@ def _diffs(call: Signature, captured: Signature, a: Any, b: Any, path: str, ia: 
         if step.leaves:
             ka, kb = call.leaf_keys[step.a_leaf], captured.leaf_keys[step.b_leaf]
             if ka != kb:
-                out.append(f"{step.path}: {_describe_leaf(ka)} vs {_describe_leaf(kb)}")
+                text = f"{step.path}: {_describe_leaf(ka)} vs {_describe_leaf(kb)}"
+                if ka[0] == _BY_IDENTITY and kb[0] == _BY_IDENTITY and ka[1] is kb[1]:  # type: ignore[index]
+                    text += " (another object of the type: one per call is state its recipe can name)"
+                out.append(text)
             continue
         keys_a, keys_b = tree.mapping_keys(step.a), tree.mapping_keys(step.b)
         if keys_a is not None and keys_b is not None and keys_a != keys_b:

@@ -328,3 +328,11 @@ def test_a_call_that_writes_into_its_state_in_place_is_refused(emulated: None) -
     assert runner.stats().replays == 0
     (reason,) = runner.blocked.values()
     assert "writes in place into kv_cache.layers[0].k, a tensor of a state object" in reason, reason
+
+
+def test_a_miss_on_an_object_per_call_says_its_type_can_be_named_as_state() -> None:
+    x = torch.randn(1, 4, 8)
+    a, b = flatten((x,), {"kv_cache": ToyCache(2)})[0], flatten((x,), {"kv_cache": ToyCache(2)})[0]
+    (diff,) = describe_diff(a, b)
+    assert diff.startswith("kv_cache: <tests.graphs.state_toy.ToyCache object> vs <tests.graphs.state_toy.ToyCache")
+    assert diff.endswith("(another object of the type: one per call is state its recipe can name)")
