@@ -336,3 +336,36 @@ def test_a_miss_on_an_object_per_call_says_its_type_can_be_named_as_state() -> N
     (diff,) = describe_diff(a, b)
     assert diff.startswith("kv_cache: <tests.graphs.state_toy.ToyCache object> vs <tests.graphs.state_toy.ToyCache")
     assert diff.endswith("(another object of the type: one per call is state its recipe can name)")
+
+
+def test_a_verified_capture_compares_what_the_state_holds_after_it(emulated: None) -> None:
+    """``verify``: the capture's replay against an eager run, the caches they fill included."""
+    model = ToyPrefixModel()
+    runner = runner_of(model.forward, verify=True)
+    with runner.capturing():
+        denoise(runner, model, seed=0)
+    want, want_caches = denoise(model, model, seed=1)
+    got, caches = denoise(runner, model, seed=1)
+    assert torch.equal(got, want) and all(same_cache(a, b) for a, b in zip(caches, want_caches))
+    assert runner.stats().captures == 2 and not runner.blocked
+
+
+def test_a_capture_whose_graph_stores_other_values_than_eager_is_refused(
+    emulated: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verification sees the state: a replay that left other K/V than eager fails it."""
+    from accel.graphs import stores as stores_mod
+
+    real_apply = stores_mod.Stores.apply
+
+    def wrong(self: Any, args: Any, kwargs: Any, inputs: Any, output: Any) -> None:
+        real_apply(self, args, kwargs, inputs, output)
+        kwargs["kv_cache"].layers[0].k = kwargs["kv_cache"].layers[0].k + 1
+
+    monkeypatch.setattr(stores_mod.Stores, "apply", wrong)
+    model = ToyPrefixModel()
+    runner = runner_of(model.forward, verify=True, capture_on_miss=True)
+    cache = ToyCache(3)
+    runner(torch.randn(1, 9, 8), torch.ones(1), kv_cache=cache, mode="extract", prefix=5)
+    (reason,) = runner.blocked.values()
+    assert "differs from an eager run" in reason, reason
