@@ -72,6 +72,15 @@ Request-scoped state, end to end (Qwen-Image 2.1's ``QwenImage21KVCache``, FLUX.
   copied in once per pipeline call; with true CFG the two caches alternate on one graph, so each
   step copies its branch's cache (the prefix's K/V of every layer). Resident memory above eager:
   one set of static inputs the size of one branch's cache.
+
+For a recipe that uses it: name only the top-level class (the per-layer caches it holds are
+opened with it); the captured callable must take the cache as an argument, at any depth of its
+arguments (a cache reached through a closure, a module attribute or a break's own arguments is
+not seen, and a store made inside an eager break is refused); the mode (``"extract"``) and a write
+``slice(0, n)`` are keyed by value, so a call that differs in them is another graph; what the
+extract step stores must be tensors the call made (the stock ``.clone()``: a view of an input or
+of the output is refused, naming the field); and joining the guidance branches into one batch
+(``Recipe.batch_cfg``) would have to join and split their caches too, which nothing here does.
 """
 
 from __future__ import annotations
