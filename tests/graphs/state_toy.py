@@ -82,15 +82,10 @@ class ToyPrefixModel(nn.Module):
             h = self._attend(i, h, kv_cache.layer(i) if kv_cache is not None else None, mode, prefix)
         return h[:, prefix:] if mode == "extract" else h
 
-    def forward_returning(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        kv_cache: ToyCache | None = None,
-        mode: str | None = None,
-        prefix: int = 0,
-    ) -> Any:
-        """The returned form: extract makes the cache and returns it beside the output."""
+    def forward_returning(self, x: torch.Tensor, t: torch.Tensor, kv_cache: ToyCache | None = None, **how: Any) -> Any:
+        """The returned form: extract makes the cache and returns it beside the output (``how``:
+        ``mode`` and ``prefix``, as :meth:`forward` takes them)."""
+        mode, prefix = how.get("mode"), how.get("prefix", 0)
         if mode == "extract":
             kv_cache = ToyCache(self.num_layers)
             kv_cache.prefix_len = prefix
