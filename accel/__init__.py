@@ -33,6 +33,7 @@ from .graphs.patches import patch, unpatched
 from .graphs.pool import GraphPool, peak_memory, reset_peak_memory
 from .graphs.runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
+from .hooks.call_shape import warmup_image
 from .hooks.compiled.fused import addmm_gelu_tanh, fusable_linear
 from .hooks.fp8.quantizers import QuantizeError, check_quantize
 from .hooks.images.convert import PixelCheck, check_pixels, to_pil_images
@@ -86,6 +87,7 @@ __all__ = [
     "to_pil_images",
     "tree",
     "unpatched",
+    "warmup_image",
 ]
 
 __version__ = "0.1.0"

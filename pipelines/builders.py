@@ -192,7 +192,8 @@ def _build_embedded(
     limits.check_weights(model, size, device, dtype)  # before anything is allocated
     tokenizers = build_tokenizers(model)
     modules = build_modules(model, size=size, device=device, dtype=dtype, seed=seed, tokenizers=tokenizers)
-    pipe = pipeline_class(model)(**modules, **tokenizers, scheduler=build_scheduler(model))
+    settings = dict(release(model).pipeline_kwargs)
+    pipe = pipeline_class(model)(**modules, **tokenizers, scheduler=build_scheduler(model), **settings)
     # Components are already in `dtype`: casting again would turn the fp32 rotary buffers that
     # transformers keeps on purpose (and from_pretrained leaves alone) into low precision. Only
     # the device move remains, for the few tensors created outside the construction context.

@@ -94,9 +94,10 @@ def video_model_names() -> tuple[str, ...]:
 
 
 def pipeline_generation(pipeline: str) -> Mapping[str, Any] | None:
-    """The generation defaults (``accel.GenerationDefaults``' arguments) of the family whose
-    built-in models build the pipeline class named ``pipeline``, or None."""
+    """The generation defaults (``accel.GenerationDefaults``' arguments) of the built-in model
+    that builds the pipeline class named ``pipeline`` (its own, else its family's), or None."""
     for family in FAMILIES.values():
-        if family.generation is not None and any(m.pipeline == pipeline for m in family.models):
-            return family.generation
+        for model in family.models:
+            if model.pipeline == pipeline and (model.generation or family.generation) is not None:
+                return model.generation or family.generation
     return None

@@ -20,6 +20,9 @@ class ModelRecord:
     ``frames_per_latent * k + 1`` frames); None for a model that makes images. ``video_runs``: a
     video model's run that names no resolution or frame count, by size (``"tiny"``, ``"full"``):
     ``((width, height), frames)``; an image model's is the front end's default resolution.
+    ``generation``: how its pipeline is run where that differs from its family's (two pipelines of
+    one family taking different arguments: FLUX.2 klein's guidance scale, which klein KV's call does
+    not take); None: its family's.
     """
 
     name: str
@@ -27,6 +30,7 @@ class ModelRecord:
     aliases: tuple[str, ...] = ()
     frames_per_latent: int | None = None
     video_runs: Mapping[str, tuple[tuple[int, int], int]] = dataclasses.field(default_factory=dict)
+    generation: Mapping[str, Any] | None = None
 
     @property
     def video(self) -> bool:

@@ -1,5 +1,6 @@
-"""The CLIP and T5 text encoders FLUX.1 and Wan2.1 ship, as config arguments (their token ids and
-tiny vocabularies come from the offline tokenizers: see :class:`pipelines.releases.spec.Part`)."""
+"""The text encoders several families ship, as config arguments: CLIP and T5 (FLUX.1, Wan2.1),
+Qwen3-4B (Z-Image, FLUX.2 klein 4B). Their token ids and tiny vocabularies come from the offline
+tokenizers: see :class:`pipelines.releases.spec.Part`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from ..tokenizers_t5_clip import CLIP_MAX_LENGTH
 from .spec import TINY_TEXT_HIDDEN
 
-__all__ = ["CLIP_L_TEXT", "T5_V1_1_XXL", "TINY_CLIP_TEXT", "TINY_T5", "UMT5_XXL"]
+__all__ = ["CLIP_L_TEXT", "QWEN3_4B", "T5_V1_1_XXL", "TINY_CLIP_TEXT", "TINY_T5", "UMT5_XXL"]
 
 # FLUX.1-dev text_encoder/config.json: the text tower of openai/clip-vit-large-patch14.
 CLIP_L_TEXT: dict[str, Any] = dict(
@@ -50,3 +51,21 @@ T5_V1_1_XXL: dict[str, Any] = dict(
 UMT5_XXL: dict[str, Any] = {**T5_V1_1_XXL, "vocab_size": 256384}
 # What the tiny size changes in either.
 TINY_T5: dict[str, Any] = dict(d_model=TINY_TEXT_HIDDEN, d_kv=16, d_ff=64, num_layers=2, num_heads=2)
+
+# Qwen3-4B's config.json (Z-Image's text encoder, and FLUX.2 klein 4B's).
+QWEN3_4B: dict[str, Any] = dict(
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    attention_bias=False,
+    use_sliding_window=False,
+    max_window_layers=36,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+)

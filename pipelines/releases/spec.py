@@ -43,7 +43,9 @@ class Release:
     its aliases and pipeline class. ``text_encoders`` are by pipeline component name
     (``text_encoder``, ``text_encoder_2``); each one's tokenizer is the pipeline's ``tokenizer``
     (``tokenizer_2``). ``redrawn`` are transformer parameters drawn from a normal distribution
-    after construction, where their zero init would hide what they do.
+    after construction, where their zero init would hide what they do. ``pipeline_kwargs`` are
+    the pipeline constructor's other arguments the release sets (its ``model_index.json``: FLUX.2
+    klein's ``is_distilled``).
     """
 
     name: str
@@ -53,3 +55,4 @@ class Release:
     scheduler_class: type
     scheduler: Mapping[str, Any]
     redrawn: tuple[str, ...] = ()
+    pipeline_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)

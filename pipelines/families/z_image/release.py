@@ -8,6 +8,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
 from transformers import Qwen3Config, Qwen3Model
 
 from ...construction import init_defaults
+from ...releases.encoders import QWEN3_4B
 from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
 from ..flux import release as flux1
 
@@ -17,24 +18,8 @@ __all__ = ["RELEASES", "Z_IMAGE"]
 # cap_feat_dim 2560 (= Qwen3-4B's width).
 _TRANSFORMER = init_defaults(ZImageTransformer2DModel)
 
-# Qwen3-4B. The tiny one is written whole: it keeps Qwen3Config's own defaults (untied
-# embeddings, its RoPE base) where the release sets them.
-_QWEN3_4B: dict[str, Any] = dict(
-    hidden_size=2560,
-    intermediate_size=9728,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    attention_bias=False,
-    use_sliding_window=False,
-    max_window_layers=36,
-    tie_word_embeddings=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-)
+# Qwen3-4B (pipelines.releases.encoders). The tiny one is written whole: it keeps Qwen3Config's own
+# defaults (untied embeddings, its RoPE base) where the release sets them.
 _TINY_QWEN3: dict[str, Any] = dict(
     hidden_size=TINY_TEXT_HIDDEN,
     intermediate_size=64,
@@ -66,7 +51,7 @@ Z_IMAGE = Release(
     vae=flux1.VAE,
     text_encoders={
         "text_encoder": Part(
-            Qwen3Model, {"full": _QWEN3_4B, "tiny": _TINY_QWEN3}, config_class=Qwen3Config, tokenizer="qwen"
+            Qwen3Model, {"full": QWEN3_4B, "tiny": _TINY_QWEN3}, config_class=Qwen3Config, tokenizer="qwen"
         ),
     },
     scheduler_class=FlowMatchEulerDiscreteScheduler,

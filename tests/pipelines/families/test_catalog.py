@@ -82,14 +82,17 @@ def test_each_recipe_is_one_entry_point_into_its_family_folder() -> None:
 def test_a_recipe_s_defaults_are_its_family_s(family: str) -> None:
     record = catalog.FAMILIES[family]
     if not (FOLDER / family / "recipe.py").is_file():
-        assert record.generation is not None  # the generic recipe serves it: front ends read these
+        # The generic recipe serves it: front ends read these.
+        assert record.generation is not None or all(m.generation is not None for m in record.models)
         return
     module = importlib.import_module(catalog.module_name(family, "recipe"))
     recipe = module.__dict__[_entry_points()[family].partition(":")[2]]
     own = recipe().generation_defaults()
-    if own is None:  # the generic recipe's (None): front ends read the family's by pipeline class
-        assert record.generation is not None and record.models
-        assert all(catalog.pipeline_generation(m.pipeline) is record.generation for m in record.models)
+    if own is None:  # the generic recipe's (None): front ends read the model's or family's by pipeline class
+        assert record.models and all((m.generation or record.generation) is not None for m in record.models)
+        assert all(
+            catalog.pipeline_generation(m.pipeline) is (m.generation or record.generation) for m in record.models
+        )
     else:
         assert own == GenerationDefaults(**record.generation)
 
