@@ -8,7 +8,8 @@ K/V in it and returns it beside the noise prediction; every later step passes it
 cache is matched by its structure (which blocks hold K/V of which shape), not by the object each
 call makes, so every step after the first replays one graph
 (:mod:`accel.graphs.stores`). The warm-up of a KV pipeline calls it with a reference image of
-the case's size as well as without one, so both paths are captured.
+the case's size as well as without one, so both paths are captured; calls with references of
+another size warm up with one of theirs (``call_kwargs=dict(image=reference)``).
 """
 
 from __future__ import annotations
