@@ -79,6 +79,10 @@ __all__ = [
 
 MAX_SEED = 2**63 - 1
 DEFAULT_MAX_STEPS = 1000  # num_train_timesteps of the schedulers of both embedded models
+# The largest guidance scale taken. The models here are run at 0 to 7.5 (FLUX.1's distilled
+# guidance 3.5, Qwen-Image's true CFG 4, Wan's 5); at a scale of hundreds every step overshoots
+# (a 1e308 scale made NaN pixels after the whole call): refused at once, not after the work.
+MAX_GUIDANCE = 100.0
 MAX_TEXT_TOKENS = 1024  # QwenImagePipeline refuses max_sequence_length above this
 QWEN_ROPE_POSITIONS = 4096  # rows of diffusers' QwenEmbedRope tables (torch.arange(4096))
 

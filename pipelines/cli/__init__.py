@@ -45,6 +45,7 @@ prompts     token counts, so a prompt the text encoder cuts is said
 defaults    ``generation_defaults``: steps and guidance from the model's recipe (or, for FLUX.1
             and Wan2.1, a table); a built-in video model's resolution and frames
 loading     ``build_model``: library warnings held back, load errors in one line
+steps       ``StepWatch``: each denoising step's end (progress, a call stopped at a step boundary)
 calls       ``call_settings``: the run's flags against the model's defaults; one pipeline call
             to images, and the mode it ran in
 prepare     ``prepare_pipeline`` and ``load_pipeline``: checked, built, limits, step cache,
@@ -81,6 +82,7 @@ __getattr__, __dir__, _ = lazy_exports(
         "model_flags": ("ModelSettings", "add_model_arguments", "model_settings"),
         "prepare": ("GeneratedCall", "PreparedPipeline", "Workload", "load_pipeline", "prepare_pipeline"),
         "processes": ("Processes", "detect_processes"),
+        "steps": ("CallStopped", "StepWatch"),
         "video": ("read_video_text", "save_video"),
     },
 )
@@ -101,11 +103,13 @@ __all__ = [
     "DEFAULT_PROMPT",
     "CLIError",
     "CallSettings",
+    "CallStopped",
     "GeneratedCall",
     "Job",
     "ModelSettings",
     "PreparedPipeline",
     "RunError",
+    "StepWatch",
     "Workload",
     "add_model_arguments",
     "build_parser",

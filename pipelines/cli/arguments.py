@@ -12,8 +12,9 @@ from typing import Any
 
 from ..families.catalog import video_model_names
 from . import values
-from .constants import DEFAULT_PROMPT, MAX_STEPS, MEMORY_MARGIN, PROG, accel_options, package_version
+from .constants import DEFAULT_PROMPT, MAX_GUIDANCE, MAX_STEPS, MEMORY_MARGIN, PROG, accel_options, package_version
 from .errors import CLIError
+from .formats import FORMATS
 from .model_flags import add_model_arguments, model_epilog
 
 
@@ -43,7 +44,7 @@ limits (checked before the model runs or anything is written; see pipelines/limi
   --steps     1 (2 for qwen-image's scheduler) to {MAX_STEPS}: the scheduler's
               num_train_timesteps (more steps only repeat the noise levels it was trained on)
   --seed      0 to 2**63 - 1; image i uses seed + i, so the last image's seed must fit too
-  --guidance  a finite number, 0 or more
+  --guidance  0 to {MAX_GUIDANCE:g} (the models here run at 0 to 7.5; far above, every step overshoots)
   --frames    video models only ({", ".join(video_model_names())}), 4k+1: the VAE packs 4 frames into
               each latent after the first
   --size full builds z-image's 10B, qwen-image's 29B, flux's 17B (FLUX.1-dev), wan's 20B
@@ -60,9 +61,16 @@ videos: a video model (wan) writes every frame, as an animated WebP (lossless, P
   text a PNG holds goes into the video's own metadata field, as JSON: WebP's EXIF
   ImageDescription, GIF's comment, MP4's comment tag (pipelines.cli.video.read_video_text).
 
-files: an image that already exists is never replaced unless --overwrite is given (checked
-  before the model is built); a file that appears while the run generates (another run writing
-  to the same place) is kept, and the new image goes to a free name, with a warning.
+files: an image that already exists is never replaced unless --overwrite is given: the new one
+  goes to the first free name {{stem}}-N, said before the model is built (so a command runs again
+  and again); a file that appears while the run generates (another run writing to the same place)
+  is kept too. Each file's record (prompt, seed, steps, model, the mode that ran ...) is in PNG
+  text chunks, or a JPEG's or WebP's EXIF, and as A1111's "parameters" that image browsers read
+  (pipelines.cli.formats.read_image_text reads it back).
+
+input images: --image FILE gives an edit model (Qwen-Image-Edit, FLUX.1 Kontext ...) its image;
+  any other model is run as the image-to-image pipeline diffusers makes from it (z-image,
+  qwen-image, flux), --mask FILE as its inpainting pipeline; --strength sets how much is redrawn.
 
 {model_epilog()}
 
@@ -125,7 +133,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         type=values.guidance,
         default=None,
         help="Z-Image guidance_scale / Qwen-Image true_cfg_scale / FLUX.1-dev's distilled guidance_scale (no CFG) / "
-        "Wan guidance_scale, 0 or more (default 0.0 / 4.0 / 3.5 / 5.0)",
+        f"Wan guidance_scale, 0 to {MAX_GUIDANCE:g} (default 0.0 / 4.0 / 3.5 / 5.0)",
     )
     p.add_argument(
         "--seed",
@@ -133,7 +141,23 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="seed of the first image, 0 to 2**63 - 1; image i uses seed + i (default 0)",
     )
+    p.add_argument("--width", type=values.side, default=None, metavar="W",
+                   help="image width: the same as --resolution WxH with --height (default: the model's)")  # fmt: skip
+    p.add_argument("--height", type=values.side, default=None, metavar="H",
+                   help="image height (with --width, or alone: the model's default width)")  # fmt: skip
     p.add_argument("--batch-size", type=values.positive_int, default=1, help="images per prompt per pipeline call")
+    p.add_argument("--num-images", type=values.positive_int, default=None, metavar="N",
+                   help="images per prompt and resolution, made in calls of --batch-size (default: --batch-size, "
+                   "one call)")  # fmt: skip
+    p.add_argument("--image", type=values.path, default=None, metavar="FILE",
+                   help="an input image: an edit model's (its pipeline takes one), else image-to-image with the "
+                   "pipeline diffusers makes from the model (the same weights); the output size defaults to its size")  # fmt: skip
+    p.add_argument("--mask", type=values.path, default=None, metavar="FILE",
+                   help="with --image: what to repaint (inpainting): white repainted, black kept; an image with "
+                   "transparency is read as OpenAI's mask (its transparent pixels repainted)")  # fmt: skip
+    p.add_argument("--strength", type=values.unit_interval, default=None, metavar="S",
+                   help="with --image: how much of it is noised again, above 0 to 1 (1: all; default the "
+                   "pipeline's, 0.6 for image-to-image)")  # fmt: skip
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,9 +167,18 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=values.out_path,
         default=Path("outputs"),
-        help="a .png file for a single image, else a folder (default outputs/); a video model's: a .webp "
-        "(default in a folder), .gif or .mp4 file, or .png for its first frame",
+        help="a .png, .jpg or .webp file for a single image, else a folder (default outputs/); a video model's: "
+        "a .webp (default in a folder), .gif or .mp4 file, or .png/.jpg for its first frame",
     )
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="the images' format in a folder (default png; a single --out file's suffix says its own): png "
+        "(lossless), jpeg or webp (lossless unless --quality), each with the run's record",
+    )
+    p.add_argument("--quality", type=values.quality, default=None, metavar="Q",
+                   help="JPEG's (default 95) or lossy WebP's quality, 1 to 100")  # fmt: skip
     p.add_argument(
         "--fps",
         type=values.positive,
@@ -164,6 +197,9 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the accelerator's counters at the end, for the denoiser and each graphed component",
     )
     p.add_argument("--quiet", action="store_true", help="only warnings and errors: no progress bars or info logs")
+    p.add_argument("--json", action="store_true",
+                   help="print the run's summary as one JSON object on stdout (files, seeds, timings, what ran); "
+                   "the summary line goes to stderr")  # fmt: skip
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
 
 

@@ -7,12 +7,14 @@ import dataclasses
 import inspect
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from .checks import check_frames
 from .defaults import default_frames, generation_defaults
 from .errors import RunError, _one_line
 from .jobs import Job
+from .steps import CallStopped, StepWatch, end_stopped_call, takes_step_callback
 
 logger = logging.getLogger("bcg-generate")
 
@@ -25,7 +27,10 @@ class CallSettings:
     by the scale given (``warm_cfg``: also by the pipeline's own default, so that the warm-up
     captures what the calls do). ``frames``: a video pipeline's frame count, None for images.
     ``frame_rate``: the argument and value of ``--fps`` for a pipeline conditioned on its frame
-    rate (LTX-Video's ``frame_rate``); None leaves the pipeline's own.
+    rate (LTX-Video's ``frame_rate``); None leaves the pipeline's own. ``image_kwargs``: the input
+    image every call passes (``image``, ``mask_image``, ``strength``; :mod:`pipelines.cli.image_input`),
+    ``image_note`` says what it was in the images' record. ``takes_size``: the call takes ``height``
+    and ``width`` (a pipeline that makes its size from its input image takes neither).
     """
 
     steps: int
@@ -38,6 +43,9 @@ class CallSettings:
     count_kwarg: str = "num_images_per_prompt"
     takes_output_type: bool = True
     frame_rate: tuple[str, float] | None = None
+    image_kwargs: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
+    image_note: str | None = None
+    takes_size: bool = True
 
     def kwargs(self, job: Job, device: Any) -> dict[str, Any]:
         """The pipeline's keyword arguments for ``job`` (its generators on ``device``)."""
@@ -45,11 +53,11 @@ class CallSettings:
 
         kwargs: dict[str, Any] = dict(
             prompt=job.prompt,
-            height=job.height,
-            width=job.width,
             num_inference_steps=self.steps,
             generator=[torch.Generator(device).manual_seed(s) for s in job.seeds],
         )
+        if self.takes_size:
+            kwargs.update(height=job.height, width=job.width)
         kwargs[self.count_kwarg] = len(job.indices)
         if self.frames is not None:
             kwargs["num_frames"] = self.frames
@@ -72,8 +80,10 @@ class CallSettings:
 
     def conditioning(self) -> dict[str, Any]:
         """What every call passes beyond the job's own arguments, warm-up calls too (the frame
-        rate a video model is conditioned on enters its graphs' inputs)."""
-        return dict([self.frame_rate]) if self.frame_rate is not None else {}
+        rate a video model is conditioned on enters its graphs' inputs; an input image)."""
+        out = dict([self.frame_rate]) if self.frame_rate is not None else {}
+        out.update(self.image_kwargs or {})
+        return out
 
 
 def call_settings(pipe: Any, model: str, size: str, steps: int | None = None, guidance: float | None = None,
@@ -118,6 +128,7 @@ def call_settings(pipe: Any, model: str, size: str, steps: int | None = None, gu
         count_kwarg=count_kwarg,
         takes_output_type="output_type" in params,
         frame_rate=_frame_rate(params, fps),
+        takes_size="height" in params and "width" in params,
     )
 
 
@@ -147,29 +158,33 @@ def runs_cfg(guidance: float | None, kwarg: str | None, above: float, params: An
     return kwarg != "true_cfg_scale" or negative is not None
 
 
-def nan_hint(dtype: str | None, guidance: float | None) -> str:
-    """What may have made NaN pixels, from ``--dtype`` and ``--guidance`` as given."""
+def nan_hint(dtype: str | None, guidance: float | None, guidance_name: str = "--guidance") -> str:
+    """What may have made NaN pixels, from ``--dtype`` and the guidance as given (named
+    ``guidance_name``, as the front end's user knows it)."""
     if dtype in ("float16", "fp16"):
         return " (float16 overflows in this model: use bfloat16)"
     if guidance is not None:
-        return f" (--guidance {guidance:g} may be too large for this model)"
+        return f" ({guidance_name} {guidance:g} may be too large for this model)"
     return ""
 
 
-def generate_images(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None) -> list[Any]:
+def generate_images(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None,
+                    watch: StepWatch | None = None) -> list[Any]:  # fmt: skip
     """One pipeline call -> PIL images (a video pipeline's: the first frame of each video); see
     :func:`generate_frames`."""
-    return generate_frames(pipe, kwargs, job, hint, cache)[0]
+    return generate_frames(pipe, kwargs, job, hint, cache, watch)[0]
 
 
-def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str,
-                    cache: str | None = None) -> tuple[list[Any], list[list[Any]] | None]:  # fmt: skip
+def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None,
+                    watch: StepWatch | None = None) -> tuple[list[Any], list[list[Any]] | None]:  # fmt: skip
     """One pipeline call -> its PIL images, and for a video pipeline (output ``frames``, not
     ``images``) every frame of each video (None for images; the images are then each video's
     first frame). RunError for out-of-memory or non-finite pixels; every frame is checked, since
     a NaN anywhere says the call went wrong. ``cache``: the step cache applied (its description),
     if any: a cache hook that fails inside the call is told in one line with the cache named,
-    since it, not the pipeline, is the suspect.
+    since it, not the pipeline, is the suspect. ``watch``: sees every step's end where the
+    pipeline takes ``callback_on_step_end`` (:class:`~pipelines.cli.steps.StepWatch`); a call it
+    stops raises :class:`~pipelines.cli.steps.CallStopped`, the pipeline's end run.
 
     An image pipeline asked for ``output_type="pt"`` (:meth:`CallSettings.kwargs`) hands back the
     batch it decoded, still on its device: it is checked there (one sync) and made 8-bit there
@@ -182,8 +197,13 @@ def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str,
 
     from accel import ParallelError, check_pixels, to_pil_images
 
+    if watch is not None and takes_step_callback(pipe):
+        kwargs = {**kwargs, "callback_on_step_end": watch}
     try:
         output = pipe(**kwargs)
+    except CallStopped:
+        end_stopped_call(pipe)
+        raise
     except ParallelError as e:  # --parallel: the ranks disagree or lost one another
         raise RunError(_one_line(e)) from None
     except torch.OutOfMemoryError:

@@ -4,6 +4,7 @@ told by configs, and --frames by the model's name."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import secrets
 from collections.abc import Iterable, Sequence
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..families.catalog import known_model, video_model_names
-from .constants import VIDEO_SUFFIXES
+from .constants import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 from .errors import CLIError, _one_line
 
 # Bytes per pixel of one decoded image on the host: the pipeline's float32 RGB array plus the
@@ -114,16 +115,18 @@ def check_out(out: Path, n_images: int, video: bool | None = False) -> tuple[Pat
     when the first file is written, so a run refused later leaves no empty folder behind.
     """
     suffix = out.suffix.lower()
-    containers = (".png", *VIDEO_SUFFIXES) if video is not False else (".png",)
+    images = tuple(IMAGE_SUFFIXES)
+    containers = (*images, *VIDEO_SUFFIXES) if video is not False else images
     single = suffix in containers and not out.is_dir()
     if not single and suffix in _image_suffixes() and not out.is_dir():
         if video is not False:
             raise CLIError(f"--out {str(out)!r}: a video is written as .webp, .gif or .mp4 (or its first frame as "
-                           f".png); use {str(out.with_suffix('.webp'))!r} (or a folder)")  # fmt: skip
+                           f".png or .jpg); use {str(out.with_suffix('.webp'))!r} (or a folder)")  # fmt: skip
         if suffix in VIDEO_SUFFIXES:
-            raise CLIError(f"--out {str(out)!r}: only PNG is written for images ({suffix} is for a video model's "
-                           f"frames); use {str(out.with_suffix('.png'))!r} (or a folder)")  # fmt: skip
-        raise CLIError(f"--out {str(out)!r}: only PNG is written; use {str(out.with_suffix('.png'))!r} (or a folder)")
+            raise CLIError(f"--out {str(out)!r}: images are written as PNG, JPEG or WebP ({suffix} is for a video "
+                           f"model's frames); use {str(out.with_suffix('.png'))!r} (or a folder)")  # fmt: skip
+        raise CLIError(f"--out {str(out)!r}: images are written as PNG, JPEG or WebP; use "
+                       f"{str(out.with_suffix('.png'))!r} (or a folder)")  # fmt: skip
     if single and n_images != 1:
         what = "videos" if video else "images"
         raise CLIError(f"--out {str(out)!r} names one file but this run makes {n_images} {what}; pass a folder")
@@ -139,31 +142,38 @@ def check_out(out: Path, n_images: int, video: bool | None = False) -> tuple[Pat
     return folder, out if single else None
 
 
-def check_existing(folder: Path, single: Path | None, names: Iterable[str]) -> None:
-    """CLIError naming the images that already exist (asked without --overwrite).
+def free_names(folder: Path, single: Path | None, names: Iterable[str]) -> dict[str, Path]:
+    """Where each of this run's files that already exists goes instead (asked without --overwrite):
+    the first ``{stem}-N{suffix}`` that neither exists nor is another of the run's names, by name
+    (``single``: the one file of ``--out x.png``; else the files ``names`` in ``folder``).
 
-    ``single``: the one file of ``--out x.png``; else the files ``names`` in ``folder``. The
-    folder is listed once rather than each name looked up: a prompts file of a million lines
+    The folder is listed once rather than each name looked up: a prompts file of a million lines
     would otherwise cost a million file-system calls before anything starts.
     """
     if single is not None:
-        existing = [str(single)] if os.path.lexists(single) else []
+        if not os.path.lexists(single):
+            return {}
+        present, wanted, folder = set(os.listdir(single.parent or ".")), [single.name], single.parent
     else:
         try:
             present = set(os.listdir(folder))
         except (FileNotFoundError, NotADirectoryError):
             present = set()
         # ``names`` is consumed only if the folder holds anything: a new folder costs nothing.
-        existing = [str(folder / name) for name in names if name in present] if present else []
-    if not existing:
-        return
-    first = existing[0]
-    if len(existing) == 1:
-        raise CLIError(f"{first!r} already exists: pass --overwrite to replace it, or choose another --out or --seed")
-    raise CLIError(
-        f"{first!r} and {len(existing) - 1} more of this run's images already exist: pass --overwrite to replace "
-        "them, or choose another --out or --seed"
-    )
+        wanted = list(names) if present else []
+    taken = present | set(wanted)
+    moved: dict[str, Path] = {}
+    for name in wanted:
+        if name in present:
+            free = next(c for c in _candidates(Path(name)) if c.name not in taken)
+            taken.add(free.name)
+            moved[name] = folder / free.name
+    return moved
+
+
+def _candidates(path: Path) -> Iterable[Path]:
+    for n in itertools.count(1):
+        yield path.with_name(f"{path.stem}-{n}{path.suffix}")
 
 
 def check_compile_cache(path: Path, what: str = "--compile-cache") -> None:

@@ -23,6 +23,8 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
 CACHES = ("fbc", "taylorseer", "magcache", "dbcache")
 # The files a video model's every frame goes into (pipelines.cli.video), by --out's suffix.
 VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
+# The files an image goes into (pipelines.cli.formats), by --out's suffix, and their formats.
+IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
 # A LoRA scale beyond this (either sign) is taken, with a warning: adapters are trained for about 1.
 LORA_SCALE_WARNING = 10.0
@@ -30,6 +32,7 @@ LORA_SCALE_WARNING = 10.0
 # Mirrors of pipelines.limits (which imports torch); tests/pipelines/cli/test_startup.py keeps them equal.
 MAX_SEED = 2**63 - 1
 MAX_STEPS = 1000
+MAX_GUIDANCE = 100.0
 MEMORY_MARGIN = 1.5
 
 

@@ -32,17 +32,23 @@ class Job:
                 for i, s in zip(self.indices, self.seeds)]  # fmt: skip
 
 
-def plan_jobs(prompts: Sequence[str], resolutions: Sequence[tuple[int, int]], batch_size: int, seed: int) -> list[Job]:
-    """Every (prompt, resolution) pair, prompt-major, ``batch_size`` images each."""
+def plan_jobs(prompts: Sequence[str], resolutions: Sequence[tuple[int, int]], batch_size: int, seed: int,
+              count: int | None = None) -> list[Job]:  # fmt: skip
+    """Every (prompt, resolution) pair, prompt-major, ``count`` images each (default
+    ``batch_size``), in calls of at most ``batch_size`` images."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    count = batch_size if count is None else count
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
     jobs: list[Job] = []
     index = 0
     for prompt in prompts:
         for width, height in resolutions:
-            indices = tuple(range(index, index + batch_size))
-            jobs.append(Job(prompt, width, height, indices, tuple(seed + i for i in indices)))
-            index += batch_size
+            for start in range(0, count, batch_size):
+                indices = tuple(range(index + start, index + min(start + batch_size, count)))
+                jobs.append(Job(prompt, width, height, indices, tuple(seed + i for i in indices)))
+            index += count
     return jobs
 
 

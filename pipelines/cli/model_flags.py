@@ -21,6 +21,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from ..families.catalog import known_model
 from ..lora import LoraError, LoraSpec, check_lora_file
 from . import values
 from .caches import CacheRequest, cache_request, support_text
@@ -32,11 +33,14 @@ from .extras import install_command
 Size = tuple[int, int]
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, named_loras: bool = False) -> argparse._ArgumentGroup:
+def add_model_arguments(parser: argparse.ArgumentParser, *, named_loras: bool = False,
+                        parallel: bool = True) -> argparse._ArgumentGroup:  # fmt: skip
     """Add the model flags to ``parser``, in a group of their own, which is returned.
 
     ``named_loras``: ``--lora`` takes ``NAME=FILE[:SCALE]``, adapters loaded at start and picked
     by name later (a server's requests), instead of ``FILE[:SCALE]``, adapters that all run.
+    ``parallel``: whether ``--parallel`` is offered (one image on several processes; a front end
+    that serves from one device leaves it out).
     """
     options = accel_options()
     p = parser.add_argument_group("model and acceleration")
@@ -50,8 +54,25 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, named_loras: bool = 
     p.add_argument(
         "--size",
         choices=("tiny", "full"),
-        default="tiny",
-        help="size of the built-in random-weight models (default tiny; full needs a GPU)",
+        default=None,
+        help="size of the built-in random-weight models (default tiny; full needs a GPU); a folder or hub "
+        "model is loaded as it is",
+    )
+    p.add_argument(
+        "--transformer",
+        type=values.safetensors_file,
+        default=None,
+        metavar="FILE",
+        help="a single-file .safetensors checkpoint of the denoiser (a fine-tune, say), loaded with diffusers' "
+        "from_single_file into --model's pipeline in place of its own, with its config",
+    )
+    p.add_argument(
+        "--scheduler",
+        type=values.scheduler_name,
+        default=None,
+        metavar="NAME",
+        help="a diffusers scheduler class the model's scheduler lists as compatible (e.g. "
+        "FlowMatchHeunDiscreteScheduler), made from its config (default: the model's own)",
     )
     p.add_argument(
         "--warmup",
@@ -68,14 +89,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, named_loras: bool = 
         default=None,
         help="bcg: CUDA graphs (default); debug: same runner, denoiser eager; eager: no acceleration",
     )
-    p.add_argument(
-        "--parallel",
-        choices=options.PARALLEL_MODES,
-        default=None,
-        help="under accelerate launch / torchrun, compute each image on all processes together (cfg: the two "
-        "guidance branches on 2 GPUs, exact; ulysses: diffusers' context parallelism; cfg+ulysses: both, 4+ GPUs); "
-        "every process runs every job with the same seeds, rank 0 writes the files",
-    )
+    if parallel:
+        p.add_argument(
+            "--parallel",
+            choices=options.PARALLEL_MODES,
+            default=None,
+            help="under accelerate launch / torchrun, compute each image on all processes together (cfg: the two "
+            "guidance branches on 2 GPUs, exact; ulysses: diffusers' context parallelism; cfg+ulysses: both, 4+ "
+            "GPUs); every process runs every job with the same seeds, rank 0 writes the files",
+        )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -234,6 +256,8 @@ class ModelSettings:
     auto_breaks: bool = True
     loras: tuple[LoraSpec, ...] = ()
     quantize: str | None = None
+    transformer: Path | None = None
+    scheduler: str | None = None
 
     @property
     def mode(self) -> str:
@@ -277,6 +301,8 @@ class ModelSettings:
 def model_settings(args: argparse.Namespace) -> ModelSettings:
     """The model flags of ``args`` (parsed by a parser :func:`add_model_arguments` built), checked
     together; CLIError for flags that do not fit. Imports no torch."""
+    parallel = getattr(args, "parallel", None)
+    size = _size(args.model, args.size)
     warmup: tuple[Size, ...] | None = None
     if args.warmup is not None:
         if None in args.warmup and any(w is not None for w in args.warmup):
@@ -285,7 +311,7 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
     if args.compile and (args.mode or "bcg") == "eager":
         raise CLIError("--compile prepares graph capture, which --mode eager never does: drop one of them")
     if args.quantize is not None:
-        _check_quantize_flags(args.quantize, args.mode or "bcg", args.parallel, warmup)
+        _check_quantize_flags(args.quantize, args.mode or "bcg", parallel, warmup)
     cache = cache_request(args.cache, args.cache_threshold, args.cache_interval, args.cache_ratios)
     if args.compile_cache is not None:
         check_compile_cache(args.compile_cache)
@@ -303,11 +329,11 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
             raise CLIError(f"--lora {e}") from None
     return ModelSettings(
         model=args.model,
-        size=args.size,
+        size=size,
         mode_flag=args.mode,
         device=args.device,
         dtype=args.dtype,
-        parallel=args.parallel,
+        parallel=parallel,
         compile=args.compile,
         compile_cache=args.compile_cache,
         cache=cache,
@@ -318,7 +344,24 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         auto_breaks=args.auto_breaks,
         loras=loras,
         quantize=args.quantize,
+        transformer=getattr(args, "transformer", None),
+        scheduler=getattr(args, "scheduler", None),
     )
+
+
+def _size(model: str, size: str | None) -> str:
+    """``--size`` for ``model``: a built-in model's (default tiny); CLIError where it is given for a
+    model it cannot size (a folder, a hub id, a single file), which loads its own weights as they are."""
+    if known_model(model) is not None:
+        return size or "tiny"
+    if model.lower().endswith((".safetensors", ".ckpt", ".bin", ".pt", ".pth", ".gguf")):
+        raise CLIError(f"--model {model!r} is a file of weights, not a pipeline: name the pipeline it belongs to with "
+                       "--model (z-image, a folder, a hub id) and give a denoiser's single file as --transformer "
+                       "FILE")  # fmt: skip
+    if size is not None:
+        raise CLIError(f"--size {size} sizes the built-in random-weight models; --model {model!r} loads its own "
+                       "weights as they are: drop --size")  # fmt: skip
+    return "tiny"
 
 
 def _check_quantize_flags(quantize: str, mode: str, parallel: str | None, warmup: tuple[Size, ...] | None) -> None:

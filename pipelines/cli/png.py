@@ -1,10 +1,13 @@
 """PNG bytes of an 8-bit image, fast: :func:`encode_png`.
 
 Pillow decodes them to the same pixels and the same text as the PNG Pillow writes with
-``pnginfo`` (``add_text`` for each key) and ``compress_type=zlib.Z_RLE``, and every chunk but
-the image data is the same bytes in the same order. Modes ``L``, ``RGB`` and ``RGBA`` without
-an ICC profile or transparency in ``image.info`` take the fast path; any other image is Pillow's
-own save with those options.
+``pnginfo`` (``add_text`` for each key, ``zip=True`` for a value over :data:`ZIP_CHARS`
+characters) and ``compress_type=zlib.Z_RLE``, and every chunk but the image data is the same bytes
+in the same order. A long value (a prompt of thousands of words) is compressed (zTXt, or iTXt
+with its compression flag): a 200,000-character prompt no longer makes a 10 KB image 210 KB. A
+value holding NUL is refused (ValueError): PNG text ends at a NUL, so the record would be cut
+there. Modes ``L``, ``RGB`` and ``RGBA`` without an ICC profile or transparency in ``image.info``
+take the fast path; any other image is Pillow's own save with those options.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["encode_png"]
+__all__ = ["ZIP_CHARS", "encode_png"]
+
+# Text values longer than this are compressed (as Pillow's add_text(..., zip=True) writes them).
+ZIP_CHARS = 1024
 
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # mode: (samples a pixel, PNG colour type); bit depth 8 for all
@@ -52,13 +58,22 @@ def _chunk(cid: bytes, data: bytes | memoryview) -> bytes:
     return b"".join((struct.pack(">I", len(data)), cid, data, struct.pack(">I", zlib.crc32(data, zlib.crc32(cid)))))
 
 
+def _check_text(key: str, value: str) -> None:
+    if "\0" in key or "\0" in value:
+        raise ValueError(f"PNG text cannot hold NUL (U+0000), and the field {key!r} has one")
+
+
 def _text_chunk(key: str, value: str) -> bytes:
-    # as PngInfo.add_text(key, value): tEXt where the value is latin-1, else uncompressed iTXt
-    # with no language or translated key
+    # as PngInfo.add_text(key, value, zip=len(value) > ZIP_CHARS): tEXt (zTXt) where the value is
+    # latin-1, else iTXt, compressed or not, with no language or translated key
+    zipped = len(value) > ZIP_CHARS
+    name = key.encode("latin-1")
     try:
-        data = b"tEXt", key.encode("latin-1") + b"\0" + value.encode("latin-1")
+        raw = value.encode("latin-1")
+        data = (b"zTXt", name + b"\0\0" + zlib.compress(raw)) if zipped else (b"tEXt", name + b"\0" + raw)
     except UnicodeEncodeError:
-        data = b"iTXt", key.encode("latin-1") + b"\0\0\0\0\0" + value.encode("utf-8")
+        text = value.encode("utf-8")
+        data = b"iTXt", name + (b"\0\1\0\0\0" + zlib.compress(text) if zipped else b"\0\0\0\0\0" + text)
     return _chunk(*data)
 
 
@@ -114,14 +129,17 @@ def _pillow_png(image: Any, text: Mapping[str, str]) -> bytes:
 
     meta = PngInfo()
     for key, value in text.items():
-        meta.add_text(key, value)
+        meta.add_text(key, value, zip=len(value) > ZIP_CHARS)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", pnginfo=meta, **_PNG_OPTIONS)
     return buffer.getvalue()
 
 
 def encode_png(image: Any, text: Mapping[str, str]) -> bytes:
-    """``image`` (PIL) as PNG bytes with ``text`` as its text chunks, in its order."""
+    """``image`` (PIL) as PNG bytes with ``text`` as its text chunks, in its order; ValueError for
+    text holding NUL."""
+    for key, value in text.items():
+        _check_text(key, value)
     mode = _MODES.get(image.mode)
     width, height = image.size
     info = image.info

@@ -28,6 +28,7 @@ from .images import quantized, run_text
 from .jobs import Job
 from .loading import build_model
 from .model_flags import ModelSettings, check_quantize, model_settings
+from .steps import StepWatch
 
 logger = logging.getLogger("bcg-generate")
 
@@ -43,7 +44,9 @@ class Workload:
     ``frames`` and ``fps``: the flags as given (None: the model's default). ``prompts``: those the calls
     of this process encode (the warm-up captures their text encoder's lengths); none: this
     process makes no call, and nothing is warmed up. ``warm_sizes``: the sizes warmed up unless
-    ``--warmup`` names others (None: ``resolutions``).
+    ``--warmup`` names others (None: ``resolutions``). ``image``, ``mask`` and ``strength``: every
+    call's input image (PIL), mask and strength (:mod:`pipelines.cli.image_input`); ``image_name``
+    how the record names the image.
     """
 
     resolutions: Sequence[Size]
@@ -55,6 +58,10 @@ class Workload:
     prompts: Sequence[str] = ()
     warm_sizes: Sequence[Size] | None = None
     fps: float | None = None
+    image: Any = None
+    mask: Any = None
+    strength: float | None = None
+    image_name: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +104,26 @@ class PreparedPipeline:
             self.cache,
             self.loras,
             quantized(self.pipe),
+            self.scheduler_name,
         )
 
-    def generate(self, job: Job, hint: str = "", call: CallSettings | None = None) -> GeneratedCall:
+    @property
+    def scheduler_name(self) -> str | None:
+        """The class name of the pipeline's scheduler (None: it has none)."""
+        scheduler = getattr(self.pipe, "scheduler", None)
+        return type(scheduler).__name__ if scheduler is not None else None
+
+    def generate(self, job: Job, hint: str = "", call: CallSettings | None = None,
+                 watch: StepWatch | None = None) -> GeneratedCall:  # fmt: skip
         """Make ``job``'s images in one call with ``call`` (default: :attr:`call`); RunError for a
-        call that fails or makes non-finite pixels (``hint`` is added: what may have caused them)."""
+        call that fails or makes non-finite pixels (``hint`` is added: what may have caused them).
+        ``watch``: sees each step's end (a progress bar), and may stop the call."""
         import torch
 
         kwargs = (call or self.call).kwargs(job, self.device)
         before = graph_replays(self.pipe) if self.accelerated else None
         t0 = time.perf_counter()
-        images, videos = generate_frames(self.pipe, kwargs, job, hint, self.cache)
+        images, videos = generate_frames(self.pipe, kwargs, job, hint, self.cache, watch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -178,9 +194,16 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
     pipe.set_progress_bar_config(disable=True)
     # Whatever changes the weights belongs here: the limits below read them, and the step cache
     # and the accelerator hook the denoiser as it then is.
+    if settings.transformer is not None:
+        load_single_file_denoiser(pipe, settings.transformer, device, dtype)
+    if settings.scheduler is not None:
+        set_scheduler(pipe, settings.scheduler)
     loras = _load_loras(pipe, settings.loras)
+    pipe, image_kwargs, image_note = _image_pipeline(pipe, workload)
     call = call_settings(pipe, settings.model, settings.size, workload.steps, workload.guidance,
                          workload.negative_prompt, workload.frames, workload.fps)  # fmt: skip
+    if image_kwargs is not None:
+        call = dataclasses.replace(call, image_kwargs=image_kwargs, image_note=image_note)
 
     # Limits that need the built model, still before anything runs.
     warm: list[Size] = []
@@ -219,6 +242,83 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
                     f"out of memory capturing graphs for {sizes}: use smaller sizes or --warmup none"
                 ) from None
     return PreparedPipeline(pipe, settings, device, dtype, call, cache, warmup_seconds, loras)
+
+
+def accelerate_alike(pipe: Any, prepared: PreparedPipeline) -> None:
+    """Accelerate ``pipe``, another pipeline of ``prepared``'s components (its image-to-image
+    pipeline, say), as ``prepared``'s was: the denoisers' runners, and so their graphs, are shared."""
+    if prepared.accelerated and "accel" not in vars(pipe):
+        _accelerate(pipe, prepared.settings)
+
+
+def _image_pipeline(pipe: Any, workload: Workload) -> tuple[Any, dict[str, Any] | None, str | None]:
+    """The pipeline the calls go to, their image arguments and the record's note of them: ``pipe``
+    and None without an input image (CLIError for a model that needs one), else the pipeline of
+    ``pipe``'s model that takes it (:func:`pipelines.cli.image_input.image_pipeline`)."""
+    from .image_input import flatten, image_pipeline, mask_from, needs_image
+
+    if workload.image is None:
+        if needs_image(type(pipe)):
+            raise CLIError(f"{type(pipe).__name__} edits images: give it one with --image FILE")
+        return pipe, None, None
+    taking = image_pipeline(pipe, mask=workload.mask is not None)
+    if workload.strength is not None and not taking.strength:
+        logger.warning("--strength is ignored: %s takes no strength", type(taking.pipe).__name__)
+    mask = mask_from(workload.mask) if workload.mask is not None else None
+    kwargs = taking.kwargs(flatten(workload.image), mask, workload.strength)
+    width, height = workload.image.size
+    note = f"{workload.image_name or 'an image'} ({width}x{height}), {taking.kind}"
+    if "strength" in kwargs:
+        note += f", strength {kwargs['strength']:g}"
+    if mask is not None:
+        note += ", masked"
+    logger.info("input image: %s, through %s", note, type(taking.pipe).__name__)
+    return taking.pipe, kwargs, note
+
+
+def set_scheduler(pipe: Any, name: str) -> None:
+    """``pipe``'s scheduler replaced by the diffusers class ``name``, made from its config; CLIError
+    naming the compatible ones where the model's scheduler does not list it."""
+    scheduler = getattr(pipe, "scheduler", None)
+    compatible = sorted({c.__name__ for c in getattr(scheduler, "compatibles", ())} | {type(scheduler).__name__})
+    if name not in compatible:
+        raise CLIError(f"--scheduler {name}: {type(pipe).__name__}'s {type(scheduler).__name__} lists as compatible "
+                       f"{', '.join(compatible)}")  # fmt: skip
+    import diffusers
+
+    cls = getattr(diffusers, name)
+    if not isinstance(scheduler, cls):
+        pipe.scheduler = cls.from_config(scheduler.config)
+    logger.info("scheduler: %s", name)
+
+
+def load_single_file_denoiser(pipe: Any, file: Any, device: Any, dtype: Any) -> None:
+    """``pipe``'s denoiser replaced by the single-file checkpoint ``file`` (diffusers'
+    ``from_single_file``, which converts a checkpoint in its original layout), configured as the
+    one it replaces; CLIError where diffusers loads no single file of that class or the file does
+    not fit it, RunError where the file cannot be read."""
+    import tempfile
+
+    from accel import DENOISER_NAMES
+
+    name = next((n for n in DENOISER_NAMES if getattr(pipe, n, None) is not None), None)
+    if name is None:
+        raise CLIError(f"--transformer: {type(pipe).__name__} has no denoiser to replace")
+    current = getattr(pipe, name)
+    cls = type(current)
+    if not hasattr(cls, "from_single_file"):
+        raise CLIError(f"--transformer: diffusers loads no single-file checkpoint of {cls.__name__}")
+    try:
+        with tempfile.TemporaryDirectory() as config:
+            current.save_config(config)
+            loaded = cls.from_single_file(str(file), config=config, torch_dtype=dtype)
+    except (ValueError, KeyError, RuntimeError) as e:  # keys or shapes another model's
+        raise CLIError(f"--transformer {file.name}: not a {cls.__name__} checkpoint of this configuration "
+                       f"({type(e).__name__}: {_one_line(e)[:200]})") from None  # fmt: skip
+    except Exception as e:  # an unreadable file, say
+        raise RunError(f"--transformer {file.name}: {type(e).__name__}: {_one_line(e)[:200]}") from None
+    pipe.register_modules(**{name: loaded.to(device)})
+    logger.info("%s: %s from %s", name, cls.__name__, file.name)
 
 
 def _load_loras(pipe: Any, specs: Sequence[LoraSpec]) -> tuple[LoraSpec, ...]:

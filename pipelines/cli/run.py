@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -20,17 +21,22 @@ from typing import Any
 
 from .arguments import build_parser
 from .calls import nan_hint
-from .checks import _check_host_floor, check_existing, check_frames_by_name, check_out, largest_first, read_prompts_file
+from .checks import _check_host_floor, check_frames_by_name, check_out, largest_first, read_prompts_file
 from .constants import DEFAULT_PROMPT, PROG
 from .defaults import default_resolution, is_video_model
 from .errors import CLIError, RunError
-from .images import image_texts, save_png
+from .formats import format_of
+from .image_input import read_inputs
+from .images import image_texts, save_image, sweep_stale_parts
 from .jobs import plan_jobs, shard
 from .model_flags import model_settings
+from .outputs import ImageOutput, Renames, plan_image_output, run_resolutions
 from .prepare import Workload, check_model, prepare_pipeline, resolve_device_and_dtype, warn_unused_warmup
 from .processes import Processes, detect_processes
+from .progress import Progress
 from .prompts import TruncationWarnings
-from .summary import shown, summary_line, where_written
+from .steps import StepWatch
+from .summary import shown, summary_json, summary_line, where_written
 from .terminal import bars_and_logs
 from .video import VideoOutput, plan_video_output, resolve_fps, save_video, settle_video_output, video_text
 
@@ -64,17 +70,21 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def _setup_logging(quiet: bool, procs: Processes) -> None:
+def _setup_logging(quiet: bool, procs: Processes, bars: bool) -> None:
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,
         format=f"%(asctime)s {procs.tag}%(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
     logging.getLogger().setLevel(logging.WARNING if quiet else logging.INFO)
-    if quiet:
+    if not bars:  # --quiet, or no terminal: a bar's redraws would pile into the log's lines
         from diffusers.utils import logging as diffusers_logging
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as transformers_logging
 
         diffusers_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()  # its weight-loading bar
+        disable_progress_bars()  # the hub's downloads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,11 +121,15 @@ def _run(args: argparse.Namespace) -> int:
     prompts = prompts or [DEFAULT_PROMPT]
     settings = model_settings(args)
     check_frames_by_name(args.model, args.frames)
-    resolutions = list(dict.fromkeys(args.resolution or [default_resolution(args.model, args.size)]))
-    n_images = len(prompts) * len(resolutions) * args.batch_size
     video = is_video_model(args.model)  # None: a hub model, known once built
+    image, mask = read_inputs(args.image, args.mask, args.strength, video)
+    resolutions = run_resolutions(args.resolution, args.width, args.height,
+                                  default_resolution(args.model, settings.size), image)  # fmt: skip
+    count = args.num_images or args.batch_size
+    n_images = len(prompts) * len(resolutions) * count
     folder, single = check_out(args.out, n_images, video)
     media = plan_video_output(single, video, args.fps, args.model)
+    files = plan_image_output(args.format, args.quality, single, video)
 
     from .. import limits  # imports torch
 
@@ -125,16 +139,18 @@ def _run(args: argparse.Namespace) -> int:
     except limits.LimitError as e:
         raise CLIError(str(e)) from None
     check_model(settings, device, dtype, resolutions, args.frames)
-    _check_host_floor(largest_first([*resolutions, *(settings.warmup or [])])[0], args.batch_size, args.frames)
+    batch = min(args.batch_size, count)
+    _check_host_floor(largest_first([*resolutions, *(settings.warmup or [])])[0], batch, args.frames)
 
     procs = detect_processes(cpu=device.type != "cuda")
-    _setup_logging(args.quiet, procs)
+    bars = not args.quiet and sys.stderr.isatty()
+    _setup_logging(args.quiet, procs, bars)
     warn_unused_warmup(settings, device)
     if video and media is not None and not media.every_frame:
         _say_first_frame(single)
     if procs.count > 1 and procs.device is not None and device.type != "cpu" and procs.device.type == device.type:
         device = procs.device  # each process on its own GPU
-    jobs = plan_jobs(prompts, resolutions, args.batch_size, args.seed)
+    jobs = plan_jobs(prompts, resolutions, args.batch_size, args.seed, count)
     if args.parallel is not None and procs.count < 2:
         raise CLIError(
             f"--parallel {args.parallel} computes each image on several processes: start this with accelerate launch "
@@ -143,33 +159,32 @@ def _run(args: argparse.Namespace) -> int:
     # --parallel: every process takes part in every job (same seeds); rank 0 writes the files.
     mine = list(jobs) if args.parallel is not None else shard(jobs, procs.index, procs.count)
     writes = args.parallel is None or procs.index == 0
-
-    def target(name: str) -> Path:
-        return single if single is not None else folder / name
+    renames = Renames()
 
     def check_names(media: VideoOutput | None) -> None:
-        if not args.overwrite:
-            # Each process checks the files of its own jobs only: another's may already be appearing.
-            # With --parallel every process checks all of rank 0's, so all refuse alike.
-            suffix = _suffix(media)
-            check_existing(folder, single, (name for job in mine for name in job.file_names(suffix)))
+        if not args.overwrite and writes:
+            # Each process looks at the files of its own jobs only: another's may already be appearing.
+            suffix = _suffix(media, files)
+            renames.plan(folder, single, (name for job in mine for name in job.file_names(suffix)))
 
     check_names(media)
     # Said before the build, so a prompts file far longer than meant is noticed at once.
-    logger.info("%d %s(s) to make: %d prompt(s) x %d resolution(s) x batch size %d", n_images,
-                "video" if video else "image", len(prompts), len(resolutions), args.batch_size)  # fmt: skip
+    logger.info("%d %s(s) to make: %d prompt(s) x %d resolution(s) x %d in calls of %d", n_images,
+                "video" if video else "image", len(prompts), len(resolutions), count, batch)  # fmt: skip
     if procs.count > 1:
         logger.info("%d of %d jobs on %s", len(mine), len(jobs), device)
 
-    workload = Workload(resolutions, args.batch_size, args.steps, args.guidance, args.negative_prompt, args.frames,
+    workload = Workload(resolutions, batch, args.steps, args.guidance, args.negative_prompt, args.frames,
                         prompts=[j.prompt for j in mine], warm_sizes=[(j.width, j.height) for j in mine],
-                        fps=args.fps)  # fmt: skip
-    with bars_and_logs():  # the warm-up's progress bars
-        prepared = prepare_pipeline(settings, workload, device, dtype, progress=not args.quiet)
+                        fps=args.fps, image=image, mask=mask, strength=args.strength,
+                        image_name=args.image.name if args.image else None)  # fmt: skip
+    with bars_and_logs() if bars else contextlib.nullcontext():  # the warm-up's progress bars
+        prepared = prepare_pipeline(settings, workload, device, dtype, progress=bars)
     call, common = prepared.call, prepared.text()
-    if video is None:  # now known: a video model keeps the plan, an image model writes PNGs
+    if video is None:  # now known: a video model keeps the plan, an image model writes image files
         settled = settle_video_output(media, prepared.pipe, single, args.fps)
-        if _suffix(settled) != _suffix(media):
+        files = plan_image_output(args.format, args.quality, single, settled is not None and settled.every_frame)
+        if _suffix(settled, files) != _suffix(media, files):
             check_names(settled)
         if settled is not None and not settled.every_frame:
             _say_first_frame(single)
@@ -177,38 +192,45 @@ def _run(args: argparse.Namespace) -> int:
     every_frame = media is not None and media.every_frame
     fps = resolve_fps(media, prepared.pipe) if every_frame else None
 
-    from tqdm.auto import tqdm
-
     tokens = TruncationWarnings(prepared.pipe)
     hint = nan_hint(args.dtype, args.guidance)
     written: list[Path] = []
-    renamed = 0
-    made = 0
+    records: list[dict[str, Any]] = []
+    renamed = made = 0
     modes_ran: set[str] = set()
     gen_seconds = 0.0
-    bar = tqdm(total=sum(len(j.indices) for j in mine), unit="image", desc=f"{procs.tag}generating".strip(),
-               disable=args.quiet, position=procs.index if procs.count > 1 else None)  # fmt: skip
-    with bars_and_logs(), bar:
+    unit = "video" if every_frame else "image"
+    progress = Progress(sum(len(j.indices) for j in mine), len(mine), call.steps, enabled=not args.quiet,
+                        tag=procs.tag, position=procs.index if procs.count > 1 else None, unit=unit)  # fmt: skip
+    swept: set[Path] = set()
+    with bars_and_logs() if progress.tty else contextlib.nullcontext(), progress:
         for job in mine:
-            count = tokens.check(job.prompt) if writes else None
+            count_tokens = tokens.check(job.prompt) if writes else None
             if call.negative_prompt is not None and call.cfg and writes:
                 tokens.check(call.negative_prompt, "negative prompt")
-            result = prepared.generate(job, hint)
+            result = prepared.generate(job, hint, watch=StepWatch(on_step=progress.step))
             gen_seconds += result.seconds
             modes_ran.add(result.mode)
-            texts = image_texts(job, common, result.mode, settings.mode, count)
+            texts = image_texts(job, common, result.mode, settings.mode, count_tokens)
             if every_frame and result.videos is None:
                 raise RunError(f"{type(prepared.pipe).__name__} returned images, not a video's frames: "
                                "write them with --out x.png or a folder of PNGs")  # fmt: skip
             items = result.videos if every_frame and result.videos is not None else result.images
-            for item, text, name in zip(items, texts, job.file_names(_suffix(media))):
-                path = target(name)
+            for item, text, name, seed in zip(items, texts, job.file_names(_suffix(media, files)), job.seeds):
+                path = renames.target(folder, single, name)
                 made += 1
                 if writes:
+                    if path.parent not in swept:
+                        swept.add(path.parent)
+                        if removed := sweep_stale_parts(path.parent):
+                            logger.info(
+                                "removed %d part file(s) that killed runs left in %s", removed, shown(path.parent)
+                            )
                     if fps is not None:  # every frame, in a video file
                         done = save_video(item, path, video_text(text, len(item), fps), fps, args.overwrite)
                     else:
-                        done = save_png(item, path, text, overwrite=args.overwrite)
+                        fmt = files.fmt if media is None else (format_of(path) or "png")
+                        done = save_image(item, path, text, fmt, files.quality, overwrite=args.overwrite)
                     if done != path:
                         renamed += 1
                         logger.warning("%s appeared while this run was generating (another run writing there?): "
@@ -216,14 +238,24 @@ def _run(args: argparse.Namespace) -> int:
                     else:
                         logger.info("wrote %s", shown(done))
                     written.append(done)
-                bar.update()
+                    records.append(dict(file=str(done), prompt=job.prompt, seed=seed, width=job.width,
+                                        height=job.height, index=int(text["index"])))  # fmt: skip
+            progress.call_done(len(job.indices))
 
     where = where_written(written, folder, single, renamed, writes)
-    unit = "video" if every_frame else "image"
-    print(summary_line(prepared, procs.tag, made, len(mine), gen_seconds, modes_ran, where, tokens.truncated, unit))
-    if args.report:
-        print(prepared.pipe.accel.report() if prepared.accelerated else
+    line = summary_line(prepared, procs.tag, made, len(mine), gen_seconds, modes_ran, where, tokens.truncated, unit)
+    report = (prepared.pipe.accel.report() if prepared.accelerated else
               f"{procs.tag}mode eager: the pipeline was not accelerated")  # fmt: skip
+    if args.json:
+        sys.stderr.write(line + "\n")
+        summary = summary_json(prepared, made, len(mine), gen_seconds, modes_ran, records, tokens.truncated, unit)
+        if args.report:
+            summary["report"] = report
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        print(line)
+        if args.report:
+            print(report)
     if procs.state is not None:
         # No barrier: processes share nothing but the folder, and a barrier would need a
         # working collective backend for no benefit.
@@ -231,9 +263,9 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _suffix(media: VideoOutput | None) -> str:
-    """The suffix of the run's files: the video container's, else PNG's."""
-    return media.suffix if media is not None else ".png"
+def _suffix(media: VideoOutput | None, files: ImageOutput) -> str:
+    """The suffix of the run's files: the video container's (or the first frame's file), else the images' format's."""
+    return media.suffix if media is not None else files.suffix
 
 
 def _say_first_frame(single: Path | None) -> None:

@@ -1,4 +1,5 @@
-"""The run's closing line: how many images, how fast, what ran and where the files went."""
+"""The run's closing line: how many images, how fast, what ran and where the files went; the same
+as one JSON object (``--json``)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,29 @@ def summary_line(prepared: PreparedPipeline, tag: str, made: int, calls: int, se
     if truncated:
         line += f"; {truncated} prompt(s) cut at the text encoder's limit"
     return line
+
+
+def summary_json(prepared: PreparedPipeline, made: int, calls: int, seconds: float, ran: set[str],
+                 files: Sequence[dict[str, Any]], truncated: int, unit: str = "image") -> dict[str, Any]:  # fmt: skip
+    """The run as ``--json`` prints it: each file written (path, prompt, seed, size, index), the
+    counts and seconds of :func:`summary_line`, what ran and on what."""
+    pipe = prepared.pipe
+    return {
+        "files": list(files),
+        "made": made,
+        "unit": unit,
+        "calls": calls,
+        "seconds": round(seconds, 4),
+        "warmup_seconds": round(prepared.warmup_seconds, 4),
+        "seconds_per_item": round(seconds / made, 4) if made else None,
+        "steps": prepared.call.steps,
+        "pipeline": type(pipe).__name__,
+        "model": prepared.settings.model,
+        "mode_asked": prepared.settings.mode,
+        "modes_ran": sorted(ran),
+        "device": str(prepared.device),
+        "dtype": str(prepared.dtype).removeprefix("torch."),
+        "cache": prepared.cache,
+        "graph_memory_bytes": pipe.accel.graph_memory_bytes() if prepared.accelerated else 0,
+        "prompts_cut": truncated,
+    }

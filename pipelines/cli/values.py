@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from ..lora import LoraError, LoraSpec, parse_lora
-from .constants import MAX_SEED, MAX_STEPS, accel_options
+from .constants import MAX_GUIDANCE, MAX_SEED, MAX_STEPS, accel_options
 
 
 def resolution(text: str) -> tuple[int, int]:
@@ -80,8 +80,33 @@ def guidance(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the guidance scale must be a finite number, 0 or more")
+    if not math.isfinite(value) or not 0 <= value <= MAX_GUIDANCE:
+        raise argparse.ArgumentTypeError(f"{text!r}: the guidance scale must be a number from 0 to {MAX_GUIDANCE:g} "
+                                         "(the models here run at 0 to 7.5)")  # fmt: skip
+    return value
+
+
+def side(text: str) -> int:
+    """``--width`` or ``--height``: a positive multiple of accel's resolution multiple."""
+    value = positive_int(text)
+    multiple = accel_options().RESOLUTION_MULTIPLE
+    if value % multiple:
+        raise argparse.ArgumentTypeError(f"{value} is not a multiple of {multiple}")
+    return value
+
+
+def unit_interval(text: str) -> float:
+    """A number above 0, at most 1 (``--strength``)."""
+    value = finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be above 0 and at most 1")
+    return value
+
+
+def quality(text: str) -> int:
+    value = integer(text)
+    if not 1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be 1 to 100, got {value}")
     return value
 
 
@@ -163,3 +188,24 @@ def model(text: str) -> str:
             "is empty: name z-image, qwen-image, flux, wan, wan-1.3b, a pipeline folder or a hub id"
         )
     return user_path(text)
+
+
+def safetensors_file(text: str) -> Path:
+    """An existing ``.safetensors`` file (``--transformer``)."""
+    file = path(text)
+    if file.suffix.lower() != ".safetensors":
+        raise argparse.ArgumentTypeError(f"{text!r} is not a .safetensors file (single-file checkpoints are "
+                                         "loaded from safetensors only: pickle files can run code)")  # fmt: skip
+    if not file.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist" if not file.exists() else f"{text!r} is not a file")
+    return file
+
+
+def scheduler_name(text: str) -> str:
+    """A scheduler's class name as diffusers spells it (checked against the model once it is built)."""
+    name = text.strip()
+    if not name.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a scheduler class name (e.g. FlowMatchEulerDiscreteScheduler)"
+        )
+    return name

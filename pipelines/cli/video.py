@@ -8,7 +8,7 @@ suffix     how                                         where the text is (one JS
 ``.gif``   animated GIF, Pillow (256 colours a frame)  the GIF comment extension
 ``.mp4``   H.264 (yuv420p) through imageio and         the MP4 ``comment`` tag
            imageio-ffmpeg: the ``[video]`` extra
-``.png``   the first frame only, as for images         PNG text chunks
+``.png``   the first frame only, as for images         PNG text chunks (``.jpg``: EXIF)
 =========  ==========================================  ==========================================
 
 :func:`read_video_text` reads the text back from any of them. WebP is lossless, so its frames
@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .constants import VIDEO_SUFFIXES
+from .constants import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 from .errors import CLIError, RunError, _one_line
 from .extras import install_command, missing
 from .images import write_whole
@@ -57,7 +57,7 @@ class VideoOutput:
 
     @property
     def every_frame(self) -> bool:
-        return self.suffix != ".png"
+        return self.suffix in VIDEO_SUFFIXES
 
 
 def check_mp4_extra() -> None:
@@ -84,7 +84,7 @@ def plan_video_output(single: Path | None, video: bool | None, fps: float | None
             raise CLIError(f"--fps {fps:g} sets a video's frame rate, but {model} makes images")
         return None
     suffix = single.suffix.lower() if single is not None else DEFAULT_SUFFIX
-    if suffix == ".png" and fps is not None:
+    if suffix not in VIDEO_SUFFIXES and fps is not None:
         raise CLIError(f"--fps {fps:g}: --out {str(single)!r} writes each video's first frame only; "
                        "name a .webp, .gif or .mp4 file (or a folder) for the whole video")  # fmt: skip
     unit = UNIT_MS.get(suffix)
@@ -101,12 +101,12 @@ def settle_video_output(plan: VideoOutput | None, pipe: Any, single: Path | None
                         fps: float | None) -> VideoOutput | None:  # fmt: skip
     """The plan of a run whose model was not known to make videos before it was built
     (:func:`plan_video_output` with ``video`` None), now that ``pipe`` is: kept for a video
-    pipeline; None (PNGs) for an image pipeline, or CLIError where ``--out`` or ``--fps`` asked for a video."""
+    pipeline; None (image files) for an image pipeline, or CLIError where ``--out`` or ``--fps`` asked for a video."""
     if takes_frames(type(pipe)):
         return plan
     name = type(pipe).__name__
-    if single is not None and single.suffix.lower() in VIDEO_SUFFIXES:
-        raise CLIError(f"--out {str(single)!r}: only PNG is written for images, and {name} makes images; "
+    if single is not None and single.suffix.lower() in VIDEO_SUFFIXES and single.suffix.lower() not in IMAGE_SUFFIXES:
+        raise CLIError(f"--out {str(single)!r}: {name} makes images, written as PNG, JPEG or WebP; "
                        f"use {str(single.with_suffix('.png'))!r} (or a folder)")  # fmt: skip
     if fps is not None:
         raise CLIError(f"--fps {fps:g} sets a video's frame rate, but {name} makes images")
@@ -217,8 +217,9 @@ def save_video(frames: Sequence[Any], path: Path, text: Mapping[str, str], fps: 
         raise RunError(f"cannot write {str(path)!r}: {type(e).__name__}: {_one_line(e)[:300]}") from None
 
 
-def read_video_text(path: Path) -> dict[str, str]:
+def read_video_text(path: str | Path) -> dict[str, str]:
     """The text bcg-generate wrote into a video file (WebP, GIF or MP4); ``{}`` where it holds none."""
+    path = Path(path)
     suffix = path.suffix.lower()
     raw: str | bytes | None
     if suffix == ".mp4":

@@ -1,7 +1,9 @@
 """bcg-generate and the files it writes (CPU, the tiny model): an existing image is never replaced
-without --overwrite, a name taken while a run generates (another run writing the same place) is
-kept and the new image goes to a free name, each write has a hidden name of its own, and the run
-says which files it wrote."""
+without --overwrite (the new one goes to a free name, said before the build, so a command can run
+again), a name taken while a run generates (another run writing the same place) is kept and the
+new image goes to a free name, each write has a hidden name of its own, one a killed run left is
+removed by the next, JPEG and WebP carry the record as PNG does, and the run says which files it
+wrote."""
 
 from __future__ import annotations
 
@@ -28,16 +30,73 @@ def png_text(path: Path) -> dict[str, str]:
         return dict(im.text)
 
 
-def test_overwrite_replaces_an_existing_image(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_existing_image_is_kept_and_overwrite_replaces_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     out = tmp_path / "fox.png"
     out.write_bytes(b"made earlier")
-    assert main(["--seed", "4", "--out", str(out), *FAST]) == 2
-    assert "pass --overwrite" in capsys.readouterr().err
-    assert out.read_bytes() == b"made earlier"
-    assert main(["--seed", "4", "--overwrite", "--out", str(out), *FAST]) == 0
-    assert png_text(out)["seed"] == "4"
+    (tmp_path / "fox-1.png").write_bytes(b"and another")
+    with caplog.at_level(logging.WARNING, logger="bcg-generate"):
+        assert main(["--seed", "4", "--out", str(out), *FAST]) == 0  # the same command again: a new name
+    assert out.read_bytes() == b"made earlier" and (tmp_path / "fox-1.png").read_bytes() == b"and another"
+    assert png_text(tmp_path / "fox-2.png")["seed"] == "4"
+    assert f"{out} exists: kept; this run writes {tmp_path / 'fox-2.png'} instead" in caplog.text
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {tmp_path / 'fox-2.png'}")
+    assert main(["--seed", "5", "--overwrite", "--out", str(out), *FAST]) == 0
+    assert png_text(out)["seed"] == "5"
     assert capsys.readouterr().out.rstrip().endswith(f"wrote {out}")
-    assert [p.name for p in tmp_path.iterdir()] == ["fox.png"]  # no hidden .part left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fox-1.png", "fox-2.png", "fox.png"]  # no .part left
+
+
+def test_existing_images_in_a_folder_each_go_to_a_free_name(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    names = [f"000{i}-a-fox-64x64-s{i}.png" for i in range(3)]
+    for name in (names[0], names[2], "0000-a-fox-64x64-s0-1.png"):
+        (out / name).write_bytes(b"earlier")
+    with caplog.at_level(logging.WARNING, logger="bcg-generate"):
+        assert main(["--prompt", "a fox", "--batch-size", "3", "--out", str(out), *FAST]) == 0
+    assert "(and 1 more of this run's files, each as its first free -N name)" in caplog.text
+    made = {p.name: png_text(p)["seed"] for p in out.iterdir() if p.read_bytes() != b"earlier"}
+    assert made == {"0000-a-fox-64x64-s0-2.png": "0", names[1]: "1", "0002-a-fox-64x64-s2-1.png": "2"}
+
+
+def test_a_part_file_a_killed_run_left_is_removed_by_the_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL gives a run no time to remove its part file: the next run writing there removes
+    those of this host whose process is gone, and no other."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = cli_images._host()
+    stale = tmp_path / f".fox.png.{host}-{int(dead.stdout)}-0123abcd.part"
+    live = tmp_path / f".fox.png.{host}-{os.getpid()}-0123abcd.part"  # a run writing now: this one
+    other = tmp_path / f".fox.png.{'0000' if host != '0000' else '0001'}-{int(dead.stdout)}-0123abcd.part"
+    old = tmp_path / ".fox.png.0123abcd.part"  # named before part files held their writer
+    for part in (stale, live, other, old):
+        part.write_bytes(b"half an image")
+    os.utime(old, (0, 0))
+    assert cli_images.sweep_stale_parts(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+    assert main(["--out", str(tmp_path / "fox.png"), *FAST]) == 0
+    assert live.exists() and other.exists()
+
+
+@pytest.mark.parametrize(("suffix", "fmt"), [(".jpg", "JPEG"), (".webp", "WEBP")])
+def test_jpeg_and_webp_files_carry_the_record(tmp_path: Path, suffix: str, fmt: str) -> None:
+    from pipelines.cli.formats import read_image_text
+
+    out = tmp_path / f"fox{suffix}"
+    assert main(["--prompt", "a fox, in snow", "--seed", "3", "--out", str(out), *FAST]) == 0
+    with Image.open(out) as im:
+        assert (im.format, im.size) == (fmt, (64, 64))
+        comment = im.getexif().get_ifd(0x8769)[0x9286]
+    text = read_image_text(str(out))
+    assert (text["prompt"], text["seed"], text["steps"]) == ("a fox, in snow", "3", "2")
+    assert comment == b"UNICODE\0" + text["parameters"].encode("utf-16-be")  # as A1111 writes it
+    folder = tmp_path / "many"
+    assert main(["--format", fmt.lower(), "--quality", "80", "--num-images", "2", "--out",
+                 str(folder), *FAST]) == 0  # fmt: skip
+    assert sorted(p.suffix for p in folder.iterdir()) == [suffix, suffix]
 
 
 def test_a_name_taken_during_the_run_is_kept_and_the_image_goes_to_a_free_name(
@@ -134,7 +193,7 @@ def test_each_written_file_is_named(tmp_path: Path, caplog: pytest.LogCaptureFix
     files = sorted(out.iterdir())
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wrote ")]
     assert said == [f"wrote {p}" for p in files] and len(files) == 2
-    assert "2 image(s) to make: 2 prompt(s) x 1 resolution(s) x batch size 1" in caplog.text
+    assert "2 image(s) to make: 2 prompt(s) x 1 resolution(s) x 1 in calls of 1" in caplog.text
     assert capsys.readouterr().out.rstrip().endswith(f"wrote 2 file(s) to {out}{os.sep}")
 
 

@@ -1,6 +1,7 @@
 """The fast PNG encoder (:mod:`pipelines.cli.png`): Pillow reads back the same pixels and text as
-from the PNG Pillow writes, every chunk but the image data is Pillow's, byte for byte, images it
-does not take are Pillow's own save, and the CLI's file and the server's bytes are the same."""
+from the PNG Pillow writes, every chunk but the image data is Pillow's, byte for byte (long values
+compressed as Pillow's ``zip=True`` writes them), text holding NUL refused, images it does not
+take are Pillow's own save, and the CLI's file and the server's bytes are the same."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ TEXT = {
     "Software": "bcg-diffusers 0.0",
     "key with spaces": "a\nmultiline\nvalue",
     "k" * 79: "the longest key PNG allows",
+    "long latin": "a red fox in the snow, golden hour; " * 60,
+    "long unicode": "狐 " * 2000,
 }
 
 
@@ -64,7 +67,7 @@ def pillow_png(image: Image.Image, text: dict[str, str]) -> bytes:
     """The PNG as the CLI wrote it before the fast path."""
     meta = PngInfo()
     for key, value in text.items():
-        meta.add_text(key, value)
+        meta.add_text(key, value, zip=len(value) > cli_png.ZIP_CHARS)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", pnginfo=meta, compress_type=zlib.Z_RLE)
     return buffer.getvalue()
@@ -137,6 +140,22 @@ def test_text_in_its_order_and_the_chunk_each_value_needs() -> None:
     kinds = [(cid, body.split(b"\0", 1)[0]) for cid, body in chunks(data) if cid in (b"tEXt", b"iTXt", b"zTXt")]
     assert kinds == [(b"tEXt", b"b"), (b"iTXt", b"a"), (b"tEXt", b"c"), (b"tEXt", b"d"), (b"iTXt", b"e")]
     assert list(decoded(data)[2].items()) == list(text.items())
+
+
+def test_a_long_value_is_compressed_and_a_200k_prompt_keeps_the_file_small() -> None:
+    prompt = "a red fox in the snow at golden hour, " * 5300  # 201,400 characters, as a user sent
+    image = Image.new("RGB", (32, 32), (10, 20, 30))
+    data = encode_png(image, {"prompt": prompt, "seed": "1"})
+    kinds = [cid for cid, _ in chunks(data) if cid in (b"tEXt", b"iTXt", b"zTXt")]
+    assert kinds == [b"zTXt", b"tEXt"]  # the long one compressed, the short one not
+    assert len(data) < 20_000 and decoded(data)[2] == {"prompt": prompt, "seed": "1"}
+    wide = encode_png(image, {"prompt": "狐" * 5000})
+    assert [cid for cid, _ in chunks(wide) if cid == b"iTXt"] and decoded(wide)[2]["prompt"] == "狐" * 5000
+
+
+def test_text_holding_nul_is_refused_not_cut() -> None:
+    with pytest.raises(ValueError, match=r"cannot hold NUL \(U\+0000\), and the field 'prompt' has one"):
+        encode_png(Image.new("RGB", (2, 2)), {"prompt": "a fox\0 in the snow"})
 
 
 def test_a_key_pillow_refuses_is_refused() -> None:

@@ -58,7 +58,7 @@ def test_what_the_flags_and_the_models_name_tell_is_refused_before_torch(tmp_pat
                  main(["--model", "Z_Image", "--frames", "5", "--out", {out!r}]),
                  main(["--model", "wan", "--frames", "6", "--out", {out!r}]),
                  main(["--model", "flux", "--fps", "8", "--out", {out!r}]),
-                 main(["--out", {str(tmp_path / "x.jpg")!r}])]
+                 main(["--out", {str(tmp_path / "x.bmp")!r}])]
         print(codes, [m for m in {HEAVY!r} if m in sys.modules])
     """)
     assert proc.stdout.strip() == "[2, 2, 2, 2, 2] []", proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -71,7 +71,8 @@ def test_what_the_flags_and_the_models_name_tell_is_refused_before_torch(tmp_pat
         "bcg-generate: error: --frames 6: WanPipeline's VAE packs 4 frames into each latent frame after the first, "
         "so a video has 4k+1 frames: use 5 or 9 (valid: 1, 5, 9, 13, 17, ...)",
         "bcg-generate: error: --fps 8 sets a video's frame rate, but flux makes images",
-        f"bcg-generate: error: --out {str(tmp_path / 'x.jpg')!r}: only PNG is written; use {out!r} (or a folder)",
+        f"bcg-generate: error: --out {str(tmp_path / 'x.bmp')!r}: images are written as PNG, JPEG or WebP; use "
+        f"{out!r} (or a folder)",
     ]
     assert list(tmp_path.iterdir()) == []
 
@@ -137,8 +138,8 @@ def test_the_parsers_constants_equal_what_they_mirror() -> None:
     from pipelines import limits
     from pipelines.cli import constants
 
-    assert (constants.MAX_SEED, constants.MAX_STEPS, constants.MEMORY_MARGIN) == (
-        limits.MAX_SEED, limits.DEFAULT_MAX_STEPS, limits.MEMORY_MARGIN)  # fmt: skip
+    assert (constants.MAX_SEED, constants.MAX_STEPS, constants.MEMORY_MARGIN, constants.MAX_GUIDANCE) == (
+        limits.MAX_SEED, limits.DEFAULT_MAX_STEPS, limits.MEMORY_MARGIN, limits.MAX_GUIDANCE)  # fmt: skip
     light = constants.accel_options()
     for name in ("MODES", "PARALLEL_MODES", "RESOLUTION_MULTIPLE", "COMPILE_CACHE_ENV"):
         assert getattr(light, name) == getattr(accel.hooks.options, name), name

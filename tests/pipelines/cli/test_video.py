@@ -135,19 +135,17 @@ def test_png_writes_the_first_frame_and_says_so_once(
     assert len(said) == 1 and said[0].startswith(f"--out {out} holds one image"), said
 
 
-def test_existing_videos_are_kept_unless_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_existing_videos_are_kept_and_the_new_one_takes_a_free_name(tmp_path: Path) -> None:
     out = tmp_path / "a.webp"
     out.write_bytes(b"made earlier")
     folder = tmp_path / "videos"
     folder.mkdir()
     (folder / "0000-a-boat-on-a-lake-64x64-s3.webp").write_bytes(b"made earlier")
-    for target in (out, folder):
-        assert main([*RUN, "--out", str(target)]) == 2
-        assert "already exists: pass --overwrite" in capsys.readouterr().err
-    assert out.read_bytes() == b"made earlier"
+    assert main([*RUN, "--frames", "1", "--steps", "1", "--out", str(out)]) == 0
+    assert out.read_bytes() == b"made earlier" and read_video_text(str(tmp_path / "a-1.webp"))["frames"] == "1"
     assert main([*RUN, "--frames", "1", "--steps", "1", "--overwrite", "--out", str(out)]) == 0
     assert read_video_text(out)["frames"] == "1"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.webp", "videos"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-1.webp", "a.webp", "videos"]
 
 
 def test_ctrl_c_while_a_video_is_written_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,8 +174,8 @@ BEFORE_BUILD = [
     ("frames not 4k+1", ["--frames", "6"], "so a video has 4k+1 frames: use 5 or 9 (valid: 1, 5, 9, 13, 17, ...)"),
     ("frames for an image model", ["--model", "z-image", "--frames", "5"], "ZImagePipeline makes images, not videos"),
     ("several videos, one file", ["--batch-size", "2", "--out", "{tmp}/a.webp"], "this run makes 2 videos"),
-    ("jpeg for a video", ["--out", "{tmp}/a.jpg"], "a video is written as .webp, .gif or .mp4"),
-    ("webp for images", ["--model", "z-image", "--out", "{tmp}/a.webp"], "only PNG is written for images"),
+    ("bmp for a video", ["--out", "{tmp}/a.bmp"], "a video is written as .webp, .gif or .mp4"),
+    ("gif for images", ["--model", "z-image", "--out", "{tmp}/a.gif"], "images are written as PNG, JPEG or WebP"),
 ]
 
 
@@ -258,8 +256,9 @@ def test_a_model_known_only_once_built(tmp_path: Path) -> None:
     plan = VideoOutput(".webp")
     assert settle_video_output(plan, VideoPipe(), None, None) is plan
     assert settle_video_output(plan, ImagePipe(), None, None) is None
-    with pytest.raises(CLIError, match="only PNG is written for images, and ImagePipe makes images"):
-        settle_video_output(plan, ImagePipe(), tmp_path / "a.webp", None)
+    with pytest.raises(CLIError, match="ImagePipe makes images, written as PNG, JPEG or WebP"):
+        settle_video_output(plan, ImagePipe(), tmp_path / "a.gif", None)
+    assert settle_video_output(plan, ImagePipe(), tmp_path / "a.webp", None) is None  # a WebP image
     with pytest.raises(CLIError, match="--fps 8 sets a video's frame rate, but ImagePipe makes images"):
         settle_video_output(plan, ImagePipe(), None, 8.0)
 
