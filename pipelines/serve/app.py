@@ -3,15 +3,18 @@
 ==========================  ================================================================
 ``POST /v1/images/generations``  OpenAI's image generation: PNG, JPEG or WebP as ``b64_json``
 ``GET /v1/models``          the model served, its sizes, adapters and limits
+``GET /v1/models/{id}``     the same entry, by its id or an alias; 404 for another model
 ``GET /health``             200 while the process lives (its phase in the body)
-``GET /ready``              200 once the warm-up is done, 503 before it and while stopping
+``GET /ready``              200 while a request would be taken now; 503 while warming up,
+                            stopping, with the queue full, or a call running past ``--timeout``
 ``GET /metrics``            Prometheus text format
 ==========================  ================================================================
 
 Every answer other than 200 is one line of JSON in OpenAI's error shape (:mod:`.errors`),
 routes not found and methods not allowed included. A 200 says what it did not honour: the
 request's ignored fields in ``X-Ignored-Parameters`` (and the log), and a prompt the text encoder
-cut in ``X-Prompt-Truncated`` (and the log, and ``prompt_truncated`` on each image).
+cut in ``X-Prompt-Truncated`` (and the log, and ``prompt_truncated`` on each image). Every
+request leaves one line in the access log (:mod:`.access`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from .access import AccessLog, fields_of
 from .engine import Generated
 from .errors import ServeError, error_body
 from .metrics import CONTENT_TYPE
@@ -90,6 +94,7 @@ def _answer(request: ImageRequest, images: list[Generated]) -> Response:
 def create_app(service: Service) -> FastAPI:
     """The application serving ``service``."""
     app = FastAPI(title="bcg-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(AccessLog)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
@@ -103,9 +108,11 @@ def create_app(service: Service) -> FastAPI:
     async def generations(request: Request) -> Response:
         arrived = time.monotonic()
         m = service.metrics
+        access = fields_of(request.scope)
         try:
             checked = parse_request(await request.body(), service.served)
-            images = await service.generate(checked, request.receive, arrived)
+            access.update(model=service.served.model, size=f"{checked.width}x{checked.height}", n=checked.n)
+            images = await service.generate(checked, request.receive, arrived, access)
         except ServeError as e:
             m.requests.labels(str(e.status)).inc()
             return _error(e)
@@ -117,16 +124,17 @@ def create_app(service: Service) -> FastAPI:
         m.request_seconds.observe(time.monotonic() - arrived)
         return _answer(checked, images)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    def model_entry() -> dict[str, Any]:
         s = service.served
         entry: dict[str, Any] = {
             "id": s.model,
             "object": "model",
             "created": int(service.started),
             "owned_by": "bcg-diffusers",
+            "aliases": list(s.aliases),
             "sizes": s.size_names,
             "max_n": s.max_n,
+            "max_steps": s.max_steps,
             "batch_sizes": list(s.batch_sizes),
             "loras": list(s.loras),
         }
@@ -134,7 +142,18 @@ def create_app(service: Service) -> FastAPI:
         if engine is not None:
             d = engine.defaults
             entry.update(steps=d.steps, guidance=d.guidance)
-        return {"object": "list", "data": [entry]}
+        return entry
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_entry()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        if not service.served.serves(model):
+            raise ServeError(404, f"the model {model!r} does not exist here; this server serves "
+                             f"{service.served.model!r}", param="model", code="model_not_found")  # fmt: skip
+        return JSONResponse(model_entry())
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -142,9 +161,11 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        if service.phase == "ready":
+        busy = service.busy()
+        if busy is None:
             return JSONResponse({"status": "ready"})
-        return JSONResponse(error_body(503, f"not ready: {service.phase}", code=service.phase), status_code=503)
+        code, why = busy
+        return JSONResponse(error_body(503, f"not ready: {why}", code=code), status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -73,13 +73,23 @@ class BatchKey:
 @dataclasses.dataclass(eq=False)
 class Work:
     """One request in the queue: its key, how many images it makes, what the engine needs to
-    make them (``plan``), and the future its route waits on."""
+    make them (``plan``), and the future its route waits on.
+
+    ``gone``: its request gave up (its time ran out, its client left) after its batch was taken:
+    the device worker makes nothing more for it, and stops a call that only it and others gone
+    still wait for. ``taken``, ``device_seconds`` and ``encode_seconds``: when the device worker
+    took it, the seconds of the calls that made its images and of encoding them (the access log's).
+    """
 
     key: BatchKey
     images: int
     plan: Any
     arrived: float = dataclasses.field(default_factory=time.monotonic)
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    gone: bool = False
+    taken: float | None = None
+    device_seconds: float = 0.0
+    encode_seconds: float = 0.0
 
 
 class Batcher:

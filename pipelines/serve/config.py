@@ -9,16 +9,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from pipelines.cli import CLIError, ModelSettings, add_model_arguments, model_settings
+from pipelines.cli.constants import MAX_STEPS
+from pipelines.cli.known_models import known_model
 from pipelines.cli.model_flags import model_epilog
 from pipelines.cli.values import resolution
 
-__all__ = ["DEFAULT_BATCH_SIZES", "PROG", "ServeConfig", "UsageError", "batch_sizes", "build_parser", "parse_args"]
+__all__ = [
+    "DEFAULT_BATCH_SIZES",
+    "PROG",
+    "ServeConfig",
+    "UsageError",
+    "batch_sizes",
+    "build_parser",
+    "parse_args",
+    "served_names",
+]
 
 PROG = "bcg-serve"
-DEFAULT_RESOLUTION = "512x512"
+# What OpenAI's clients and the tools built on them ask for when they name no size.
+DEFAULT_RESOLUTION = "1024x1024"
+# The most steps a request may ask for unless --max-steps says otherwise: above every built-in
+# model's default (9 to 50), far below the 1000 a scheduler could take, which would hold the device
+# for minutes.
+DEFAULT_MAX_STEPS = 100
 # The batch sizes captured when neither --batch-sizes nor --max-batch is given. Each bucket costs
 # warm-up time and graph memory; on the H200 four 512x512 Z-Image images in one call took 3.3x one
 # image's time (docs/serving.md), so buckets above 4 are a measured choice, not a default.
@@ -81,6 +98,35 @@ def batch_sizes(given: list[int] | None, max_batch: int | None) -> tuple[int, ..
     return (*below, max_batch)
 
 
+def _steps(text: str) -> int:
+    value = _int_at_least(1)(text)
+    if value > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_STEPS} (the schedulers' num_train_timesteps), got {value}")
+    return value
+
+
+def _model_name(text: str) -> str:
+    name = text.strip()
+    if not name or any(c.isspace() for c in name):
+        raise argparse.ArgumentTypeError(f"{text!r}: a model name is one word without spaces")
+    return name
+
+
+def served_names(model: str, given: list[str] | None) -> tuple[str, ...]:
+    """The names the model is served under, its id first: ``--served-model-name``'s, else a built-in
+    model's name and its aliases, a folder's name (its path too), a hub id (its name part too). A
+    request's ``model`` may give any of them; ``/v1/models`` lists the first."""
+    if given:
+        return tuple(dict.fromkeys(given))
+    known = known_model(model)
+    if known is not None:
+        return (known.name, *known.aliases)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return tuple(dict.fromkeys([path.resolve().name, model]))
+    return tuple(dict.fromkeys([model, model.rsplit("/", 1)[-1]]))
+
+
 def _port(text: str) -> int:
     value = _int_at_least(0)(text)
     if value > 65535:
@@ -104,7 +150,13 @@ POST /v1/images/generations takes OpenAI's JSON: prompt (required), n (1 to the 
   background, moderation and OpenAI's other fields are accepted and ignored (said in the log and
   the X-Ignored-Parameters header); and the extensions seed (image i uses seed + i; default
   random), steps, guidance, negative_prompt, lora (a --lora NAME).
-  Also: GET /v1/models, /health, /ready (200 once warmed up), /metrics (Prometheus).
+  An invalid request is a 400 in OpenAI's error shape (its client raises BadRequestError).
+POST /v1/images/edits takes OpenAI's multipart form (image, prompt, mask, n, size, ...) for a
+  model that takes an image: an edit pipeline, or the image-to-image pipeline diffusers makes from
+  a text-to-image one (the same weights and graphs; strength, an extension, 0 to 1).
+  Also: GET /v1/models, /v1/models/{id}, /health, /ready (200 while a request would be taken
+  now: warmed up, the queue not full, no call past --timeout), /metrics (Prometheus). Every
+  request leaves one access-log line (id, status, model, size, steps, queue/device/encode ms).
 
 --warmup: the sizes captured before the server is ready (default: --resolutions; 'none': none),
   each at every --batch-sizes bucket, with and without guidance where the model has it. Where
@@ -115,16 +167,25 @@ POST /v1/images/generations takes OpenAI's JSON: prompt (required), n (1 to the 
   runs at the smallest bucket of at least k; the rows added to reach it repeat the last image and
   are dropped. --max-batch N alone means the buckets 1 2 4 ... below N, and N.
 
+--timeout: a request not answered in time is a 504; a pipeline call whose requests have all
+  given up (timed out, or their clients left) stops at the end of its current step, so the
+  requests behind it wait one step, not the whole call.
+
 One server owns one device: for several GPUs, start one server per GPU (--device cuda:N, --port)
 behind your load balancer. SIGTERM stops accepting, finishes the running batch, answers the
-waiting requests 503 and exits 0.
+waiting requests 503 and exits 0. It serves images: a video model is refused at start.
 exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 interrupted.""",
     )
-    add_model_arguments(p, named_loras=True)
+    add_model_arguments(p, named_loras=True, parallel=False)
     s = p.add_argument_group("server")
     s.add_argument("--resolutions", type=resolution, nargs="+", default=None, metavar="WxH",
                    help=f"the sizes served, WIDTHxHEIGHT; the first is a request's default (default "
-                   f"{DEFAULT_RESOLUTION})")  # fmt: skip
+                   f"{DEFAULT_RESOLUTION}, what OpenAI's clients ask for)")  # fmt: skip
+    s.add_argument("--served-model-name", type=_model_name, nargs="+", default=None, metavar="NAME",
+                   help="the model's id in /v1/models and answers, then other names a request's model may give "
+                   "(default: a built-in model's name and aliases, a folder's name, a hub id)")  # fmt: skip
+    s.add_argument("--max-steps", type=_steps, default=DEFAULT_MAX_STEPS, metavar="N",
+                   help=f"the most steps a request may ask for (default {DEFAULT_MAX_STEPS}; up to {MAX_STEPS})")  # fmt: skip
     s.add_argument("--batch-sizes", type=_int_at_least(1), nargs="+", default=None, metavar="N",
                    help="the batch sizes captured and run; the largest is the most images per call and per request "
                    f"(n) (default {' '.join(map(str, DEFAULT_BATCH_SIZES))}; 1: no batching)")  # fmt: skip
@@ -179,6 +240,8 @@ class ServeConfig:
     quiet: bool = False
     capture_on_miss: bool = False
     memory_budget: int | None = None
+    names: tuple[str, ...] = ()
+    max_steps: int = DEFAULT_MAX_STEPS
 
     @property
     def max_batch(self) -> int:
@@ -193,9 +256,10 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
         settings = model_settings(args)
     except CLIError as e:
         raise UsageError(str(e)) from None
-    if settings.parallel is not None:
-        raise UsageError(f"--parallel {settings.parallel} computes each image on several processes; bcg-serve "
-                         "serves from one device: start one server per GPU instead")  # fmt: skip
+    known = known_model(settings.model)
+    if known is not None and known.video:
+        raise UsageError(f"--model {settings.model} makes videos and bcg-serve serves images (OpenAI's images API): "
+                         "use bcg-generate for videos")  # fmt: skip
     names = [spec.name for spec in settings.loras]
     if None in names:
         raise UsageError("--lora takes NAME=FILE[:SCALE] here: a request picks its adapter by that name")
@@ -207,4 +271,5 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     return ServeConfig(settings=settings, resolutions=sizes, batch_sizes=batch_sizes(args.batch_sizes, args.max_batch),
                        max_wait=args.max_wait_ms / 1000, queue=args.queue, timeout=args.timeout, host=args.host,
                        port=args.port, quiet=args.quiet, capture_on_miss=args.capture_on_miss,
-                       memory_budget=args.memory_budget)  # fmt: skip
+                       memory_budget=args.memory_budget, names=served_names(settings.model, args.served_model_name),
+                       max_steps=args.max_steps)  # fmt: skip

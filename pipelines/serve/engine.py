@@ -26,10 +26,10 @@ import copy
 import dataclasses
 import logging
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from pipelines.cli import CallSettings, Job, PreparedPipeline, RunError, call_settings, run_text
+from pipelines.cli import CallSettings, Job, PreparedPipeline, RunError, StepWatch, call_settings, run_text
 from pipelines.cli.calls import generate_images, graph_replays, mode_ran, nan_hint
 from pipelines.cli.images import image_texts, quantized
 from pipelines.cli.prompts import TokenCount, count_tokens
@@ -217,7 +217,7 @@ class Engine:
 
     def plan(self, request: ImageRequest) -> Plan:
         """Resolve ``request``'s defaults (a request without a seed gets a random one);
-        :class:`ServeError` 422 where the model refuses a value."""
+        :class:`ServeError` 400 where the model refuses a value."""
         from pipelines import limits
 
         p = self.prepared
@@ -227,7 +227,9 @@ class Engine:
         try:
             limits.check_steps(call.steps, self._scheduler_config)
         except limits.LimitError as e:
-            raise ServeError(422, f"steps: {e}", param="steps", code="invalid_value") from None
+            raise ServeError(
+                400, str(e).replace("--steps ", "steps ", 1), param="steps", code="invalid_value"
+            ) from None
         first = request.seed if request.seed is not None else secrets.randbelow(MAX_SEED - request.n + 2)
         w, h = request.width, request.height
         text = self._text_cases(request.prompt, w, h)
@@ -259,9 +261,11 @@ class Engine:
         counted = [stats[name] for name in accel.recipes if name in stats]
         return sum(s.replays for s in counted), sum(s.eager_calls for s in counted)
 
-    def make(self, plans: Sequence[Plan]) -> list[list[Made]]:
+    def make(self, plans: Sequence[Plan], stop: Callable[[], bool] | None = None) -> list[list[Made]]:
         """One pipeline call for ``plans`` (one :class:`BatchKey`), at their bucket; per plan, its
-        images, not yet encoded (the worker leaves that to the service's encoding threads)."""
+        images, not yet encoded (the worker leaves that to the service's encoding threads).
+        ``stop``: asked at the end of every denoising step; once true, the call ends there
+        (:class:`~pipelines.cli.CallStopped`), where the pipeline takes a step callback."""
         import torch
 
         first, p = plans[0], self.prepared
@@ -287,7 +291,9 @@ class Engine:
         self.adapters.select(key.lora)
         before = graph_replays(self.pipe) if p.accelerated else None
         try:
-            images = generate_images(self.pipe, kwargs, job, nan_hint(p.settings.dtype, r.guidance), p.cache)
+            hint = nan_hint(p.settings.dtype, r.guidance, "guidance")
+            watch = StepWatch(stop=stop) if stop is not None else None
+            images = generate_images(self.pipe, kwargs, job, hint, p.cache, watch)
         except RunError as e:  # the CLI's out-of-memory line keeps the error it replaced as its context
             if isinstance(e.__context__, torch.OutOfMemoryError):
                 if self.device.type == "cuda":
@@ -303,7 +309,7 @@ class Engine:
             n = len(q.seeds)
             mine = Job(q.request.prompt, r.width, r.height, tuple(range(n)), q.seeds)
             common = run_text(p.settings.model, self.device, p.dtype, q.call, p.cache, self.adapters.specs(key.lora),
-                              quantized(self.pipe))  # fmt: skip
+                              quantized(self.pipe), p.scheduler_name)  # fmt: skip
             tokens = self._tokens(q)
             texts = image_texts(mine, common, ran, p.settings.mode, tokens)
             fmt, compression = q.request.output_format, q.request.output_compression

@@ -99,9 +99,10 @@ def serve(config: ServeConfig, start: Callable[[], Any], sock: socket.socket | N
     prometheus_client.disable_created_metrics()  # a *_created series per counter is noise here
     sock = sock if sock is not None else _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
-    served = Served(model=config.settings.model, sizes=config.resolutions, max_n=config.max_batch,
-                    loras=tuple(spec.name or "" for spec in config.settings.loras),
-                    batch_sizes=config.batch_sizes)  # fmt: skip
+    names = config.names or (config.settings.model,)
+    served = Served(model=names[0], aliases=names[1:], sizes=config.resolutions, max_n=config.max_batch,
+                    loras=tuple(spec.name or "" for spec in config.settings.loras), batch_sizes=config.batch_sizes,
+                    max_steps=config.max_steps)  # fmt: skip
     service = Service(served, Batcher(config.queue, config.max_batch, config.max_wait), start, config.timeout)
     uv = uvicorn.Config(create_app(service), log_config=None, access_log=False, lifespan="off",
                         timeout_graceful_shutdown=int(config.timeout) + 1)  # fmt: skip

@@ -2,7 +2,8 @@
 
 Counters: requests by answer status, images generated, requests dropped before they ran (by
 reason), pipeline calls by what ran (``graphs`` where a denoiser graph replayed, ``eager`` where
-none did, ``failed``, ``out_of_memory``: made again in smaller calls), denoiser forwards by kind
+none did, ``failed``, ``out_of_memory``: made again in smaller calls, ``stopped``: at a step's end,
+every request it was for gone), denoiser forwards by kind
 (``replay``, ``eager``, from the accelerator's counters), and the rows a call ran beyond its
 images to reach its bucket (padded). Histograms: images and requests per pipeline call (the
 batching), the bucket each call ran at, seconds per request (arrival to answer), in the queue
@@ -44,10 +45,13 @@ class Metrics:
         self.images = Counter(
             "bcg_serve_images", "Images generated (a request dropped while its batch ran counts too)", registry=r
         )
-        self.dropped = Counter("bcg_serve_dropped", "Requests dropped before their images were computed, by "
-                               "reason (disconnected, timeout, shutdown)", ["reason"], registry=r)  # fmt: skip
+        self.dropped = Counter("bcg_serve_dropped", "Requests that gave up before their images were made, by "
+                               "reason: disconnected, timeout (still queued: never computed), disconnected_running, "
+                               "timeout_running (their batch had begun: nothing more made for them), shutdown",
+                               ["reason"], registry=r)  # fmt: skip
         self.pipeline_calls = Counter("bcg_serve_pipeline_calls", "Pipeline calls, by what ran: graphs (a denoiser "
-                                      "graph replayed), eager, failed, out_of_memory (made again smaller)", ["ran"],
+                                      "graph replayed), eager, failed, out_of_memory (made again smaller), stopped "
+                                      "(at a step's end: every request it was for had given up)", ["ran"],
                                       registry=r)  # fmt: skip
         self.denoiser_calls = Counter("bcg_serve_denoiser_calls", "Denoiser forwards by kind: replay (a CUDA graph) "
                                       "or eager", ["kind"], registry=r)  # fmt: skip
@@ -80,11 +84,11 @@ class Metrics:
         self.queue_depth = Gauge("bcg_serve_queue_depth", "Requests waiting for the device", registry=r)
         self.queue_depth.set_function(lambda: float(depth()))
         self.ready = Gauge("bcg_serve_ready", "1 once the warm-up is done and until the server stops", registry=r)
-        for status in ("200", "400", "422", "429", "500", "503", "504"):
+        for status in ("200", "400", "404", "413", "429", "499", "500", "503", "504"):
             self.requests.labels(status)  # present at 0, so a scrape sees the whole set from the start
-        for reason in ("disconnected", "timeout", "shutdown"):
+        for reason in ("disconnected", "timeout", "disconnected_running", "timeout_running", "shutdown"):
             self.dropped.labels(reason)
-        for ran in ("graphs", "eager", "failed", "out_of_memory"):
+        for ran in ("graphs", "eager", "failed", "out_of_memory", "stopped"):
             self.pipeline_calls.labels(ran)
         for kind in ("replay", "eager"):
             self.denoiser_calls.labels(kind)

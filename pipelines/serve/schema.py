@@ -6,10 +6,11 @@ default), ``response_format`` (``b64_json``), ``model``, ``output_format`` (png,
 ``output_compression`` (jpeg and webp). Accepted and ignored (:data:`IGNORED`): what a diffusion
 model here has no setting for (``quality``, ``style``, ``background``, ``moderation``, ...); the
 request lists them (``ignored``), and the route says so in the log and the
-``X-Ignored-Parameters`` header. ``stream: true`` is a 422 (no streaming). A body that is not
-UTF-8, not JSON or not an object is a 400; a field of the wrong type, out of range, or naming
-what this server does not serve (a size, an adapter, a model, a format) is a 422. Either way the
-answer is one line naming the field, and nothing reaches the queue.
+``X-Ignored-Parameters`` header. ``stream: true`` is refused (no streaming). A body that is not
+UTF-8, not JSON or not an object, a field of the wrong type, out of range, or naming what this
+server does not serve (a size, an adapter, a model, a format) is a 400, as OpenAI answers an
+invalid request (its client raises ``BadRequestError``): one line naming the field, and nothing
+reaches the queue.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 # The CLI's limits: torch.Generator.manual_seed's range (image i of a request uses seed + i), and
 # the built-in schedulers' num_train_timesteps (the engine checks the model's own).
-from pipelines.cli.constants import MAX_SEED, MAX_STEPS
+from pipelines.cli.constants import MAX_GUIDANCE, MAX_SEED, MAX_STEPS
 
 from .errors import ServeError
 
 __all__ = [
     "IGNORED",
     "MAX_BODY_BYTES",
+    "MAX_GUIDANCE",
     "MAX_PROMPT_CHARS",
     "MAX_SEED",
     "MAX_STEPS",
@@ -65,10 +67,13 @@ FORMATS = ("png", "jpeg", "webp")
 class Served:
     """What this server serves, which a request is checked against.
 
-    ``sizes``: ``(width, height)`` pairs, the first the default; ``max_n``: images per request
-    (the largest batch size); ``loras``: adapter names loaded at start; ``cold``: sizes of
-    ``--resolutions`` that the warm-up did not capture and are not served (no
-    ``--capture-on-miss``); ``batch_sizes``: the buckets.
+    ``model``: the id the model is listed and answered under; ``aliases``: other names a request
+    may give it by (``--served-model-name``'s others, the name as ``--model`` gave it); ``sizes``:
+    ``(width, height)`` pairs, the first the default; ``max_n``: images per request (the largest
+    batch size); ``loras``: adapter names loaded at start; ``cold``: sizes of ``--resolutions``
+    that the warm-up did not capture and are not served (no ``--capture-on-miss``);
+    ``batch_sizes``: the buckets; ``max_steps``: the most steps a request may ask for
+    (``--max-steps``).
     """
 
     model: str
@@ -77,10 +82,16 @@ class Served:
     loras: tuple[str, ...] = ()
     cold: tuple[tuple[int, int], ...] = ()
     batch_sizes: tuple[int, ...] = ()
+    aliases: tuple[str, ...] = ()
+    max_steps: int = MAX_STEPS
 
     @property
     def size_names(self) -> list[str]:
         return [f"{w}x{h}" for w, h in self.sizes]
+
+    def serves(self, model: str) -> bool:
+        """Whether a request naming ``model`` asks for this server's model."""
+        return model == self.model or model in self.aliases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,16 +161,20 @@ def _decode(body: bytes) -> object:
 
 def _text(name: str, value: str) -> str:
     """``value`` if it is valid Unicode text of at most :data:`MAX_PROMPT_CHARS` characters; JSON
-    can escape lone surrogates (``"\\ud800"``), which no tokenizer takes and no PNG text chunk
-    can hold."""
+    can escape lone surrogates (``"\\ud800"``) and NUL (``"\\u0000"``), which no tokenizer takes
+    and no PNG text chunk can hold."""
     if len(value) > MAX_PROMPT_CHARS:
-        raise ServeError(422, f"{name} is {len(value)} characters; at most {MAX_PROMPT_CHARS} (the text encoder "
+        raise ServeError(400, f"{name} is {len(value)} characters; at most {MAX_PROMPT_CHARS} (the text encoder "
                          "reads 512 tokens)", param=name, code="text_too_long")  # fmt: skip
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ServeError(422, f"{name} is not valid UTF-8 text (U+{ord(value[e.start]):04X} at character {e.start})",
+        raise ServeError(400, f"{name} is not valid UTF-8 text (U+{ord(value[e.start]):04X} at character {e.start})",
                          param=name, code="invalid_text") from None  # fmt: skip
+    nul = value.find("\0")
+    if nul >= 0:  # no tokenizer means it, and the image's record (PNG text) cannot hold it
+        raise ServeError(400, f"{name} holds a NUL character (U+0000) at character {nul}", param=name,
+                         code="invalid_text")  # fmt: skip
     return value
 
 
@@ -169,12 +184,12 @@ def _size(text: str | None, served: Served) -> tuple[int, int]:
     parts = text.lower().split("x")
     size = tuple(int(p) for p in parts) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
     if size in served.cold:
-        raise ServeError(422, f"size {text!r} was not warmed up (served: {', '.join(served.size_names)}; "
+        raise ServeError(400, f"size {text!r} was not warmed up (served: {', '.join(served.size_names)}; "
                          "bcg-serve --capture-on-miss serves it by capturing its first call)", param="size",
                          code="size_not_warm")  # fmt: skip
     if size not in served.sizes:
         what = "is not served" if size is not None else "is not WIDTHxHEIGHT"
-        raise ServeError(422, f"size {text!r} {what} (served: {', '.join(served.size_names)})",
+        raise ServeError(400, f"size {text!r} {what} (served: {', '.join(served.size_names)})",
                          param="size", code="unknown_size")  # fmt: skip
     return size  # type: ignore[return-value]
 
@@ -183,11 +198,11 @@ def _format(b: _Body) -> tuple[str, int | None, list[str]]:
     """The output format, its compression, and what of them is ignored."""
     fmt = b.output_format or "png"
     if fmt not in FORMATS:
-        raise ServeError(422, f"output_format {fmt!r} is not served: one of {', '.join(FORMATS)}",
+        raise ServeError(400, f"output_format {fmt!r} is not served: one of {', '.join(FORMATS)}",
                          param="output_format", code="unsupported_output_format")  # fmt: skip
     compression = b.output_compression
     if compression is not None and not 0 <= compression <= 100:
-        raise ServeError(422, f"output_compression must be 0 to 100, got {compression}", param="output_compression",
+        raise ServeError(400, f"output_compression must be 0 to 100, got {compression}", param="output_compression",
                          code="invalid_value")  # fmt: skip
     if compression is not None and fmt == "png":  # OpenAI's too: PNG is lossless, its compression no choice here
         return fmt, None, ["output_compression"]
@@ -195,7 +210,7 @@ def _format(b: _Body) -> tuple[str, int | None, list[str]]:
 
 
 def parse_request(body: bytes, served: Served) -> ImageRequest:
-    """The raw body -> an :class:`ImageRequest`, or :class:`ServeError` (400, 413 or 422)."""
+    """The raw body -> an :class:`ImageRequest`, or :class:`ServeError` (400 or 413)."""
     data = _decode(body)
     if not isinstance(data, dict):
         raise ServeError(400, f"the body must be a JSON object, not {type(data).__name__}", code="invalid_body")
@@ -205,37 +220,40 @@ def parse_request(body: bytes, served: Served) -> ImageRequest:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise ServeError(422, f"{param}: {first['msg']}{more}", param=param, code="invalid_value") from None
+        raise ServeError(400, f"{param}: {first['msg']}{more}", param=param, code="invalid_value") from None
     prompt = _text("prompt", b.prompt)
     if not prompt.strip():
-        raise ServeError(422, "prompt is empty", param="prompt", code="empty_prompt")
+        raise ServeError(400, "prompt is empty", param="prompt", code="empty_prompt")
     if not 1 <= b.n <= served.max_n:
-        raise ServeError(422, f"n must be 1 to {served.max_n} (this server's largest batch size), got {b.n}",
+        raise ServeError(400, f"n must be 1 to {served.max_n} (this server's largest batch size), got {b.n}",
                          param="n", code="n_out_of_range")  # fmt: skip
     width, height = _size(b.size, served)
     if b.stream:
-        raise ServeError(422, "stream is not served: the images come in one answer", param="stream",
+        raise ServeError(400, "stream is not served: the images come in one answer", param="stream",
                          code="unsupported_stream")  # fmt: skip
     fmt, compression, ignored = _format(b)
     ignored = [name for name in IGNORED if getattr(b, name) is not None] + ignored
     if b.response_format != "b64_json":
-        raise ServeError(422, f"response_format {b.response_format!r} is not served: only 'b64_json' (no image "
+        raise ServeError(400, f"response_format {b.response_format!r} is not served: only 'b64_json' (no image "
                          "store to link to)", param="response_format", code="unsupported_response_format")  # fmt: skip
-    if b.model is not None and b.model != served.model:
-        raise ServeError(422, f"model {b.model!r} is not served; this server serves {served.model!r}",
-                         param="model", code="unknown_model")  # fmt: skip
+    if b.model is not None and not served.serves(b.model):
+        names = ", ".join(repr(n) for n in (served.model, *served.aliases))
+        raise ServeError(400, f"model {b.model!r} is not served; this server serves {names} (bcg-serve "
+                         "--served-model-name names it)", param="model", code="model_not_found")  # fmt: skip
     if b.seed is not None and not 0 <= b.seed <= MAX_SEED - (b.n - 1):
-        raise ServeError(422, f"seed must be 0 to {MAX_SEED - (b.n - 1)} (image i uses seed + i), got {b.seed}",
+        raise ServeError(400, f"seed must be 0 to {MAX_SEED - (b.n - 1)} (image i uses seed + i), got {b.seed}",
                          param="seed", code="invalid_value")  # fmt: skip
-    if b.steps is not None and not 1 <= b.steps <= MAX_STEPS:
-        raise ServeError(422, f"steps must be 1 to {MAX_STEPS}, got {b.steps}", param="steps", code="invalid_value")
-    if b.guidance is not None and not (math.isfinite(b.guidance) and b.guidance >= 0):
-        raise ServeError(422, f"guidance must be a finite number, 0 or more, got {b.guidance}",
+    if b.steps is not None and not 1 <= b.steps <= served.max_steps:
+        most = "" if served.max_steps == MAX_STEPS else " (this server's --max-steps)"
+        raise ServeError(400, f"steps must be 1 to {served.max_steps}{most}, got {b.steps}", param="steps",
+                         code="invalid_value")  # fmt: skip
+    if b.guidance is not None and not (math.isfinite(b.guidance) and 0 <= b.guidance <= MAX_GUIDANCE):
+        raise ServeError(400, f"guidance must be a number from 0 to {MAX_GUIDANCE:g}, got {b.guidance:g}",
                          param="guidance", code="invalid_value")  # fmt: skip
     negative = _text("negative_prompt", b.negative_prompt) if b.negative_prompt is not None else None
     if b.lora is not None and b.lora not in served.loras:
         known = ", ".join(served.loras) if served.loras else "none are loaded (bcg-serve --lora NAME=FILE)"
-        raise ServeError(422, f"lora {b.lora!r} is not loaded (loaded: {known})", param="lora", code="unknown_adapter")
+        raise ServeError(400, f"lora {b.lora!r} is not loaded (loaded: {known})", param="lora", code="unknown_adapter")
     return ImageRequest(prompt=prompt, n=b.n, width=width, height=height, seed=b.seed, steps=b.steps,
                         guidance=b.guidance, negative_prompt=negative, lora=b.lora, output_format=fmt,
                         output_compression=compression, ignored=tuple(ignored))  # fmt: skip

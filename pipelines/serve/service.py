@@ -2,8 +2,9 @@
 
 A generation request is planned by the engine, queued, and waited on until the first of: its
 images, its client leaving, or ``timeout`` seconds since it arrived. A request that gives up
-while still queued is taken out and never computed; one whose batch already runs is left to
-finish and its images are thrown away. The device worker hands on images, not files: a request's
+while still queued is taken out and never computed; one whose batch already runs is marked gone:
+the device worker makes nothing more for it, and a call that only gone requests wait for stops at
+its next step's end. The device worker hands on images, not files: a request's
 files are encoded here, on a thread of the service's encoding pool that the hand-over itself sets
 going (not through the event loop), while the device makes the next call.
 
@@ -109,6 +110,25 @@ class Service:
         self.metrics.dropped.labels("shutdown").inc(len(waiting))
         logger.info("stopping: %d waiting request(s) answered 503; the running batch finishes", len(waiting))
 
+    def busy(self) -> tuple[str, str] | None:
+        """Why a request would not be taken now, as (code, reason); None when it would: ready, its
+        device worker alive, room in the queue, and no pipeline call running past ``timeout``
+        (one that cannot be stopped at a step: a pipeline without a step callback, or one step
+        longer than the timeout)."""
+        if self.phase != "ready":
+            return self.phase, self.phase
+        if not self.worker.is_alive():
+            return "worker_stopped", "the device worker has stopped"
+        if self.batcher.depth >= self.batcher.max_queue:
+            return "queue_full", f"the queue is full ({self.batcher.max_queue} requests waiting)"
+        started = self.worker.call_started
+        if started is not None and time.monotonic() - started > self.timeout:
+            return (
+                "busy",
+                f"a pipeline call has run {time.monotonic() - started:.0f} s, past --timeout {self.timeout:g}",
+            )
+        return None
+
     def retry_after(self) -> int:
         """Seconds a client told 429 should wait: about what the queue ahead needs."""
         mean = self.metrics.mean_batch_seconds
@@ -121,14 +141,19 @@ class Service:
                               headers={"Retry-After": "5"})  # fmt: skip
         return ServeError(503, "the server is stopping", code="shutting_down")
 
-    async def generate(self, request: ImageRequest, receive: Receive, arrived: float) -> list[Generated]:
-        """The images of ``request``, or :class:`ServeError` (422, 429, 500, 503, 504, or 499 for
+    async def generate(self, request: ImageRequest, receive: Receive, arrived: float,
+                       access: dict[str, Any] | None = None) -> list[Generated]:  # fmt: skip
+        """The images of ``request``, or :class:`ServeError` (400, 429, 500, 503, 504, or 499 for
         a client that left). ``receive`` is the ASGI receive of the request, its body read;
-        ``arrived`` its ``time.monotonic()`` arrival."""
+        ``arrived`` its ``time.monotonic()`` arrival. ``access``: the request's access-log fields,
+        given its steps and, however it ends, its seconds in the queue, on the device and encoding."""
         if self.phase != "ready":
             raise self._unavailable()
         plan = self.engine.plan(request)
         work = Work(plan.key, request.n, plan, arrived=arrived)
+        if access is not None:
+            access["steps"] = plan.call.steps
+            access["work"] = work
         try:
             self.batcher.submit(work)
         except QueueFull:
@@ -153,8 +178,11 @@ class Service:
             except Closed:
                 raise self._unavailable() from None
         reason = "disconnected" if gone in done else "timeout"
+        work.gone = True  # before the cancel: a batch that takes it meanwhile makes nothing for it
         if self.batcher.cancel(work):
             self.metrics.dropped.labels(reason).inc()
+        else:
+            self.metrics.dropped.labels(f"{reason}_running").inc()
         encoded.cancel()  # its images, if its batch runs already, are not encoded
         if reason == "disconnected":
             raise ServeError(499, "the client closed the connection", code="client_closed")
@@ -177,8 +205,11 @@ class Service:
         def encode(made: list[Made]) -> None:
             if not encoded.set_running_or_notify_cancel():
                 return  # the request gave up before its turn came
+            t0 = time.monotonic()
             try:
-                encoded.set_result(encode_timed(made, seconds))
+                files = encode_timed(made, seconds)
+                work.encode_seconds = time.monotonic() - t0
+                encoded.set_result(files)
             except BaseException as e:  # told to the route, which answers 500
                 encoded.set_exception(e)
 

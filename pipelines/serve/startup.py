@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.cli import ModelSettings
+from pipelines.cli import CLIError, ModelSettings
 
 from .admission import Admission
 from .config import ServeConfig
@@ -93,6 +93,9 @@ def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine
         # admission's to check, with the server's flags in its message.
         workload = Workload(resolutions=config.resolutions, batch_size=1, prompts=(DEFAULT_PROMPT,))
         prepared = prepare_pipeline(settings, workload, device, dtype, progress=False)
+        if prepared.call.video:  # a folder or hub model, known to make videos only now
+            raise CLIError(f"--model {settings.model}: {type(prepared.pipe).__name__} makes videos and bcg-serve "
+                           "serves images (OpenAI's images API): use bcg-generate for videos")  # fmt: skip
         engine = Engine(prepared, config.batch_sizes)
         sizes = config.resolutions if config.settings.warmup is None else config.settings.warmup
         graphs = prepared.accelerated and settings.mode == "bcg" and bool(sizes)

@@ -11,29 +11,41 @@ that runs out of memory fails. A call that fails fails its batch's requests only
 gets a :class:`BatchFailed` with the cause in one line) and the worker goes on with the next
 batch. Pipelines are not thread-safe, so nothing else calls them; the library serialises calls
 per scheduler anyway.
+
+A request that gives up while its batch runs (its ``--timeout`` passed, its client left) is marked
+``gone``: nothing more is made for it, and a call whose requests are all gone stops at the end of
+its current denoising step (diffusers' ``callback_on_step_end``; :class:`~pipelines.cli.StepWatch`),
+so the device is free for the requests behind it within one step, not one whole call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from pipelines.cli import CallStopped
+
 from .admission import OutOfMemory, split
 from .batcher import Batcher, Work
 from .errors import one_line
 from .metrics import Metrics
 
-__all__ = ["BatchFailed", "DeviceWorker"]
+__all__ = ["BatchFailed", "DeviceWorker", "RequestGone"]
 
 logger = logging.getLogger("bcg-serve")
 
 
 class BatchFailed(Exception):
     """The pipeline call that computed this request failed (answered 500)."""
+
+
+class RequestGone(Exception):
+    """The request gave up before its images were made: nothing was made for it (it was answered already)."""
 
 
 class DeviceWorker(threading.Thread):
@@ -62,6 +74,8 @@ class DeviceWorker(threading.Thread):
         self.engine: Any = None
         self.batches = 0
         self.admission_wait = admission_wait
+        # time.monotonic() when the pipeline call under way began (None: none is): /ready reads it.
+        self.call_started: float | None = None
         self._poll = 0.05  # seconds between looks at the memory while a batch waits for it
 
     def run(self) -> None:
@@ -80,13 +94,14 @@ class DeviceWorker(threading.Thread):
         m = self.metrics
         t0 = time.monotonic()
         for w in batch:
+            w.taken = t0
             m.queue_seconds.observe(t0 - w.arrived)
-        images = sum(w.images for w in batch)
         results: list[list[Any]] = [[] for _ in batch]
         device = [0.0] * len(batch)  # seconds of the pipeline calls that made each request's images
         try:
             self._compute(batch, results, device)
         except Exception as e:  # one batch's failure is that batch's alone
+            images = sum(w.images for w in batch)
             m.pipeline_calls.labels("failed").inc()
             # The CLI's errors are told for users already (out of memory, NaN pixels, a refused call).
             told = one_line(e) if getattr(e, "status", None) == 1 else f"{type(e).__name__}: {one_line(e)}"
@@ -97,29 +112,41 @@ class DeviceWorker(threading.Thread):
             return
         finally:
             m.observe_batch(time.monotonic() - t0)
-            for seconds in device:
+            for w, seconds in zip(batch, device):
+                w.device_seconds = seconds
                 m.device_seconds.observe(seconds)
             self.batches += 1
-        m.images.inc(images)
-        m.batch_images.observe(images)
-        m.batch_requests.observe(len(batch))
+        made = [w for w, result in zip(batch, results) if len(result) == w.images]
+        if made:
+            m.images.inc(sum(w.images for w in made))
+            m.batch_images.observe(sum(w.images for w in made))
+            m.batch_requests.observe(len(made))
         for w, result in zip(batch, results):
-            w.future.set_result(result)
+            if len(result) == w.images:
+                w.future.set_result(result)
+            else:  # gone before all its images were made: what was made is dropped
+                w.future.set_exception(RequestGone())
 
     def _compute(self, batch: list[Work], results: list[list[Any]], device: list[float]) -> None:
         """Every image of ``batch`` into ``results``, in calls of what the admission admits now:
         one call if it all fits; after an out-of-memory call, the images it had again, smaller.
         Each call's seconds are added to ``device`` for every request it had images of."""
         done = [0] * len(batch)  # images of each request made so far
-        while any(d < w.images for d, w in zip(done, batch)):
-            left = [(i, d) for i, (d, w) in enumerate(zip(done, batch)) if d < w.images]
-            limit = self._admitted(batch[0])
+        while left := [(i, d) for i, (d, w) in enumerate(zip(done, batch)) if d < w.images and not w.gone]:
+            limit = self._admitted(batch[left[0][0]])
             call = split([batch[i].images - d for i, d in left], limit)[0]
             parts = [(left[p.index][0], left[p.index][1] + p.start, left[p.index][1] + p.stop) for p in call]
             plans = [_part(batch[i].plan, start, stop) for i, start, stop in parts]
+            waiting = [batch[i] for i in {i for i, _, _ in parts}]
             t0 = time.monotonic()
             try:
-                made = self._call(plans)
+                made = self._call(plans, functools.partial(_all_gone, waiting))
+            except CallStopped as e:
+                self.metrics.pipeline_calls.labels("stopped").inc()
+                key = batch[left[0][0]].key
+                logger.info("a call of %d image(s) at %dx%d stopped after step %d of %d: its request(s) gave up",
+                            sum(len(p.seeds) for p in plans), key.width, key.height, e.step, key.steps)  # fmt: skip
+                continue
             except OutOfMemory as e:
                 admission = getattr(self.engine, "admission", None)
                 if admission is None or e.bucket <= admission.batch_sizes[0]:
@@ -135,13 +162,17 @@ class DeviceWorker(threading.Thread):
                 results[i].extend(images)
                 done[i] = stop
 
-    def _call(self, plans: list[Any]) -> list[list[Any]]:
-        """One pipeline call, counted: what ran, its bucket and padding, its seconds per image."""
+    def _call(self, plans: list[Any], stop: Callable[[], bool]) -> list[list[Any]]:
+        """One pipeline call, counted: what ran, its bucket and padding, its seconds per image.
+        ``stop``: whether every request the call is for has given up (asked after each step)."""
         m, engine = self.metrics, self.engine
         images = sum(len(p.seeds) for p in plans)
         before = engine.denoiser_counts()
-        t0 = time.monotonic()
-        out = engine.make(plans)  # encoded on the service's encoding threads: the device goes on
+        t0 = self.call_started = time.monotonic()
+        try:
+            out = engine.make(plans, stop)  # encoded on the service's encoding threads: the device goes on
+        finally:
+            self.call_started = None
         seconds = time.monotonic() - t0
         after = engine.denoiser_counts()
         replays, eager = after[0] - before[0], after[1] - before[1]
@@ -172,6 +203,10 @@ class DeviceWorker(threading.Thread):
                                   f"{self.admission_wait:g} s")  # fmt: skip
             time.sleep(self._poll)
         return min(limit, self.batcher.max_batch)
+
+
+def _all_gone(works: list[Work]) -> bool:
+    return all(w.gone for w in works)
 
 
 def _part(plan: Any, start: int, stop: int) -> Any:

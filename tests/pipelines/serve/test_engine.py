@@ -6,6 +6,8 @@ batch only while the worker goes on."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -18,7 +20,7 @@ from pipelines.serve.engine import Engine, Plan
 from pipelines.serve.errors import ServeError
 from pipelines.serve.metrics import Metrics
 from pipelines.serve.schema import ImageRequest
-from pipelines.serve.worker import BatchFailed, DeviceWorker
+from pipelines.serve.worker import BatchFailed, DeviceWorker, RequestGone
 from tests.pipelines.serve.server import decode
 
 
@@ -104,14 +106,14 @@ def test_non_finite_pixels_are_an_error_not_an_image() -> None:
         engine(pipe).run([engine(pipe).plan(request("a"))])
 
 
-def test_steps_the_scheduler_refuses_are_a_422() -> None:
+def test_steps_the_scheduler_refuses_are_a_400() -> None:
     class WithScheduler(FakePipeline):
         scheduler = type("S", (), {"config": {"num_train_timesteps": 10}})()
 
     e = engine(WithScheduler())
     with pytest.raises(ServeError) as err:
         e.plan(request("a", steps=11))
-    assert (err.value.status, err.value.param) == (422, "steps")
+    assert (err.value.status, err.value.param) == (400, "steps")
 
 
 def test_a_failed_call_fails_its_batch_only_and_the_worker_goes_on() -> None:
@@ -139,6 +141,60 @@ def test_a_failed_call_fails_its_batch_only_and_the_worker_goes_on() -> None:
     assert samples["bcg_serve_pipeline_calls_total{'ran': 'failed'}"] == 1
     assert samples["bcg_serve_pipeline_calls_total{'ran': 'eager'}"] == 1
     assert samples["bcg_serve_images_total{}"] == 2
+
+
+class SteppingPipeline(FakePipeline):
+    """A fake whose call runs its steps, each ending in ``callback_on_step_end`` as diffusers' do;
+    the steps of every call are counted, and ``maybe_free_model_hooks`` (a pipeline's end) too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps_run: list[int] = []
+        self.freed = 0
+        self.started = threading.Event()
+
+    def __call__(self, prompt: list[str], height: int, width: int, num_inference_steps: int = 30,
+                 num_images_per_prompt: int = 1, generator: list[torch.Generator] | None = None,
+                 output_type: str = "pil", callback_on_step_end: Any = None) -> Output:  # fmt: skip
+        self.steps_run.append(0)
+        self.started.set()
+        for i in range(num_inference_steps):
+            time.sleep(0.002)
+            self.steps_run[-1] += 1
+            if callback_on_step_end is not None:
+                callback_on_step_end(self, i, i, {})
+        self.maybe_free_model_hooks()
+        return super().__call__(prompt, height, width, num_inference_steps, generator=generator,
+                                num_images_per_prompt=num_images_per_prompt, output_type=output_type)  # fmt: skip
+
+    def maybe_free_model_hooks(self) -> None:
+        self.freed += 1
+
+
+def test_a_call_whose_requests_all_gave_up_stops_at_a_step_boundary_and_the_next_is_served() -> None:
+    pipe = SteppingPipeline()
+    e = engine(pipe)
+    batcher = Batcher(max_queue=16, max_batch=1, max_wait=0.0)
+    metrics = Metrics(1, lambda: batcher.depth)
+    worker = DeviceWorker(batcher, metrics, lambda: e, lambda engine: None, lambda error: None)
+    long, short = (Work(p.key, 1, p) for p in (e.plan(request("long", steps=1000)), e.plan(request("short", steps=2))))
+    batcher.submit(long)
+    worker.start()
+    assert pipe.started.wait(30)
+    assert worker.call_started is not None  # /ready reads how long the call has run
+    batcher.submit(short)
+    long.gone = True  # its request timed out: the service marks it so
+    assert len(short.future.result(30)) == 1  # served, once the long call stopped
+    with pytest.raises(RequestGone):
+        long.future.result(0)
+    assert pipe.steps_run[0] < 1000 and pipe.steps_run[1] == 2  # stopped at a step's end; the next one whole
+    assert pipe.freed == 2  # the stopped call's end ran too (its step caches reset, the call's lock let go)
+    batcher.close()
+    worker.join(10)
+    samples = {s.name + str(s.labels): s.value for fam in metrics.registry.collect() for s in fam.samples}
+    assert samples["bcg_serve_pipeline_calls_total{'ran': 'stopped'}"] == 1
+    assert samples["bcg_serve_images_total{}"] == 1
+    assert worker.call_started is None
 
 
 def test_a_start_that_fails_is_reported_and_serves_nothing() -> None:

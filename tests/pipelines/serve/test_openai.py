@@ -4,7 +4,8 @@ takes. ``output_format`` png, jpeg and webp come back as those files (their magi
 ``output_compression`` is honoured; the parameters no setting here matches are accepted, and
 named in the log and the ``X-Ignored-Parameters`` header; a prompt cut at the text encoder's
 limit is logged and the response says so (a header, and ``prompt_truncated`` on each image);
-what is not served is the client's own ``UnprocessableEntityError`` with a one-line message."""
+what is not served is the client's own ``BadRequestError`` (a 400, as OpenAI answers) with a
+one-line message."""
 
 from __future__ import annotations
 
@@ -119,11 +120,14 @@ def test_a_prompt_cut_at_the_text_encoders_limit_is_logged_and_said(server: Serv
         (dict(output_format="gif"), "output_format 'gif' is not served: one of png, jpeg, webp"),
         (dict(response_format="url"), "response_format 'url' is not served: only 'b64_json'"),
         (dict(model="dall-e-3"), "model 'dall-e-3' is not served; this server serves 'z-image'"),
+        (dict(extra_body={"guidance": 1e308}), "guidance must be a number from 0 to 100"),
     ],
 )
 def test_what_is_not_served_is_the_clients_own_error_in_one_line(client: Any, kwargs: dict[str, Any],
                                                                   says: str) -> None:  # fmt: skip
-    with pytest.raises(openai.UnprocessableEntityError) as refused:
-        client.images.generate(prompt="a fox", extra_body=FAST, **kwargs)
+    body = {**FAST, **kwargs.get("extra_body", {})}
+    rest = {key: value for key, value in kwargs.items() if key != "extra_body"}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(prompt="a fox", extra_body=body, **rest)
     error = refused.value.body
     assert says in error["message"] and "\n" not in error["message"], error

@@ -10,7 +10,9 @@ import pytest
 from pipelines.serve.errors import ServeError
 from pipelines.serve.schema import MAX_SEED, ImageRequest, Served, parse_request
 
-SERVED = Served(model="z-image", sizes=((64, 64), (32, 48)), max_n=4, loras=("style",), cold=((32, 32),))
+SERVED = Served(
+    model="z-image", sizes=((64, 64), (32, 48)), max_n=4, loras=("style",), cold=((32, 32),), aliases=("zimage",)
+)
 
 
 def parse(body: object) -> ImageRequest:
@@ -35,39 +37,43 @@ def test_a_good_request_keeps_its_values_and_takes_the_defaults() -> None:
         (b"{prompt: 1}", 400, None, "not JSON"),
         (b"", 400, None, "not JSON"),
         ([1, 2], 400, None, "must be a JSON object, not list"),
-        ({}, 422, "prompt", "prompt: Field required"),
-        ({"prompt": ""}, 422, "prompt", "prompt is empty"),
-        ({"prompt": " \n\t"}, 422, "prompt", "prompt is empty"),
-        (b'{"prompt": "a \\ud800 fox"}', 422, "prompt", "not valid UTF-8 text (U+D800 at character 2)"),
-        ({"prompt": 5}, 422, "prompt", "valid string"),
-        ({"prompt": "x", "n": 0}, 422, "n", "n must be 1 to 4"),
-        ({"prompt": "x", "n": 5}, 422, "n", "n must be 1 to 4"),
-        ({"prompt": "x", "n": "2"}, 422, "n", "valid integer"),
-        ({"prompt": "x", "n": True}, 422, "n", "valid integer"),
-        ({"prompt": "x", "size": "100x100"}, 422, "size", "'100x100' is not served (served: 64x64, 32x48)"),
-        ({"prompt": "x", "size": "big"}, 422, "size", "is not WIDTHxHEIGHT"),
-        ({"prompt": "x", "response_format": "url"}, 422, "response_format", "only 'b64_json'"),
-        ({"prompt": "x", "model": "dall-e-3"}, 422, "model", "not served"),
-        ({"prompt": "x", "seed": -1}, 422, "seed", "seed must be 0 to"),
-        ({"prompt": "x", "n": 2, "seed": MAX_SEED}, 422, "seed", "image i uses seed + i"),
-        ({"prompt": "x", "steps": 0}, 422, "steps", "steps must be 1 to 1000"),
-        (b'{"prompt": "x", "guidance": NaN}', 422, "guidance", "finite number"),
-        ({"prompt": "x", "guidance": -1}, 422, "guidance", "finite number"),
-        (b'{"prompt": "x", "negative_prompt": "\\udcff"}', 422, "negative_prompt", "not valid UTF-8"),
-        ({"prompt": "x", "lora": "other"}, 422, "lora", "'other' is not loaded (loaded: style)"),
-        ({"prompt": "x", "quality": 5}, 422, "quality", "valid string"),
-        ({"prompt": "x", "output_format": "gif"}, 422, "output_format", "'gif' is not served: one of png, jpeg, webp"),
-        ({"prompt": "x", "output_format": "jpeg", "output_compression": 101}, 422, "output_compression", "0 to 100"),
-        ({"prompt": "x", "stream": True}, 422, "stream", "stream is not served"),
+        ({}, 400, "prompt", "prompt: Field required"),
+        ({"prompt": ""}, 400, "prompt", "prompt is empty"),
+        ({"prompt": " \n\t"}, 400, "prompt", "prompt is empty"),
+        (b'{"prompt": "a \\ud800 fox"}', 400, "prompt", "not valid UTF-8 text (U+D800 at character 2)"),
+        ({"prompt": 5}, 400, "prompt", "valid string"),
+        ({"prompt": "x", "n": 0}, 400, "n", "n must be 1 to 4"),
+        ({"prompt": "x", "n": 5}, 400, "n", "n must be 1 to 4"),
+        ({"prompt": "x", "n": "2"}, 400, "n", "valid integer"),
+        ({"prompt": "x", "n": True}, 400, "n", "valid integer"),
+        ({"prompt": "x", "size": "100x100"}, 400, "size", "'100x100' is not served (served: 64x64, 32x48)"),
+        ({"prompt": "x", "size": "big"}, 400, "size", "is not WIDTHxHEIGHT"),
+        ({"prompt": "x", "response_format": "url"}, 400, "response_format", "only 'b64_json'"),
+        ({"prompt": "x", "model": "dall-e-3"}, 400, "model", "not served"),
+        ({"prompt": "x", "seed": -1}, 400, "seed", "seed must be 0 to"),
+        ({"prompt": "x", "n": 2, "seed": MAX_SEED}, 400, "seed", "image i uses seed + i"),
+        ({"prompt": "x", "steps": 0}, 400, "steps", "steps must be 1 to 1000"),
+        (b'{"prompt": "x", "guidance": NaN}', 400, "guidance", "a number from 0 to 100"),
+        ({"prompt": "x", "guidance": -1}, 400, "guidance", "a number from 0 to 100"),
+        ({"prompt": "x", "guidance": 1e308}, 400, "guidance", "a number from 0 to 100, got 1e+308"),
+        ({"prompt": "x\u0000y"}, 400, "prompt", "prompt holds a NUL character (U+0000) at character 1"),
+        ({"prompt": "x", "negative_prompt": "\u0000"}, 400, "negative_prompt", "holds a NUL character"),
+        ({"prompt": "x", "model": "zimage-tiny"}, 400, "model", "serves 'z-image', 'zimage' (bcg-serve --served"),
+        (b'{"prompt": "x", "negative_prompt": "\\udcff"}', 400, "negative_prompt", "not valid UTF-8"),
+        ({"prompt": "x", "lora": "other"}, 400, "lora", "'other' is not loaded (loaded: style)"),
+        ({"prompt": "x", "quality": 5}, 400, "quality", "valid string"),
+        ({"prompt": "x", "output_format": "gif"}, 400, "output_format", "'gif' is not served: one of png, jpeg, webp"),
+        ({"prompt": "x", "output_format": "jpeg", "output_compression": 101}, 400, "output_compression", "0 to 100"),
+        ({"prompt": "x", "stream": True}, 400, "stream", "stream is not served"),
         (
             {"prompt": "x", "size": "32x32"},
-            422,
+            400,
             "size",
             "'32x32' was not warmed up (served: 64x64, 32x48; bcg-serve --capture-on-miss",
         ),
-        ({"prompt": "x", "colour": "red"}, 422, "colour", "Extra inputs are not permitted"),
-        ({"prompt": "x" * 16385}, 422, "prompt", "prompt is 16385 characters; at most 16384"),
-        ({"prompt": "x", "negative_prompt": "y" * 20000}, 422, "negative_prompt", "at most 16384"),
+        ({"prompt": "x", "colour": "red"}, 400, "colour", "Extra inputs are not permitted"),
+        ({"prompt": "x" * 16385}, 400, "prompt", "prompt is 16385 characters; at most 16384"),
+        ({"prompt": "x", "negative_prompt": "y" * 20000}, 400, "negative_prompt", "at most 16384"),
     ],
 )
 def test_bad_input_is_refused_in_one_line_naming_the_field(body: object, status: int, param: str | None,
@@ -91,6 +97,14 @@ def test_every_field_openais_client_sends_is_accepted_and_the_unhonoured_ones_ar
     png = parse({"prompt": "a fox", "output_format": "png", "output_compression": 50})
     assert (png.output_format, png.output_compression, png.ignored) == ("png", None, ("output_compression",))
     assert parse({"prompt": "a fox"}).ignored == ()
+
+
+def test_the_model_is_asked_for_by_its_id_or_an_alias_and_steps_within_max_steps() -> None:
+    assert parse({"prompt": "x", "model": "zimage"}).prompt == "x"
+    capped = Served(model="z-image", sizes=((64, 64),), max_n=1, max_steps=50)
+    assert parse_request(b'{"prompt": "x", "steps": 50}', capped).steps == 50
+    with pytest.raises(ServeError, match=r"steps must be 1 to 50 \(this server's --max-steps\), got 51"):
+        parse_request(b'{"prompt": "x", "steps": 51}', capped)
 
 
 def test_a_body_past_the_limit_is_refused_unread() -> None:

@@ -47,7 +47,10 @@ def test_bad_flags_are_one_line_and_status_2_before_anything_starts(tmp_path: Pa
         (["--lora", str(lora)], "--lora takes NAME=FILE[:SCALE] here"),
         (["--lora", f"style={tmp_path / 'none.safetensors'}"], "none.safetensors' does not exist"),
         (["--lora", f"a={lora}", "--lora", f"a={lora}:0.5"], "each adapter needs a name of its own"),
-        (["--parallel", "cfg"], "start one server per GPU"),
+        (["--parallel", "cfg"], "unrecognized arguments: --parallel cfg"),
+        (["--model", "wan"], "--model wan makes videos and bcg-serve serves images"),
+        (["--max-steps", "1001"], "--max-steps: must be 1 to 1000"),
+        (["--model", "./folder", "--size", "full"], "--size full sizes the built-in random-weight models"),
     ]:
         run = subprocess.run([*bcg_serve(), *argv], capture_output=True, text=True, timeout=120)
         assert run.returncode == 2, (argv, run.stderr)
@@ -78,6 +81,9 @@ def test_every_endpoint(server: ServerProcess) -> None:
         ["style"],
     )
     assert model["steps"] == 9  # the recipe's default, which a request without steps gets
+    assert "zimage" in model["aliases"] and c.get("/v1/models/zimage").json() == model  # by an alias too
+    missing = c.get("/v1/models/dall-e-3")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     metrics = c.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     assert "bcg_serve_queue_depth 0.0" in metrics.text
@@ -133,17 +139,39 @@ def test_a_request_picks_its_adapter_and_one_without_gets_the_base_model(server:
     assert styled_text["lora"] == "style.safetensors:1" and "lora" not in base_text  # the CLI's record: file, scale
 
 
+def test_every_request_leaves_one_access_line_with_its_id(server: ServerProcess) -> None:
+    asked = {
+        "ok-1": ("POST", "/v1/images/generations", {"prompt": "a fox", "steps": 1, "size": "32x32"}, 200),
+        "bad-1": ("POST", "/v1/images/generations", {"prompt": "a fox", "steps": 0}, 400),
+        "nope-1": ("GET", "/nothing", None, 404),
+        "ready-1": ("GET", "/ready", None, 200),
+    }
+    for rid, (method, path, body, status) in asked.items():
+        r = server.client.request(method, path, json=body, headers={"X-Request-Id": rid})
+        assert (r.status_code, r.headers["x-request-id"]) == (status, rid), r.text
+    fresh = server.client.get("/health").headers["x-request-id"]
+    assert len(fresh) == 16  # none given: one of its own
+    lines = [line for line in server.text().splitlines() if "bcg-serve.access:" in line]
+    for rid, (method, path, _, status) in asked.items():
+        (line,) = [line for line in lines if f"id={rid} " in line]
+        assert f" {method} {path} {status} " in line, line
+    (ok,) = [line for line in lines if "id=ok-1 " in line]
+    for field in ("model=z-image", "size=32x32", "n=1", "steps=1", "queue_ms=", "device_ms=", "encode_ms="):
+        assert field in ok, ok
+    assert "device_ms=-" not in ok and "encode_ms=-" not in ok
+
+
 BAD = [
     (b"not json", 400, "not JSON"),
     (b"\xc3\x28", 400, "not UTF-8"),
     (b"[]", 400, "JSON object"),
-    (b'{"prompt": ""}', 422, "prompt is empty"),
-    (b'{"prompt": "\\ud83d"}', 422, "not valid UTF-8"),
-    (b'{"prompt": "x", "size": "48x48"}', 422, "not served (served: 64x64, 32x32)"),
-    (b'{"prompt": "x", "n": 5}', 422, "n must be 1 to 4"),
-    (b'{"prompt": "x", "n": 0}', 422, "n must be 1 to 4"),
-    (b'{"prompt": "x", "lora": "anime"}', 422, "lora 'anime' is not loaded (loaded: style)"),
-    (b'{"prompt": "x", "steps": 1001}', 422, "steps must be 1 to 1000"),
+    (b'{"prompt": ""}', 400, "prompt is empty"),
+    (b'{"prompt": "\\ud83d"}', 400, "not valid UTF-8"),
+    (b'{"prompt": "x", "size": "48x48"}', 400, "not served (served: 64x64, 32x32)"),
+    (b'{"prompt": "x", "n": 5}', 400, "n must be 1 to 4"),
+    (b'{"prompt": "x", "n": 0}', 400, "n must be 1 to 4"),
+    (b'{"prompt": "x", "lora": "anime"}', 400, "lora 'anime' is not loaded (loaded: style)"),
+    (b'{"prompt": "x", "steps": 101}', 400, "steps must be 1 to 100 (this server's --max-steps)"),
 ]
 
 
@@ -157,8 +185,7 @@ def test_bad_input_is_one_line_of_json_and_nothing_is_queued(server: ServerProce
     after = server.metrics()
     for key in ("bcg_serve_images_total", "bcg_serve_batch_requests_count"):
         assert after[key] == before[key], key  # nothing reached the device
-    assert after['bcg_serve_requests_total{status="400"}'] - before['bcg_serve_requests_total{status="400"}'] == 3
-    assert after['bcg_serve_requests_total{status="422"}'] - before['bcg_serve_requests_total{status="422"}'] == 7
+    assert after['bcg_serve_requests_total{status="400"}'] - before['bcg_serve_requests_total{status="400"}'] == 10
 
 
 def test_a_load_run_answers_every_request_once_joins_batches_and_keeps_memory_flat(server: ServerProcess) -> None:

@@ -1,6 +1,6 @@
 """A real ``bcg-serve`` process whose graphs are captured and replayed (emulated on the CPU:
 tests/pipelines/serve/emulated_server.py): ``/ready`` turns 200 only once the warm-up is done; the
-warm-up captures the buckets only and logs each one's time; a size the warm-up left out is a 422
+warm-up captures the buckets only and logs each one's time; a size the warm-up left out is a 400
 listing the sizes served, unless ``--capture-on-miss``; ``/metrics`` has the histograms of batch
 size, queue wait and per-image time, each bucket's warm-up seconds and the graph memory in use;
 and concurrent requests are joined into calls of one bucket that replay the warm-up's graphs."""
@@ -79,7 +79,7 @@ def test_ready_only_after_the_warm_up_and_a_cold_size_is_a_4xx_listing_the_sizes
     (model,) = server.client.get("/v1/models").json()["data"]
     assert (model["sizes"], model["batch_sizes"], model["max_n"]) == (["32x32"], [1, 2, 4], 4)
     cold = server.generate(prompt="a fox", size="64x64", steps=1)
-    assert cold.status_code == 422 and "\n" not in cold.text
+    assert cold.status_code == 400 and "\n" not in cold.text
     error = cold.json()["error"]
     assert (error["param"], error["code"]) == ("size", "size_not_warm")
     assert error["message"] == ("size '64x64' was not warmed up (served: 32x32; bcg-serve --capture-on-miss serves it "
