@@ -117,8 +117,10 @@ def report(installed: Installation | None, pipeline: str, mode: str) -> str:
     head = f"bcg-diffusers: {pipeline}, mode {mode}"
     if installed is None:
         return head + ": restored (not accelerated any more)"
-    lines = [head, *installed.plan.describe()]
     why = installed.why_no_graphs(module_device(installed.primary))
+    if mode == "bcg" and why is not None:  # what was asked is not what runs: the head says both
+        head += f" asked, eager here: {why}"
+    lines = [head, *installed.plan.describe()]
     for name, h in installed.hooks.items():
         lines += _module_lines(installed, name, h, why)
     if installed.quantization is not None:

@@ -29,8 +29,11 @@ class CallSettings:
     ``frame_rate``: the argument and value of ``--fps`` for a pipeline conditioned on its frame
     rate (LTX-Video's ``frame_rate``); None leaves the pipeline's own. ``image_kwargs``: the input
     image every call passes (``image``, ``mask_image``, ``strength``; :mod:`pipelines.cli.image_input`),
-    ``image_note`` says what it was in the images' record. ``takes_size``: the call takes ``height``
-    and ``width`` (a pipeline that makes its size from its input image takes neither).
+    ``image_note`` says what it was in the images' record, ``image_fit``: it is resized to each
+    call's size first (an image-to-image pipeline's latents are its image's). ``takes_size``: the
+    call takes ``height`` and ``width`` (a pipeline that makes its size from its input image takes
+    neither); ``takes_max_area``: it also takes ``max_area``, to which it would scale them (FLUX.1
+    Kontext's 1024x1024): set to the size asked, so that the size made is the size asked.
     """
 
     steps: int
@@ -46,6 +49,8 @@ class CallSettings:
     image_kwargs: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
     image_note: str | None = None
     takes_size: bool = True
+    image_fit: bool = False
+    takes_max_area: bool = False
 
     def kwargs(self, job: Job, device: Any) -> dict[str, Any]:
         """The pipeline's keyword arguments for ``job`` (its generators on ``device``)."""
@@ -58,6 +63,8 @@ class CallSettings:
         )
         if self.takes_size:
             kwargs.update(height=job.height, width=job.width)
+            if self.takes_max_area:
+                kwargs["max_area"] = job.height * job.width
         kwargs[self.count_kwarg] = len(job.indices)
         if self.frames is not None:
             kwargs["num_frames"] = self.frames
@@ -71,6 +78,10 @@ class CallSettings:
         if self.guidance is not None and self.guidance_kwarg is not None:
             kwargs[self.guidance_kwarg] = self.guidance
         kwargs.update(self.conditioning())
+        if self.image_kwargs:
+            from .image_input import fitted
+
+            kwargs.update(fitted(self.image_kwargs, (job.width, job.height)) if self.image_fit else self.image_kwargs)
         return kwargs
 
     @property
@@ -80,10 +91,8 @@ class CallSettings:
 
     def conditioning(self) -> dict[str, Any]:
         """What every call passes beyond the job's own arguments, warm-up calls too (the frame
-        rate a video model is conditioned on enters its graphs' inputs; an input image)."""
-        out = dict([self.frame_rate]) if self.frame_rate is not None else {}
-        out.update(self.image_kwargs or {})
-        return out
+        rate a video model is conditioned on enters its graphs' inputs)."""
+        return dict([self.frame_rate]) if self.frame_rate is not None else {}
 
 
 def call_settings(pipe: Any, model: str, size: str, steps: int | None = None, guidance: float | None = None,
@@ -128,8 +137,14 @@ def call_settings(pipe: Any, model: str, size: str, steps: int | None = None, gu
         count_kwarg=count_kwarg,
         takes_output_type="output_type" in params,
         frame_rate=_frame_rate(params, fps),
-        takes_size="height" in params and "width" in params,
+        takes_size=("height" in params and "width" in params) or _any_keyword(params),
+        takes_max_area="max_area" in params,
     )
+
+
+def _any_keyword(params: Any) -> bool:
+    """Whether a call takes any keyword (``**kwargs``: a wrapper of another call, say)."""
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _frame_rate(params: Any, fps: float | None) -> tuple[str, float] | None:

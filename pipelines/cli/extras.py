@@ -21,7 +21,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "cache-dit": ("cache_dit",),
     "video": ("imageio", "imageio_ffmpeg"),
     "fp8": ("torchao",),
-    "serve": ("fastapi", "uvicorn", "prometheus_client"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client", "python_multipart"),
 }
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "IMG2IMG",
     "INPAINT",
     "ImageInput",
+    "fitted",
     "flatten",
     "image_pipeline",
     "load_image",
@@ -102,12 +104,25 @@ def image_pipeline(pipe: Any, mask: bool = False) -> ImageInput:
     try:
         sibling = auto.from_pipe(pipe)
     except Exception as e:  # diffusers knows no such pipeline for this one: ValueError, or a missing component
-        what = "an input image and a mask" if mask else "an input image"
+        what = "input image with a mask" if mask else "input image"
         raise CLIError(f"{name} takes no {what}, and diffusers makes no {kind} pipeline from it "
                        f"({type(e).__name__}: {_one_line(e)[:160]})") from None  # fmt: skip
     sibling.set_progress_bar_config(disable=True)
     params = _params(type(sibling))
     return ImageInput(sibling, kind, STRENGTH in params, MASK in params)
+
+
+def fitted(kwargs: Mapping[str, Any], size: tuple[int, int]) -> dict[str, Any]:
+    """``kwargs``' image and mask resized to ``size`` (width, height), as an image-to-image or
+    inpainting pipeline needs them: its latents are its image's, at the call's size."""
+    from PIL import Image
+
+    out = dict(kwargs)
+    for key, resample in ((IMAGE, Image.Resampling.LANCZOS), (MASK, Image.Resampling.NEAREST)):
+        image = out.get(key)
+        if image is not None and tuple(image.size) != tuple(size):
+            out[key] = image.resize(size, resample)
+    return out
 
 
 def load_image(path: Path, what: str = "--image") -> Any:

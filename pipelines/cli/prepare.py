@@ -46,7 +46,8 @@ class Workload:
     process makes no call, and nothing is warmed up. ``warm_sizes``: the sizes warmed up unless
     ``--warmup`` names others (None: ``resolutions``). ``image``, ``mask`` and ``strength``: every
     call's input image (PIL), mask and strength (:mod:`pipelines.cli.image_input`); ``image_name``
-    how the record names the image.
+    how the record names the image; ``edits``: calls bring images of their own (a server's edits),
+    so a model that needs one is not refused for want of ``image``.
     """
 
     resolutions: Sequence[Size]
@@ -62,6 +63,7 @@ class Workload:
     mask: Any = None
     strength: float | None = None
     image_name: str | None = None
+    edits: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,11 +201,19 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
     if settings.scheduler is not None:
         set_scheduler(pipe, settings.scheduler)
     loras = _load_loras(pipe, settings.loras)
-    pipe, image_kwargs, image_note = _image_pipeline(pipe, workload)
-    call = call_settings(pipe, settings.model, settings.size, workload.steps, workload.guidance,
+    # With an input image the calls go to the pipeline of the model that takes it (its own, or one
+    # diffusers makes of the same components); the warm-up stays on the model's own (``pipe``),
+    # whose denoiser calls an image-to-image call repeats, unless the image enters them (an edit model's).
+    taking, image_kwargs, image_note = _image_pipeline(pipe, workload)
+    called = taking.pipe if taking is not None else pipe
+    call = call_settings(called, settings.model, settings.size, workload.steps, workload.guidance,
                          workload.negative_prompt, workload.frames, workload.fps)  # fmt: skip
-    if image_kwargs is not None:
-        call = dataclasses.replace(call, image_kwargs=image_kwargs, image_note=image_note)
+    warm_kwargs = call.conditioning()
+    if taking is not None:
+        edit = taking.pipe is pipe
+        call = dataclasses.replace(call, image_kwargs=image_kwargs, image_note=image_note, image_fit=not edit)
+        if edit:
+            warm_kwargs.update(image_kwargs or {})
 
     # Limits that need the built model, still before anything runs.
     warm: list[Size] = []
@@ -232,16 +242,18 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
     warmup_seconds = 0.0
     if settings.accelerated:
         _accelerate(pipe, settings)
+        if called is not pipe:
+            _accelerate(called, settings)  # the same runners: the warm-up's graphs are its own
         if warm:
             try:
                 warmup_seconds = _warmup(pipe, warm, workload.prompts, call.negative_prompt, call.warm_cfg,
-                                         workload.batch_size, call.frames, progress, call.conditioning())  # fmt: skip
+                                         workload.batch_size, call.frames, progress, warm_kwargs)  # fmt: skip
             except torch.OutOfMemoryError:
                 sizes = " ".join(f"{w}x{h}" for w, h in warm)
                 raise RunError(
                     f"out of memory capturing graphs for {sizes}: use smaller sizes or --warmup none"
                 ) from None
-    return PreparedPipeline(pipe, settings, device, dtype, call, cache, warmup_seconds, loras)
+    return PreparedPipeline(called, settings, device, dtype, call, cache, warmup_seconds, loras)
 
 
 def accelerate_alike(pipe: Any, prepared: PreparedPipeline) -> None:
@@ -252,15 +264,15 @@ def accelerate_alike(pipe: Any, prepared: PreparedPipeline) -> None:
 
 
 def _image_pipeline(pipe: Any, workload: Workload) -> tuple[Any, dict[str, Any] | None, str | None]:
-    """The pipeline the calls go to, their image arguments and the record's note of them: ``pipe``
-    and None without an input image (CLIError for a model that needs one), else the pipeline of
+    """What takes the calls' input image, their image arguments and the record's note of them:
+    None without an input image (CLIError for a model that needs one), else the pipeline of
     ``pipe``'s model that takes it (:func:`pipelines.cli.image_input.image_pipeline`)."""
     from .image_input import flatten, image_pipeline, mask_from, needs_image
 
     if workload.image is None:
-        if needs_image(type(pipe)):
+        if needs_image(type(pipe)) and not workload.edits:
             raise CLIError(f"{type(pipe).__name__} edits images: give it one with --image FILE")
-        return pipe, None, None
+        return None, None, None
     taking = image_pipeline(pipe, mask=workload.mask is not None)
     if workload.strength is not None and not taking.strength:
         logger.warning("--strength is ignored: %s takes no strength", type(taking.pipe).__name__)
@@ -273,14 +285,29 @@ def _image_pipeline(pipe: Any, workload: Workload) -> tuple[Any, dict[str, Any] 
     if mask is not None:
         note += ", masked"
     logger.info("input image: %s, through %s", note, type(taking.pipe).__name__)
-    return taking.pipe, kwargs, note
+    return taking, kwargs, note
+
+
+def _compatible_schedulers(scheduler: Any) -> set[str]:
+    """The scheduler classes ``scheduler``'s config suits: those it lists (``compatibles``), and a
+    flow-matching scheduler's fellow flow-matching ones, which its list leaves out (diffusers lists
+    only FlowMatchEulerDiscreteScheduler for itself)."""
+    import diffusers
+
+    own = type(scheduler).__name__
+    names = {c.__name__ for c in getattr(scheduler, "compatibles", ())} | {own}
+    if own.startswith("FlowMatch"):
+        names |= {n for n in dir(diffusers) if n.startswith("FlowMatch") and n.endswith("Scheduler")}
+    return names
 
 
 def set_scheduler(pipe: Any, name: str) -> None:
     """``pipe``'s scheduler replaced by the diffusers class ``name``, made from its config; CLIError
-    naming the compatible ones where the model's scheduler does not list it."""
+    naming the compatible ones where it is not one (:func:`_compatible_schedulers`). A compatible
+    class whose steps this pipeline cannot call (FlowMatchHeun lacks Z-Image's ``mu``) fails the
+    first call in one line."""
     scheduler = getattr(pipe, "scheduler", None)
-    compatible = sorted({c.__name__ for c in getattr(scheduler, "compatibles", ())} | {type(scheduler).__name__})
+    compatible = sorted(_compatible_schedulers(scheduler))
     if name not in compatible:
         raise CLIError(f"--scheduler {name}: {type(pipe).__name__}'s {type(scheduler).__name__} lists as compatible "
                        f"{', '.join(compatible)}")  # fmt: skip

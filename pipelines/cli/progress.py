@@ -26,6 +26,8 @@ logger = logging.getLogger("bcg-generate")
 # Seconds between two progress lines where no bar is drawn: a long run says where it is, a short
 # one writes only its calls' lines.
 LINE_INTERVAL = 10.0
+# Seconds between two redraws of a bar (tqdm's default): a step of a few milliseconds is not a redraw.
+BAR_INTERVAL = 0.1
 
 
 def _clock(seconds: float) -> str:
@@ -39,14 +41,16 @@ class Progress:
     ``images`` images (``unit``: "image" or "video").
 
     ``enabled`` False: silent (``--quiet``); ``stream``: where a bar goes (a terminal: a bar; else
-    log lines); ``tag``: a process's prefix under accelerate; ``position``: its bar's row.
+    log lines, at most one every ``interval`` seconds, default :data:`LINE_INTERVAL`); ``tag``: a
+    process's prefix under accelerate; ``position``: its bar's row.
     """
 
     def __init__(self, images: int, calls: int, steps: int, *, enabled: bool = True, stream: IO[str] | None = None,
                  tag: str = "", position: int | None = None, unit: str = "image",
-                 interval: float = LINE_INTERVAL) -> None:  # fmt: skip
+                 interval: float | None = None) -> None:  # fmt: skip
         self.images, self.calls, self.steps = images, calls, max(steps, 1)
-        self.unit, self.tag, self.interval = unit, tag, interval
+        self.unit, self.tag = unit, tag
+        self.interval = LINE_INTERVAL if interval is None else interval
         self.enabled = enabled
         stream = stream if stream is not None else sys.stderr
         self.tty = enabled and bool(getattr(stream, "isatty", lambda: False)())
@@ -60,7 +64,7 @@ class Progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=calls * self.steps, unit="step", desc=f"{tag}generating".strip(), file=stream,
-                            position=position, dynamic_ncols=True)  # fmt: skip
+                            position=position, dynamic_ncols=True, mininterval=BAR_INTERVAL)  # fmt: skip
             self._postfix()
 
     @property
@@ -104,7 +108,9 @@ class Progress:
         left = ""
         if done:
             rate = elapsed / done
-            left = f", {rate:.2f} s/step, about {_clock(rate * (self.calls * self.steps - done))} left"
+            left = f", {rate:.2f} s/step"
+            if done < self.calls * self.steps:
+                left += f", about {_clock(rate * (self.calls * self.steps - done))} left"
         logger.info("%sgenerating: %s, %s %d/%d made, %s elapsed%s", self.tag, where, self.unit, self.made,
                     self.images, _clock(elapsed), left)  # fmt: skip
 

@@ -216,6 +216,7 @@ def _run(args: argparse.Namespace) -> int:
                 raise RunError(f"{type(prepared.pipe).__name__} returned images, not a video's frames: "
                                "write them with --out x.png or a folder of PNGs")  # fmt: skip
             items = result.videos if every_frame and result.videos is not None else result.images
+            _record_size(items[0] if not every_frame else items[0][0], job, texts)
             for item, text, name, seed in zip(items, texts, job.file_names(_suffix(media, files)), job.seeds):
                 path = renames.target(folder, single, name)
                 made += 1
@@ -266,6 +267,19 @@ def _run(args: argparse.Namespace) -> int:
 def _suffix(media: VideoOutput | None, files: ImageOutput) -> str:
     """The suffix of the run's files: the video container's (or the first frame's file), else the images' format's."""
     return media.suffix if media is not None else files.suffix
+
+
+def _record_size(image: Any, job: Any, texts: list[dict[str, str]]) -> None:
+    """The record's size made true where the pipeline made another than asked (one that rounds
+    or scales it by its own rule), with a warning."""
+    made = tuple(image.size)
+    if made == (job.width, job.height):
+        return
+    logger.warning("%s made %dx%d images where %dx%d was asked (its own rule); the files record the size made",
+                   "the pipeline", *made, job.width, job.height)  # fmt: skip
+    for text in texts:
+        text["resolution"] = f"{made[0]}x{made[1]}"
+        text["parameters"] = text["parameters"].replace(f"Size: {job.width}x{job.height}", f"Size: {made[0]}x{made[1]}")
 
 
 def _say_first_frame(single: Path | None) -> None:

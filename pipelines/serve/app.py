@@ -2,6 +2,7 @@
 
 ==========================  ================================================================
 ``POST /v1/images/generations``  OpenAI's image generation: PNG, JPEG or WebP as ``b64_json``
+``POST /v1/images/edits``   OpenAI's image edits (a multipart form, :mod:`.edits`), the same answer
 ``GET /v1/models``          the model served, its sizes, adapters and limits
 ``GET /v1/models/{id}``     the same entry, by its id or an alias; 404 for another model
 ``GET /health``             200 while the process lives (its phase in the body)
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from .access import AccessLog, fields_of
+from .edits import MAX_EDIT_BYTES, parse_edit
 from .engine import Generated
 from .errors import ServeError, error_body
 from .metrics import CONTENT_TYPE
@@ -91,6 +93,32 @@ def _answer(request: ImageRequest, images: list[Generated]) -> Response:
     return Response(content, media_type="application/json", headers=headers)
 
 
+async def read_form(request: Request) -> tuple[dict[str, list[str]], dict[str, list[bytes]]]:
+    """A multipart form's text fields and files, each by name with every value given; ServeError
+    413 for a body past :data:`~.edits.MAX_EDIT_BYTES`, 400 for one that is no multipart form."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_EDIT_BYTES:
+        raise ServeError(413, f"the body is {length} bytes; at most {MAX_EDIT_BYTES}", code="body_too_large")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise ServeError(400, "the body must be a multipart/form-data form, as OpenAI's images.edit sends",
+                         code="invalid_body")  # fmt: skip
+    try:
+        form = await request.form(max_files=8, max_fields=64)
+    except HTTPException as e:  # Starlette's word for a malformed form
+        raise ServeError(400, f"the form cannot be read: {e.detail}", code="invalid_body") from None
+    fields: dict[str, list[str]] = {}
+    files: dict[str, list[bytes]] = {}
+    try:
+        for name, value in form.multi_items():
+            if isinstance(value, str):
+                fields.setdefault(name, []).append(value)
+            else:
+                files.setdefault(name, []).append(await value.read())
+    finally:
+        await form.close()
+    return fields, files
+
+
 def create_app(service: Service) -> FastAPI:
     """The application serving ``service``."""
     app = FastAPI(title="bcg-serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -104,25 +132,40 @@ def create_app(service: Service) -> FastAPI:
     async def serve_error(request: Request, e: ServeError) -> Response:
         return _error(e)
 
-    @app.post("/v1/images/generations")
-    async def generations(request: Request) -> Response:
+    async def answer(request: Request, parse: Callable[[Request], Awaitable[ImageRequest]]) -> Response:
+        """A request read by ``parse``, queued, and answered with its images or its error in one line."""
         arrived = time.monotonic()
         m = service.metrics
         access = fields_of(request.scope)
         try:
-            checked = parse_request(await request.body(), service.served)
+            checked = await parse(request)
             access.update(model=service.served.model, size=f"{checked.width}x{checked.height}", n=checked.n)
             images = await service.generate(checked, request.receive, arrived, access)
         except ServeError as e:
             m.requests.labels(str(e.status)).inc()
             return _error(e)
         except Exception as e:  # a bug, not the request's fault: still one line, and logged
-            logger.exception("POST /v1/images/generations failed")
+            logger.exception("%s %s failed", request.method, request.url.path)
             m.requests.labels("500").inc()
             return _error(ServeError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error"))
         m.requests.labels("200").inc()
         m.request_seconds.observe(time.monotonic() - arrived)
         return _answer(checked, images)
+
+    async def generation(request: Request) -> ImageRequest:
+        return parse_request(await request.body(), service.served)
+
+    async def edit(request: Request) -> ImageRequest:
+        fields, files = await read_form(request)
+        return parse_edit(fields, files, service.served)
+
+    @app.post("/v1/images/generations")
+    async def generations(request: Request) -> Response:
+        return await answer(request, generation)
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request) -> Response:
+        return await answer(request, edit)
 
     def model_entry() -> dict[str, Any]:
         s = service.served

@@ -58,6 +58,7 @@ class BatchKey:
     ``negative_text``: the text length the model's recipe pads the prompt and the negative
     prompt to (None where it cannot tell). Prompts padded alike have the same shapes in the
     call: it replays the graph warmed up for them, and no prompt is padded for another's sake.
+    ``edit``: an edit request's own number (each brings its image: none shares its call).
     """
 
     width: int
@@ -68,6 +69,7 @@ class BatchKey:
     lora: str | None = None
     text: int | None = None
     negative_text: int | None = None
+    edit: int | None = None
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,18 +1,17 @@
 """A call's images in the file format each request asked for (OpenAI's ``output_format``).
 
-PNG is the CLI's file: the same bytes ``bcg-generate`` writes, with its text chunks (prompt,
-seed, mode, model ...). JPEG and WebP are encoded at ``output_compression`` (OpenAI's 0-100,
-100 the default and the best quality). JPEG carries the same record as its comment; WebP carries
-none (Pillow writes no text into it): a client that needs the record asks for PNG.
+The CLI's files (:func:`pipelines.cli.formats.encode_image`): PNG is the same bytes ``bcg-generate``
+writes, with its text chunks (prompt, seed, mode, model, A1111's ``parameters`` ...); JPEG and WebP
+carry the same record in their EXIF, and are encoded at ``output_compression`` (OpenAI's 0-100,
+100 the default and the best quality).
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pipelines.cli.images import png_bytes
+from pipelines.cli.formats import encode_image
 
 __all__ = ["FORMATS", "MEDIA_TYPES", "encode", "encode_all"]
 
@@ -21,23 +20,14 @@ MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 DEFAULT_COMPRESSION = 100
 
 
-def _record(text: Mapping[str, str]) -> bytes:
-    return "\n".join(f"{k}: {v}" for k, v in text.items()).encode("utf-8", "replace")
-
-
 def encode(image: Any, text: Mapping[str, str], fmt: str = "png", compression: int | None = None) -> bytes:
     """``image`` (PIL) as ``fmt`` bytes; ``compression`` is the JPEG and WebP quality (0-100)."""
-    if fmt == "png":
-        return png_bytes(image, text)
-    quality = DEFAULT_COMPRESSION if compression is None else compression
-    buffer = io.BytesIO()
-    if fmt == "jpeg":
-        image.convert("RGB").save(buffer, format="JPEG", quality=quality, comment=_record(text))
-    elif fmt == "webp":
-        image.save(buffer, format="WEBP", quality=quality)
-    else:
+    if fmt not in FORMATS:
         raise ValueError(f"output format {fmt!r} is not one of {', '.join(FORMATS)}")
-    return buffer.getvalue()
+    if fmt == "png":
+        return encode_image(image, text, "png")
+    # Pillow's quality runs from 1; OpenAI's output_compression from 0.
+    return encode_image(image, text, fmt, max(1, DEFAULT_COMPRESSION if compression is None else compression))
 
 
 def encode_all(

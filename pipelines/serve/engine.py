@@ -24,6 +24,7 @@ import base64
 import contextlib
 import copy
 import dataclasses
+import itertools
 import logging
 import secrets
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,7 @@ from typing import Any
 
 from pipelines.cli import CallSettings, Job, PreparedPipeline, RunError, StepWatch, call_settings, run_text
 from pipelines.cli.calls import generate_images, graph_replays, mode_ran, nan_hint
+from pipelines.cli.image_input import EDIT, ImageInput, fitted, flatten, mask_from
 from pipelines.cli.images import image_texts, quantized
 from pipelines.cli.prompts import TokenCount, count_tokens
 from pipelines.lora import LoraSpec, activate
@@ -44,6 +46,8 @@ from .schema import MAX_SEED, ImageRequest
 __all__ = ["Engine", "Generated", "Made", "Plan", "TextCases", "bucket_for"]
 
 logger = logging.getLogger("bcg-serve")
+
+_EDITS = itertools.count(1)  # each edit request's number: its batch key is its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,19 +97,21 @@ def bucket_for(images: int, batch_sizes: Sequence[int] | None) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A request with every default resolved (``call``) and its seeds: what it adds to a call."""
+    """A request with every default resolved (``call``) and its seeds: what it adds to a call.
+    ``edit``: an edit's own number, so that no other request shares its call (each has its image)."""
 
     request: ImageRequest
     call: CallSettings
     seeds: tuple[int, ...]
     text: int | None = None
     negative_text: int | None = None
+    edit: int | None = None
 
     @property
     def key(self) -> BatchKey:
         r, c = self.request, self.call
         return BatchKey(r.width, r.height, c.steps, c.guidance, c.negative_prompt is not None, r.lora, self.text,
-                        self.negative_text)  # fmt: skip
+                        self.negative_text, self.edit)  # fmt: skip
 
 
 class TextCases:
@@ -207,6 +213,25 @@ class Engine:
         self.adapters = Adapters(self.pipe, prepared.loras)
         self._text_cases = TextCases(self.pipe)
         self._scheduler_config = getattr(getattr(self.pipe, "scheduler", None), "config", None)
+        # Set by the start: the pipelines that take an input image (:mod:`pipelines.cli.image_input`),
+        # by whether a mask comes with it (absent: the model takes none so), and whether the model
+        # makes images only from one (an edit model whose pipeline makes none from text alone).
+        self.image_inputs: dict[bool, ImageInput] = {}
+        self.needs_image = False
+
+    def _taking(self, request: ImageRequest) -> ImageInput:
+        """The pipeline that makes ``request``'s images from its input image; ServeError 400 where
+        the model takes none (with a mask: where diffusers makes no inpainting pipeline of it)."""
+        masked = request.mask is not None
+        taking = self.image_inputs.get(masked)
+        if taking is None:
+            what = "input image with a mask" if masked else "input image"
+            raise ServeError(400, f"{type(self.pipe).__name__} takes no {what}", param="mask" if masked else "image",
+                             code="unsupported_edit")  # fmt: skip
+        if request.strength is not None and not taking.strength:
+            raise ServeError(400, f"strength: {type(taking.pipe).__name__} takes none (it redraws the whole image)",
+                             param="strength", code="invalid_value")  # fmt: skip
+        return taking
 
     @property
     def defaults(self) -> CallSettings:
@@ -221,9 +246,16 @@ class Engine:
         from pipelines import limits
 
         p = self.prepared
+        if request.image is None and self.needs_image:
+            raise ServeError(400, f"{type(self.pipe).__name__} edits images: POST /v1/images/edits with the image",
+                             param="image", code="image_required")  # fmt: skip
+        taking = self._taking(request) if request.image is not None else None
         with _cli_advice_held():
-            call = call_settings(self.pipe, p.settings.model, p.settings.size, request.steps, request.guidance,
-                                 request.negative_prompt, p.call.frames)  # fmt: skip
+            call = call_settings(self.pipe if taking is None else taking.pipe, p.settings.model, p.settings.size,
+                                 request.steps, request.guidance, request.negative_prompt, p.call.frames)  # fmt: skip
+        if taking is not None:
+            strength = f", strength {request.strength:g}" if request.strength is not None else ""
+            call = dataclasses.replace(call, image_note=f"{request.image_note}, {taking.kind}{strength}")
         try:
             limits.check_steps(call.steps, self._scheduler_config)
         except limits.LimitError as e:
@@ -234,7 +266,8 @@ class Engine:
         w, h = request.width, request.height
         text = self._text_cases(request.prompt, w, h)
         negative = self._text_cases(call.negative_prompt, w, h) if call.negative_prompt is not None else None
-        return Plan(request, call, tuple(range(first, first + request.n)), text, negative)
+        edit = next(_EDITS) if request.image is not None else None
+        return Plan(request, call, tuple(range(first, first + request.n)), text, negative, edit)
 
     # -- the device (the worker's thread only) --------------------------------------------------
 
@@ -284,16 +317,23 @@ class Engine:
         )
         job = Job(r.prompt, r.width, r.height, tuple(range(len(seeds))), tuple(seeds))
         kwargs = first.call.kwargs(job, self.device)  # a generator per seed, the model's arguments
-        kwargs["prompt"] = prompts  # one prompt per image, a fresh list: the pipeline edits it
-        kwargs[first.call.count_kwarg] = 1
-        if first.call.negative_prompt is not None:
-            kwargs["negative_prompt"] = negatives
+        pipe = self.pipe
+        if r.image is not None:  # an edit (alone in its call): one prompt and one image, its rows counted
+            taking = self._taking(r)
+            pipe = taking.pipe
+            given = taking.kwargs(flatten(r.image), mask_from(r.mask) if r.mask is not None else None, r.strength)
+            kwargs.update(given if taking.kind == EDIT else fitted(given, (r.width, r.height)))
+        else:
+            kwargs["prompt"] = prompts  # one prompt per image, a fresh list: the pipeline edits it
+            kwargs[first.call.count_kwarg] = 1
+            if first.call.negative_prompt is not None:
+                kwargs["negative_prompt"] = negatives
         self.adapters.select(key.lora)
         before = graph_replays(self.pipe) if p.accelerated else None
         try:
             hint = nan_hint(p.settings.dtype, r.guidance, "guidance")
             watch = StepWatch(stop=stop) if stop is not None else None
-            images = generate_images(self.pipe, kwargs, job, hint, p.cache, watch)
+            images = generate_images(pipe, kwargs, job, hint, p.cache, watch)
         except RunError as e:  # the CLI's out-of-memory line keeps the error it replaced as its context
             if isinstance(e.__context__, torch.OutOfMemoryError):
                 if self.device.type == "cuda":

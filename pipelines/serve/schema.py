@@ -37,6 +37,7 @@ __all__ = [
     "MAX_STEPS",
     "ImageRequest",
     "Served",
+    "check_fields",
     "parse_request",
 ]
 
@@ -97,7 +98,9 @@ class Served:
 @dataclasses.dataclass(frozen=True)
 class ImageRequest:
     """A checked request. None: the model's default (steps, guidance), no negative prompt, no
-    adapter, or a random seed (drawn when the request is planned)."""
+    adapter, or a random seed (drawn when the request is planned). An edit's ``image`` and
+    ``mask`` (PIL), its ``strength`` and how its images' record names the input (``image_note``):
+    :mod:`.edits`."""
 
     prompt: str
     n: int
@@ -111,6 +114,10 @@ class ImageRequest:
     output_format: str = "png"
     output_compression: int | None = None
     ignored: tuple[str, ...] = ()
+    image: Any = dataclasses.field(default=None, compare=False)
+    mask: Any = dataclasses.field(default=None, compare=False)
+    strength: float | None = None
+    image_note: str | None = None
 
 
 class _Body(BaseModel):
@@ -214,8 +221,14 @@ def parse_request(body: bytes, served: Served) -> ImageRequest:
     data = _decode(body)
     if not isinstance(data, dict):
         raise ServeError(400, f"the body must be a JSON object, not {type(data).__name__}", code="invalid_body")
+    return check_fields(data, served)
+
+
+def check_fields(data: dict[str, Any], served: Served, body: type[BaseModel] | None = None) -> ImageRequest:
+    """A request's fields -> an :class:`ImageRequest`, or :class:`ServeError` (400): checked as
+    ``body`` (default: a generation request's fields) and against ``served``."""
     try:
-        b = _Body.model_validate(data)
+        b: Any = (body or _Body).model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None

@@ -76,6 +76,29 @@ def admission_for(config: ServeConfig, prepared: Any) -> Admission:
     return Admission(config.batch_sizes, need, budget, held, graphs=config.capture_on_miss)
 
 
+def _image_inputs(engine: Engine, prepared: Any) -> None:
+    """The pipelines ``/v1/images/edits`` goes to, accelerated as the model's own (their
+    denoisers' graphs are the same): an edit model's own, or the image-to-image and inpainting
+    pipelines diffusers makes from it, each where there is one; said in one line."""
+    from pipelines.cli.image_input import image_pipeline, needs_image
+    from pipelines.cli.prepare import accelerate_alike
+
+    engine.needs_image = needs_image(type(prepared.pipe))
+    said = []
+    for masked in (False, True):
+        try:
+            taking = image_pipeline(prepared.pipe, mask=masked)
+            if taking.pipe is not prepared.pipe:
+                accelerate_alike(taking.pipe, prepared)
+        except CLIError as e:
+            logger.info("edits%s: not served (%s)", " with a mask" if masked else "", e)
+            continue
+        engine.image_inputs[masked] = taking
+        said.append(f"{type(taking.pipe).__name__} ({taking.kind}{', with a mask' if masked else ''})")
+    if said:
+        logger.info("edits (POST /v1/images/edits) through %s", " and ".join(said))
+
+
 def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine]:
     """What the device worker runs first: returns the warm engine, its ``admission`` set and
     ``warm_sizes`` the sizes whose graphs the warm-up captured (None: every size is served)."""
@@ -91,12 +114,13 @@ def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine
         logger.info("building %s (%s) on %s", settings.model, settings.size, device)
         # The CLI's limits are checked for one image at the largest size; the buckets are the
         # admission's to check, with the server's flags in its message.
-        workload = Workload(resolutions=config.resolutions, batch_size=1, prompts=(DEFAULT_PROMPT,))
+        workload = Workload(resolutions=config.resolutions, batch_size=1, prompts=(DEFAULT_PROMPT,), edits=True)
         prepared = prepare_pipeline(settings, workload, device, dtype, progress=False)
         if prepared.call.video:  # a folder or hub model, known to make videos only now
             raise CLIError(f"--model {settings.model}: {type(prepared.pipe).__name__} makes videos and bcg-serve "
                            "serves images (OpenAI's images API): use bcg-generate for videos")  # fmt: skip
         engine = Engine(prepared, config.batch_sizes)
+        _image_inputs(engine, prepared)
         sizes = config.resolutions if config.settings.warmup is None else config.settings.warmup
         graphs = prepared.accelerated and settings.mode == "bcg" and bool(sizes)
         admission = admission_for(config, prepared)

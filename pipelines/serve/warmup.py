@@ -184,6 +184,10 @@ def warm_up(engine: Any, sizes: Sequence[Size], batch_sizes: Sequence[int]) -> W
     kwargs: dict[str, Any] = dict(batch_sizes=sorted(batch_sizes), cfg=cfg, progress=False, measure_cfg=measure_cfg)
     if d.frames is not None:
         kwargs["num_frames"] = d.frames
+    if getattr(engine, "needs_image", False):  # an edit model: every call brings an image, the warm-up's too
+        from PIL import Image
+
+        kwargs["call_kwargs"] = {"image": Image.new("RGB", sizes[0], (128, 128, 128))}
     clock = CallClock(pipe, pipe.accel.graph_memory_bytes, engine.device)
     captured = False
     names = ", ".join(f"{w}x{h}" for w, h in sizes)

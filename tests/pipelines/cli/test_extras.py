@@ -65,7 +65,7 @@ def test_a_missing_module_is_named_by_its_package(monkeypatch: pytest.MonkeyPatc
         missing("servers")
 
 
-@pytest.mark.parametrize("module", ["fastapi", "prometheus_client", "uvicorn"])
+@pytest.mark.parametrize("module", ["fastapi", "prometheus_client", "uvicorn", "python_multipart"])
 def test_bcg_serve_without_the_serve_extra_is_one_line_before_torch(module: str) -> None:
     """Once the server built the model for 16 s, then died on its first import of the extra."""
     proc, seconds = _python(f"""

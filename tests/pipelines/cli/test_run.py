@@ -70,6 +70,17 @@ def test_single_image_with_metadata(tmp_path: Path, capsys: pytest.CaptureFixtur
         assert "mode eager (--mode bcg asked, no CUDA device)" in summary
 
 
+@pytest.mark.skipif(not NO_CUDA, reason="what a machine without CUDA runs")
+def test_the_report_and_the_summary_agree_on_what_ran(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--out", str(tmp_path / "r.png"), "--report", *FAST]) == 0
+    summary, head = capsys.readouterr().out.splitlines()[:2]
+    assert "mode eager (--mode bcg asked, no CUDA device)" in summary
+    assert (
+        head == "bcg-diffusers: ZImagePipeline, mode bcg asked, eager here: CUDA is not available (graphs need a "
+        "CUDA device)"
+    )
+
+
 def test_same_seed_same_pixels_and_eager_mode(tmp_path: Path) -> None:
     a, b = tmp_path / "a.png", tmp_path / "b.png"
     assert main(["--prompt", "a cat", "--seed", "3", "--out", str(a), *FAST]) == 0
@@ -95,6 +106,25 @@ def test_batch_and_two_resolutions(tmp_path: Path) -> None:
         meta = png_text(tmp_path / name)
         assert meta["seed"] == name.split("-s")[-1].removesuffix(".png")
         assert meta["resolution"] == f"{size[0]}x{size[1]}"
+
+
+def test_width_height_num_images_and_a_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    rc = main(["--prompt", "a fox", "--width", "48", "--height", "32", "--num-images", "3", "--batch-size", "2",
+               "--steps", "2", "--seed", "5", "--out", str(tmp_path), "--json", "--quiet"])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr()
+    summary = json.loads(out.out)  # stdout holds the JSON alone
+    assert "3 image(s) in" in out.err  # the summary line went to stderr
+    assert (summary["made"], summary["calls"], summary["steps"], summary["model"]) == (3, 2, 2, "z-image")
+    assert [(f["seed"], f["width"], f["height"], f["index"]) for f in summary["files"]] == [
+        (5, 48, 32, 0), (6, 48, 32, 1), (7, 48, 32, 2)]  # fmt: skip
+    for f in summary["files"]:
+        assert png_size(Path(f["file"])) == (48, 32) and png_text(Path(f["file"]))["seed"] == str(f["seed"])
+    params = png_text(Path(summary["files"][0]["file"]))["parameters"]
+    assert params.startswith("a fox\nSteps: 2, Sampler: FlowMatchEulerDiscreteScheduler, CFG scale: 0, Seed: 5, ")
+    assert "Size: 48x32, Model: z-image, Version: bcg-diffusers " in params
 
 
 def test_repeated_resolution_flag(tmp_path: Path) -> None:

@@ -1,13 +1,15 @@
 """The server under pressure, with the device held busy on cue (:mod:`held_server`: a prompt
 ``hold:PATH`` keeps its pipeline call running until PATH exists, ``boom`` fails it): compatible
 waiting requests join one call and others do not, a full queue answers 429 with Retry-After, a
-client that leaves and a request past ``--timeout`` have their queued work dropped, a failed
+client that leaves and a request past ``--timeout`` have their queued work dropped (and a running
+call whose requests all gave up stops at its next step's end), a failed
 batch fails only its own requests, and SIGTERM while busy finishes the running batch, answers
 the waiting ones 503 and exits 0."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -40,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture
 def brief(tmp_path: Path) -> Iterator[ServerProcess]:
-    yield from started(tmp_path / "server.log", [*FLAGS, "--timeout", str(BRIEF)])
+    yield from started(tmp_path / "server.log", [*FLAGS, "--timeout", str(BRIEF), "--max-steps", "1000"])
 
 
 @pytest.fixture
@@ -129,8 +131,8 @@ def test_a_client_that_leaves_has_its_queued_work_dropped(server: ServerProcess,
     assert delta(before, after, "bcg_serve_images_total") == 1  # the held one only: the other never ran
 
 
-def test_a_request_past_the_timeout_is_504_and_its_work_dropped(brief: ServerProcess, pool: Any,
-                                                                  tmp_path: Path) -> None:  # fmt: skip
+def test_a_request_past_the_timeout_is_504_its_work_dropped_and_its_call_stopped(brief: ServerProcess, pool: Any,
+                                                                                   tmp_path: Path) -> None:  # fmt: skip
     before = brief.metrics()
     release = tmp_path / "go"
     held = hold(brief, pool, release)
@@ -139,12 +141,31 @@ def test_a_request_past_the_timeout_is_504_and_its_work_dropped(brief: ServerPro
     assert f"not done within --timeout {BRIEF:g} s" in late.json()["error"]["message"] and "\n" not in late.text
     assert held.result(60).status_code == 504  # the held call ran past the timeout too ...
     release.touch()
-    wait_for(lambda: brief.metrics()["bcg_serve_images_total"] > before["bcg_serve_images_total"], "it ends")
+    stopped = 'bcg_serve_pipeline_calls_total{ran="stopped"}'
+    wait_for(lambda: brief.metrics()[stopped] > before[stopped], "its call stops at its first step's end")
     after = brief.metrics()
-    assert delta(before, after, 'bcg_serve_dropped_total{reason="timeout"}') == 1  # ... but ran: not dropped
+    assert delta(before, after, 'bcg_serve_dropped_total{reason="timeout"}') == 1  # "too late": never ran
+    assert delta(before, after, 'bcg_serve_dropped_total{reason="timeout_running"}') == 1  # the held one: stopped
     assert delta(before, after, 'bcg_serve_requests_total{status="504"}') == 2
+    assert delta(before, after, "bcg_serve_images_total") == 0
     assert after["bcg_serve_queue_depth"] == 0
     assert after["bcg_serve_queue_seconds_count"] == before["bcg_serve_queue_seconds_count"] + 1  # "too late" never ran
+
+    # The issue's case: a request for 1,000 steps (the server's --max-steps) times out, and the one
+    # after it is answered at once: its call stopped at a step's end instead of running to the last.
+    t0 = time.monotonic()
+    long = post(brief.url, prompt="a thousand steps", steps=1000)
+    assert long.status_code == 504 and BRIEF <= time.monotonic() - t0 < BRIEF + 2
+    t1 = time.monotonic()
+    short = post(brief.url, prompt="one step", steps=1)
+    assert short.status_code == 200 and time.monotonic() - t1 < 5, short.text
+    assert "stopped after step" in brief.text() and "of 1000: its request(s) gave up" in brief.text()
+    assert brief.client.get("/ready").status_code == 200
+    # Every request left one access line: the four posts here, and each /metrics, /ready and /health read.
+    lines = [line for line in brief.text().splitlines() if "bcg-serve.access:" in line]
+    posts = [re.search(r"POST /v1/images/generations (\d+) ", line) for line in lines]
+    assert sorted(m.group(1) for m in posts if m) == ["200", "504", "504", "504"]
+    assert len({line.split("id=")[1].split()[0] for line in lines}) == len(lines)  # one line each, ids distinct
 
 
 def test_a_failed_batch_fails_its_requests_only(server: ServerProcess, pool: Any, tmp_path: Path) -> None:

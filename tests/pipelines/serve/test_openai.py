@@ -5,7 +5,9 @@ takes. ``output_format`` png, jpeg and webp come back as those files (their magi
 named in the log and the ``X-Ignored-Parameters`` header; a prompt cut at the text encoder's
 limit is logged and the response says so (a header, and ``prompt_truncated`` on each image);
 what is not served is the client's own ``BadRequestError`` (a 400, as OpenAI answers) with a
-one-line message."""
+one-line message. ``images.edit`` sends its multipart form to ``/v1/images/edits``: the tiny
+Z-Image-style model takes the image through the image-to-image pipeline diffusers makes from it
+(and a mask through its inpainting pipeline), recorded in each image's text."""
 
 from __future__ import annotations
 
@@ -131,3 +133,71 @@ def test_what_is_not_served_is_the_clients_own_error_in_one_line(client: Any, kw
         client.images.generate(prompt="a fox", extra_body=body, **rest)
     error = refused.value.body
     assert says in error["message"] and "\n" not in error["message"], error
+
+
+def png_file(size: tuple[int, int] = (64, 48), mode: str = "RGB", colour: tuple[int, ...] = (200, 40, 40)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new(mode, size, colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_images_edit_through_the_official_client_returns_an_image_of_the_input(client: Any) -> None:
+    red, blue = png_file(), png_file(colour=(30, 60, 220))
+
+    def edit(image: bytes, **extra: Any) -> Image.Image:  # 4 steps at strength 0.5: the last 2, from the image
+        r = client.images.edit(image=("in.png", image, "image/png"), prompt="a lighthouse", size="64x64",
+                               extra_body={**FAST, "steps": 4, "strength": 0.5, **extra})  # fmt: skip
+        (item,) = r.data
+        with Image.open(io.BytesIO(raw_bytes(item))) as out:
+            out.load()
+            return out
+
+    from_red = edit(red)
+    assert from_red.size == (64, 64) and from_red.format == "PNG"
+    text = from_red.text
+    assert text["input_image"].endswith("(64x48), img2img, strength 0.5") and "Denoising strength: 0.5" in text[
+        "parameters"]  # fmt: skip
+    assert (text["prompt"], text["seed"], text["steps"]) == ("a lighthouse", "3", "4")
+    import numpy as np
+
+    pixels = np.asarray(from_red, dtype=np.int16)
+    assert np.array_equal(pixels, np.asarray(edit(red), dtype=np.int16))  # its seed's, again
+    assert not np.array_equal(pixels, np.asarray(edit(blue), dtype=np.int16))  # and its image's
+
+
+def test_an_edit_with_openais_mask_goes_to_the_inpainting_pipeline(client: Any) -> None:
+    mask = Image.new("RGBA", (64, 48), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (0, 0, 32, 48))  # the left half transparent: redrawn
+    buffer = io.BytesIO()
+    mask.save(buffer, format="PNG")
+    r = client.images.edit(image=("in.png", png_file(), "image/png"), mask=("mask.png", buffer.getvalue(), "image/png"),
+                           prompt="a lighthouse", size="32x32", extra_body=FAST)  # fmt: skip
+    with Image.open(io.BytesIO(raw_bytes(r.data[0]))) as out:
+        out.load()
+        assert out.size == (32, 32) and out.text["input_image"].endswith("(64x48), masked, inpaint")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        (dict(size="48x48"), "size '48x48' is not served"),
+        (dict(n=9), "n must be 1 to 4"),
+        (dict(extra_body={"strength": 1.5}), "strength must be above 0 and at most 1, got 1.5"),
+        (dict(extra_body={"steps": "many"}), "steps: Input should be a valid integer"),
+        (dict(image=("in.png", b"not an image", "image/png")), "image is not an image this server can read"),
+    ],
+)
+def test_an_invalid_edit_is_the_clients_bad_request(client: Any, kwargs: dict[str, Any], says: str) -> None:
+    args: dict[str, Any] = dict(image=("in.png", png_file(), "image/png"), prompt="a fox", size="64x64")
+    args.update(kwargs)
+    args["extra_body"] = {**FAST, **kwargs.get("extra_body", {})}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.edit(**args)
+    assert says in refused.value.body["message"] and "\n" not in refused.value.body["message"]
+
+
+def test_an_edit_form_without_an_image_or_not_multipart_is_a_400(server: ServerProcess) -> None:
+    no_image = server.client.post("/v1/images/edits", data={"prompt": "a fox"}, files={"x": ("x", b"1")})
+    assert no_image.status_code == 400 and no_image.json()["error"]["param"] == "image"
+    as_json = server.client.post("/v1/images/edits", json={"prompt": "a fox"})
+    assert as_json.status_code == 400 and "multipart/form-data" in as_json.json()["error"]["message"]
