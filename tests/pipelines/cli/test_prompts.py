@@ -84,4 +84,4 @@ def test_the_size_of_the_run_is_said_before_the_build(
     with caplog.at_level(logging.INFO, logger="bcg-generate"):
         argv = ["--prompts-file", str(prompts), "--resolution", "64x64", "32x32", "--out", str(tmp_path / "o")]
         assert main(argv) == 130
-    assert "6000 image(s) to make: 3000 prompt(s) x 2 resolution(s) x batch size 1" in caplog.text
+    assert "6000 image(s) to make: 3000 prompt(s) x 2 resolution(s) x 1 in calls of 1" in caplog.text
