@@ -47,6 +47,22 @@ def test_an_existing_image_is_kept_and_overwrite_replaces_it(tmp_path: Path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fox-1.png", "fox-2.png", "fox.png"]  # no .part left
 
 
+def test_the_readmes_first_command_runs_twice_in_a_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's newcomer ran it again and got "outputs/fox.png already exists", status 2."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
+    first = re.search(r"```bash\n(.*?)\n```", readme, re.S).group(1)
+    command = shlex.split(first.split("&& ")[-1])
+    assert command[0] == "bcg-generate"
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert main([*command[1:], "--steps", "1", "--quiet"]) == 0
+    out = Path(command[command.index("--out") + 1])
+    assert sorted(p.name for p in (tmp_path / out.parent).iterdir()) == [f"{out.stem}-1.png", out.name]
+
+
 def test_existing_images_in_a_folder_each_go_to_a_free_name(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -77,3 +77,40 @@ def test_a_step_callback_leaves_the_image_bit_for_bit_and_stop_ends_the_call() -
     assert seen == [1, 2, 3]
     with pytest.raises(CallStopped, match="stopped after step 2"):
         call(callback_on_step_end=StepWatch(stop=lambda: len(seen) >= 5, on_step=seen.append))
+
+
+@pytest.mark.parametrize("name", ["z-image", "qwen-image"])
+def test_graphs_stay_valid_after_a_call_stopped_at_a_step(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server stops a call whose requests all gave up at a step's end. On emulated CUDA graphs
+    (replays read recorded tensors, as on a GPU), with a step cache whose state spans the call
+    (First Block Cache, its threshold high enough that steps are cached): a call stopped at its
+    second step, then whole calls, give the cached pipeline's eager latents bit for bit."""
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+
+    from accel import accelerate_pipeline
+    from pipelines.cli.steps import end_stopped_call
+    from tests.helpers.emulator import emulate_pipelines
+
+    emulate_pipelines(monkeypatch)
+    pipe = build_pipeline(name, "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=10.0))
+    guidance = dict(true_cfg_scale=4.0) if name == "qwen-image" else dict(guidance_scale=4.0)
+
+    def call(seed: int, **extra: object) -> torch.Tensor:
+        return pipe("a fox in the snow", negative_prompt="blurry", height=32, width=48, num_inference_steps=4,
+                    generator=torch.Generator().manual_seed(seed), output_type="latent", **guidance,
+                    **extra).images  # fmt: skip
+
+    accelerate_pipeline(pipe, mode="eager")
+    want = [call(seed) for seed in (1, 2)]
+    pipe.accel.restore()
+    accelerate_pipeline(pipe, capture_on_miss=True)
+    assert torch.equal(call(1), want[0])  # captured on the way
+    with pytest.raises(CallStopped):
+        call(2, callback_on_step_end=StepWatch(stop=lambda: True))
+    end_stopped_call(pipe)
+    assert torch.equal(call(2), want[1]) and torch.equal(call(1), want[0])
+    stats = pipe.accel.stats()["transformer"]
+    assert stats.replays > 0 and stats.eager_calls == 0
+    pipe.accel.restore()

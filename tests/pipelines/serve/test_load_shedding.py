@@ -108,6 +108,8 @@ def test_a_full_queue_answers_429_with_retry_after(server: ServerProcess, pool: 
     waiting = [pool.submit(post, server.url, prompt=f"wait {i}", size="64x64" if i % 2 else "32x32")
                for i in range(6)]  # fmt: skip
     queued(server, 6)
+    ready = server.client.get("/ready")  # a request would be refused now: not ready, and why
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "queue_full"
     refused = post(server.url, prompt="one too many")
     assert refused.status_code == 429
     assert int(refused.headers["retry-after"]) >= 1

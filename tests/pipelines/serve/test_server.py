@@ -55,6 +55,9 @@ def test_bad_flags_are_one_line_and_status_2_before_anything_starts(tmp_path: Pa
         run = subprocess.run([*bcg_serve(), *argv], capture_output=True, text=True, timeout=120)
         assert run.returncode == 2, (argv, run.stderr)
         assert run.stderr.count("\n") == 1 and says in run.stderr, run.stderr
+    helped = subprocess.run([*bcg_serve(), "--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--parallel" not in helped.stdout  # it would only be refused
+    assert "--max-steps" in helped.stdout and "--served-model-name" in helped.stdout
     # A model name the builders do not know is found when the build starts: status 2 all the same.
     run = subprocess.run([*bcg_serve(), "--model", "no-such-model", "--port", "0"], capture_output=True, text=True,
                          timeout=120)  # fmt: skip
