@@ -19,7 +19,7 @@ Bad input is one line on stderr and exit status 2 (a request beyond a limit of
 :mod:`pipelines.limits` included); a failure while loading or generating is one line and status 1;
 Ctrl-C is status 130, SIGTERM 143. Nothing is written before the checks pass, an image file
 appears only once it is complete (written to a hidden ``.part`` file of its own, then renamed),
-and an existing image is never replaced without ``--overwrite``.
+and an existing image is never replaced without ``--overwrite``: the new one takes a free name.
 
 Importing this package imports no torch: ``--help`` and argument errors answer at once.
 
@@ -50,7 +50,13 @@ calls       ``call_settings``: the run's flags against the model's defaults; one
             to images, and the mode it ran in
 prepare     ``prepare_pipeline`` and ``load_pipeline``: checked, built, limits, step cache,
             accelerated, warmed up
-images      the PNG text of each image, its bytes (``call_pngs``), and a file that appears whole
+image_input which pipeline takes an input image (the model's own, or diffusers' image-to-image
+            or inpainting pipeline of its components), masks, images read
+outputs     the run's sizes, its image files' format, and new names for files that exist
+formats     an image as a PNG, JPEG or WebP file with its record, read back (``read_image_text``)
+progress    the run's step bar on a terminal, its progress lines elsewhere
+images      the text of each image (A1111's ``parameters`` too), its PNG bytes (``call_pngs``),
+            a file that appears whole, part files of killed runs swept
 video       a video model's every frame: WebP, GIF or MP4 by --out's suffix, the text in each
             container's metadata (``read_video_text``), the frame rate
 processes   one process or those of an accelerate launch
@@ -84,6 +90,7 @@ __getattr__, __dir__, _ = lazy_exports(
         "processes": ("Processes", "detect_processes"),
         "steps": ("CallStopped", "StepWatch"),
         "video": ("read_video_text", "save_video"),
+        "formats": ("encode_image", "read_image_text"),
     },
 )
 
@@ -122,6 +129,7 @@ __all__ = [
     "plan_jobs",
     "png_bytes",
     "prepare_pipeline",
+    "read_image_text",
     "read_video_text",
     "save_video",
     "shard",

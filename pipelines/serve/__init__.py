@@ -3,9 +3,12 @@
     bcg-serve --model z-image --resolutions 512x512 1024x1024 --batch-sizes 1 2 4 8 --compile
     curl -s localhost:8000/v1/images/generations -d '{"prompt": "a red fox", "size": "512x512"}'
 
-OpenAI's ``POST /v1/images/generations`` (PNG, JPEG or WebP as ``b64_json``, with ``seed``,
-``steps``, ``guidance``, ``negative_prompt`` and ``lora`` as extensions), ``GET /v1/models``,
-``/health``, ``/ready`` and ``/metrics``. Requests that can share one pipeline call (same size,
+OpenAI's ``POST /v1/images/generations`` and ``POST /v1/images/edits`` (PNG, JPEG or WebP as
+``b64_json``, with ``seed``, ``steps``, ``guidance``, ``negative_prompt``, ``lora`` and an edit's
+``strength`` as extensions), ``GET /v1/models`` (and ``/v1/models/{id}``), ``/health``,
+``/ready`` and ``/metrics``; an invalid request is a 400 in OpenAI's error shape, and every
+request leaves one access-log line. A call whose requests all gave up (``--timeout``, a client
+gone) stops at its next step's end. Requests that can share one pipeline call (same size,
 steps, guidance, negative prompt or not, adapter, text length) are joined, up to the largest
 batch-size bucket that fits the device's memory, waiting at most ``--max-wait-ms``; a call runs
 at the smallest bucket that holds its images (the warm-up captured only the buckets), and each
@@ -20,7 +23,8 @@ the optional extra ``[serve]``; importing this package imports none of them, nor
 The modules, one job each:
 
 config      the flags (the CLI's model flags, the server's), checked as read
-schema      the request body, checked: 400/422 in one line, nothing queued
+schema      the request body, checked: 400 in one line, nothing queued
+edits       the multipart form of an edit, checked the same way, its image read
 errors      the one-line JSON error every non-200 answer is
 batcher     the bounded queue, and compatible requests joined into one call
 admission   which batch-size buckets fit the device's memory, at start and per call
@@ -31,6 +35,7 @@ warmup      every size at every bucket captured, timed and measured per bucket
 worker      the device worker: the one thread that calls the pipeline
 service     phases, and one request's way through the queue (timeout, disconnect)
 metrics     Prometheus counters, gauges and histograms
+access      the access log: a line and an id for every request
 app         the routes, on FastAPI
 startup     checks before the socket is bound; build, adapters and warm-up on the worker
 lifecycle   socket, uvicorn, signals and exit status
