@@ -40,9 +40,11 @@ def plan_image_output(fmt: str | None, quality: int | None, single: Path | None,
     CLIError where ``--format`` disagrees with that suffix or names a format for a video model's
     videos, or ``--quality`` is given for a lossless PNG."""
     suffix = single.suffix.lower() if single is not None else None
-    if video and fmt is not None and (suffix is None or suffix in VIDEO_SUFFIXES):
-        raise CLIError(f"--format {fmt} sets image files' format, and this model writes videos (.webp, .gif or "
-                       ".mp4: --out names one)")  # fmt: skip
+    if video and (suffix is None or suffix in VIDEO_SUFFIXES):
+        for flag, value in (("--format", fmt), ("--quality", quality)):
+            if value is not None:
+                raise CLIError(f"{flag} {value} sets image files' format, and this model writes videos (.webp, .gif "
+                               "or .mp4: --out names one)")  # fmt: skip
     named = IMAGE_SUFFIXES.get(suffix) if suffix is not None and not (video and suffix in VIDEO_SUFFIXES) else None
     if fmt is not None and named is not None and fmt != named:
         raise CLIError(f"--format {fmt} and --out {str(single)!r} ({named}) disagree: drop one")
