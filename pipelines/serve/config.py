@@ -14,9 +14,9 @@ from typing import Any
 
 from pipelines.cli import CLIError, ModelSettings, add_model_arguments, model_settings
 from pipelines.cli.constants import MAX_STEPS
-from pipelines.cli.known_models import known_model
 from pipelines.cli.model_flags import model_epilog
 from pipelines.cli.values import resolution
+from pipelines.families.catalog import known_model
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
