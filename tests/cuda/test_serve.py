@@ -48,3 +48,26 @@ def test_batches_replay_and_equal_the_same_request_in_a_batch_of_the_same_size(e
     means = [float(np.abs(i - j).mean()) for x, y in zip(alone, four) for i, j in zip(x, y)]
     sys.stderr.write(f"z-image full bf16 512x512: alone against a batch of 4, max 8-bit diff per image {gaps}, "
                      f"mean {[round(m, 3) for m in means]}\n")  # fmt: skip
+
+
+def test_a_call_stopped_at_a_step_leaves_the_graphs_to_replay_the_next_bit_for_bit(engine: Engine) -> None:
+    """A server stops a call whose requests all gave up at a step's end (diffusers'
+    callback_on_step_end raises out of the call): on real graphs the next calls replay and give
+    the images they gave before the stop, bit for bit."""
+    from pipelines.cli import CallStopped
+
+    request = ImageRequest("a lighthouse at night", 1, 512, 512, seed=21, steps=8)
+    before = made(engine, [request])
+    steps: list[int] = []
+
+    def stop() -> bool:
+        steps.append(1)
+        return len(steps) >= 3
+
+    with pytest.raises(CallStopped):
+        engine.make([engine.plan(request)], stop)
+    assert len(steps) == 3  # stopped at the third step's end, not at the last
+    replays = engine.denoiser_counts()[0]
+    after = made(engine, [request])
+    assert engine.denoiser_counts()[0] > replays
+    assert all(np.array_equal(x, y) for x, y in zip(before[0], after[0]))
