@@ -34,7 +34,9 @@ what the pipeline says of itself (checked against diffusers 0.42).
   - ``strength`` is there too (image-to-image and inpainting start from the image), or
   - the pipeline has a ``processor`` component: a vision-language processor, through which the
     text encoder reads the image with the prompt (Qwen-Image-Edit, which fails at
-    ``image.size`` when called without one).
+    ``image.size`` when called without one), unless the call's docstring says ``image`` is
+    ``*optional*``, diffusers' mark of an argument a call runs without (Qwen-Image 2.1 makes an
+    image from text alone and reads one only as a condition).
 
   A denoiser taking more input channels than the VAE's latents is no sign on its own: packed
   latents (FLUX, FLUX.2: 2x2 patches) make that true of text-to-image models. Where an image is
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -202,11 +205,23 @@ def _guidance(pipe: Any, params: Mapping[str, inspect.Parameter], components: Ma
     return NONE, None, None
 
 
-def _needs_image(params: Mapping[str, inspect.Parameter], components: Mapping[str, Any]) -> bool:
+# How diffusers' docstrings document an argument: "    image (`PipelineImageInput`, *optional*):".
+_DOCUMENTED_IMAGE = re.compile(r"^\s*image \((.*)\):", re.MULTILINE)
+
+
+def _documented_optional(pipe: Any) -> bool:
+    """Whether ``pipe``'s ``__call__`` docstring marks ``image`` as ``*optional*``."""
+    found = _DOCUMENTED_IMAGE.search(inspect.getdoc(type(pipe).__call__) or "")
+    return found is not None and "*optional*" in found.group(1)
+
+
+def _needs_image(pipe: Any, params: Mapping[str, inspect.Parameter], components: Mapping[str, Any]) -> bool:
     image = params.get("image")
     if image is None:
         return False
-    return image.default is inspect.Parameter.empty or "strength" in params or components.get("processor") is not None
+    if image.default is inspect.Parameter.empty or "strength" in params:
+        return True
+    return components.get("processor") is not None and not _documented_optional(pipe)
 
 
 def read_call_shape(pipe: Any) -> CallShape:
@@ -231,7 +246,7 @@ def read_call_shape(pipe: Any) -> CallShape:
         cfg_off=cfg_off,
         takes_frames=frames is not None,
         default_frames=default_frames,
-        needs_image=_needs_image(params, components),
+        needs_image=_needs_image(pipe, params, components),
         takes_prompt="prompt" in params,
         takes_negative_prompt="negative_prompt" in params,
         embedding_params=tuple(p for p in params if _is_embedding_param(p)),

@@ -197,6 +197,17 @@ FAMILIES = [
         None,
         True,
     ),
+    # An edit pipeline's image is its starting point; Qwen-Image 2.1's is an optional condition
+    # (its docstring's *optional*), though both read it through a vision-language processor.
+    (
+        "QwenImageEditPlusPipeline",
+        None,
+        dict(transformer=_module(), processor=object()),
+        ("true_cfg", 4.0, 1.0),
+        None,
+        True,
+    ),
+    ("QwenImage21Pipeline", None, dict(transformer=_module(), processor=object()), ("true_cfg", 4.0, 1.0), None, False),
     ("HunyuanVideo15Pipeline", None, dict(transformer=_module(), guider=object()), ("guider", None, None), 121, False),
     ("StableDiffusion3Img2ImgPipeline", None, dict(transformer=_module()), ("cfg", 5.0, 1.0), None, True),
 ]
