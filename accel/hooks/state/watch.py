@@ -104,10 +104,15 @@ class _Plan:
         self.globals = rule.copy_globals(globals_now)
         self.next_id = RemovableHandle.next_id
         # Torch hooks are registered through handles numbered from one global counter: while it
-        # has not moved, an empty hook dictionary is still empty, and only non-empty ones (in the
-        # getters) can have changed. When it moved, every hook dictionary's length is compared.
+        # has not moved, an empty hook dictionary is still empty, and a non-empty one can only
+        # have lost a hook (its length). When it moved, every hook dictionary's length is
+        # compared, and the non-empty ones by what their hooks compute (rule.hook_keys), not by
+        # handle: a hook registered again around every call is the same hook.
         self.hook_dicts = [s.d[k] for s in specs for k in rule.HOOK_DICTS if k in s.seen]
         self.hook_lens = [len(h) for h in self.hook_dicts]
+        self.hooked = [h for h in self.hook_dicts if h]
+        self.hooked_lens = [len(h) for h in self.hooked]
+        self.hooked_keys = [rule.hook_keys(h) for h in self.hooked]
         # Values whose class compares by value (a one-element tensor equals an equal one) and
         # objects whose own dictionary is watched: compared by identity, grouped by key.
         self.ident: list[tuple[Any, list[dict[str, Any]]]] = []
@@ -145,7 +150,11 @@ class _Plan:
         if RemovableHandle.next_id != self.next_id:
             if list(map(len, self.hook_dicts)) != self.hook_lens:
                 return False
+            if list(map(rule.hook_keys, self.hooked)) != self.hooked_keys:
+                return False
             self.next_id = RemovableHandle.next_id
+        elif list(map(len, self.hooked)) != self.hooked_lens:
+            return False  # a hook removed (that takes no handle number)
         return (
             rule.globals_now() == self.globals
             and list(map(len, self.dicts)) == self.lens
@@ -275,15 +284,21 @@ def _getter(keys: tuple[str, ...]) -> Any:
 def _spec(path: str, obj: Any, d: dict[str, Any], keys: list[str]) -> _Spec:
     seen = {k: rule.copy(d[k]) for k in keys}
     # The fast check compares the non-empty parameter and buffer dictionaries too (a tensor
-    # replaced), and leaves out empty hook dictionaries (the handle counter covers them, see
-    # _Plan) and empty child, parameter and buffer dictionaries: a module gains a first child or
+    # replaced), leaves hook dictionaries to _Plan (by the handle counter and what their hooks
+    # compute) and leaves out empty child, parameter and buffer dictionaries: a module gains a first child or
     # tensor only under a name its forward did not read when it was captured (an optional
     # submodule held as a plain None changes the dictionary's length, which is compared). Not so
     # a ModuleDict or ModuleList's children, which its owner reads by content (PEFT's DoRA
     # vectors); its empty hook dictionaries are left to the handle counter as anyone's are.
     listed = isinstance(obj, rule.CONTAINER_MODULES)
     unread = rule.unread(obj)
-    fast = [k for k in keys if k not in unread and (k not in rule.SPARSE or seen[k] or (listed and k == "_modules"))]
+    fast = [
+        k
+        for k in keys
+        if k not in unread
+        and k not in rule.HOOK_DICTS  # compared by what the hooks compute (_Plan.state_same)
+        and (k not in rule.SPARSE or seen[k] or (listed and k == "_modules"))
+    ]
     fast += [k for k in rule.WEIGHT_KEYS if d.get(k) or (listed and k in d)]
     spec = _Spec(path, obj, d, seen)
     if fast:

@@ -31,6 +31,18 @@ handle, numbered from one global counter; an empty child, parameter or buffer di
 entry only under a name the forward did not read when it was captured (but a ``ModuleDict`` or
 ``ModuleList``, read by content, is compared even empty).
 
+Hook dictionaries are compared by what their hooks compute, in order (:func:`hook_keys`), not by
+the hooks' identities or handle numbers: a Python function by its code, the contents of its
+closure cells and its defaults (each by the rule above), a bound method by its object and its
+function. A hook a caller registers around every call and removes after (a pipeline's
+``register_forward_hook(lambda module, args, output: args[0])`` around each encode) is a new
+function object with a new handle each time, yet the same hook: each registration finds the state
+it had the time before, and its graphs. A hook of other code or other captured values, one added
+and left, one removed, is a change as before. Other callables (a ``functools.partial``, an object
+with ``__call__``) are compared by identity; the flags torch keeps beside a hook's handle
+(``with_kwargs``, ``always_called``) are not compared: they follow the hook's calling convention,
+which its code fixes.
+
 Process-wide, beside the dictionaries: diffusers' active attention backend, torch's global module
 hooks, and torch's settings that pick kernels (TF32, the SDPA kernel switches, autocast).
 
@@ -49,6 +61,7 @@ from __future__ import annotations
 import enum
 import functools
 import sys
+import types
 from collections.abc import Iterable
 from typing import Any
 
@@ -317,9 +330,57 @@ def same(a: Any, b: Any) -> bool:
         return False
 
 
+_EMPTY_CELL = object()
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return _rec(cell.cell_contents)
+    except ValueError:  # a cell not yet filled
+        return Same(_EMPTY_CELL)
+
+
+def hook_key(fn: Any) -> Any:
+    """What a hook computes, comparable with ``==`` (see the module docstring): a function by its
+    code, closure contents and defaults; a bound method by its object and function; any other
+    callable by identity."""
+    if isinstance(fn, types.MethodType):
+        return ("method", Same(fn.__self__), hook_key(fn.__func__))
+    if isinstance(fn, types.FunctionType):
+        return (
+            "function",
+            Same(fn.__code__),
+            Same(fn.__globals__),
+            tuple(_cell(c) for c in fn.__closure__ or ()),
+            _rec(list(fn.__defaults__ or ())),
+            _rec(dict(fn.__kwdefaults__ or {})),
+        )
+    return Same(fn)
+
+
+def hook_keys(hooks: Any) -> Any:
+    """A hook dictionary by what its hooks compute, in the order they run (handle numbers left
+    out); a value that is no dictionary as the rule compares any other."""
+    if not isinstance(hooks, dict):
+        return _rec(hooks)
+    return tuple(hook_key(fn) for fn in hooks.values())
+
+
+def _rec_entry(key: str, v: Any) -> Any:
+    return hook_keys(v) if key in HOOK_DICTS else _rec(v)
+
+
+def same_hooks(a: Any, b: Any) -> bool:
+    """Two hook dictionaries as the watch compares them (:func:`hook_keys`)."""
+    try:
+        return bool(hook_keys(a) == hook_keys(b))
+    except Exception:  # a closure value whose == raises: not the same
+        return False
+
+
 def record(specs: list[Any], globals_seen: tuple[Any, ...]) -> Any:
     """The Python state of a look, weights left out, comparable with ``==``."""
-    state = {s.path: (Same(s.obj), {k: _rec(v) for k, v in s.seen.items()}) for s in specs}
+    state = {s.path: (Same(s.obj), {k: _rec_entry(k, v) for k, v in s.seen.items()}) for s in specs}
     return (_rec(list(globals_seen)), state)
 
 
@@ -378,7 +439,9 @@ def differences(old_specs: list[Any], new_specs: list[Any]) -> list[str]:
             a, b = o.seen.get(key, missing), s.seen.get(key, missing)
             if key in HOOK_DICTS:
                 a, b = (a if a is not missing else {}), (b if b is not missing else {})
-            if a is not missing and b is not missing and same(a, b):
+                if same_hooks(a, b):
+                    continue
+            elif a is not missing and b is not missing and same(a, b):
                 continue
             out += _entry(s.path, key, a, b, missing)
     return out

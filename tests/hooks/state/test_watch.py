@@ -195,6 +195,63 @@ def test_the_watched_modules_own_forward_hooks_are_no_change_but_its_childrens_a
     assert any("0: forward pre hooks changed" in c for c in w.look().changes)
 
 
+def _scaled_hook(scale: float):
+    return lambda module, args, output: output * scale
+
+
+def test_a_hook_registered_again_around_every_call_is_the_same_state_and_other_hooks_are_not() -> None:
+    """A pipeline that registers ``lambda module, args, output: args[0]`` on a submodule around
+    every encode and removes it after (QwenImage21Pipeline on its text encoder's final norm) makes
+    a new function and handle each time: the same hook, so the same state, seen by the fast check
+    alone. A hook of other code or other closure values, one more hook, one left out: changes."""
+    m = _model()
+    w = Watch(m)
+    keys = StateKeys(limit=8)
+
+    def encode_hook() -> torch.utils.hooks.RemovableHandle:
+        return m[1].norm.register_forward_hook(lambda module, args, output: args[0])
+
+    handle = encode_hook()
+    with_hook, _ = keys.number(w.look().record)
+    for _ in range(3):
+        handle.remove()
+        handle = encode_hook()
+        assert w.unchanged()  # the per-call check, no look
+        assert keys.number(w.look().record) == (with_hook, True)
+    handle.remove()
+    assert not w.unchanged()  # left out: seen
+    without, seen = keys.number(w.look().record)
+    assert without != with_hook and not seen
+    handle = encode_hook()
+    assert not w.unchanged()
+    assert keys.number(w.look().record) == (with_hook, True)  # back to the hooked state
+
+    other = m[1].norm.register_forward_hook(lambda module, args, output: args[0])
+    assert not w.unchanged()  # one more hook (a hook that stays): seen, even of the same code
+    assert any("1.norm: forward hooks changed (1 -> 2)" in c for c in w.look().changes)
+    other.remove()
+    assert not w.unchanged()
+    assert keys.number(w.look().record) == (with_hook, True)
+    handle.remove()
+    handle = m[1].norm.register_forward_hook(lambda module, args, output: output)  # other code
+    assert not w.unchanged()
+    look = w.look()
+    assert any("1.norm: forward hooks changed (1 -> 1)" in c for c in look.changes)
+    assert keys.number(look.record)[0] not in (with_hook, without)
+    handle.remove()
+    w.look()
+    handle = m[1].norm.register_forward_hook(_scaled_hook(1.0))
+    first, _ = keys.number(w.look().record)
+    handle.remove()
+    handle = m[1].norm.register_forward_hook(_scaled_hook(1.0))  # same code, same closure values
+    assert w.unchanged()
+    handle.remove()
+    handle = m[1].norm.register_forward_hook(_scaled_hook(2.0))  # same code, another value
+    assert not w.unchanged()
+    look = w.look()
+    assert look.changes and keys.number(look.record)[0] != first
+
+
 def test_attention_backends_global_hooks_and_kernel_switches_are_seen() -> None:
     m = _model()
     w, _ = _watched(m)
