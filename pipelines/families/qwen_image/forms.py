@@ -13,7 +13,8 @@ twice): applied only with ``compile=True``, whose rule is graphs equal to the sa
 without graphs. The code it replaces is diffusers 0.42's (the recipe pins that range).
 
 Measured on one H200 (samples/bench/compiled-forms/): with the GELU epilogue of accel.hooks.compiled.fused,
-Qwen-Image's 1024x1024 step 135.3 -> 131.8 ms. Z-Image rotates the same way, inside a closure of
+Qwen-Image's 1024x1024 step 135.3 -> 131.8 ms. Qwen-Image 2.1's transformer rotates with its own copy
+of the same helper, which gets the same form. Z-Image rotates the same way, inside a closure of
 its attention processor; the same form there measured no change (96.1 ms), so it is not applied.
 """
 
@@ -47,10 +48,11 @@ def rotate_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 QWEN_MODULE = "diffusers.models.transformers.transformer_qwenimage"
 
 
-def qwen_rope_in_real_arithmetic() -> Callable[[], None]:
-    """Qwen-Image's ``apply_rotary_emb_qwen(..., use_real=False)`` in real arithmetic until the
-    returned undo is called (other uses of the helper run diffusers' code)."""
-    mod = sys.modules[QWEN_MODULE]
+def qwen_rope_in_real_arithmetic(module: str = QWEN_MODULE) -> Callable[[], None]:
+    """``apply_rotary_emb_qwen(..., use_real=False)`` of the diffusers ``module`` (Qwen-Image's by
+    default; Qwen-Image 2.1's has its own copy) in real arithmetic until the returned undo is called
+    (other uses of the helper run diffusers' code)."""
+    mod = sys.modules[module]
     original = unpatched(mod, "apply_rotary_emb_qwen")
 
     def apply_rotary_emb_qwen(

@@ -1,0 +1,396 @@
+"""Recipe for Qwen-Image 2.1 (diffusers' QwenImage21Transformer2DModel).
+
+The stock forward (diffusers 0.42) lays the text, the condition images and the target image out as
+one joint sequence, and does so on the host: ``repeat_interleave`` by a tensor of repeats, boolean
+index-puts, ``nonzero``, ``tolist()`` in the RoPE table and the prefix segments,
+``int((~target_token_mask).sum())``. None of it can be captured, and it sits in the forward's own
+body, where no function can be marked as a break. Yet all of it is a function of the call's
+shapes and masks (``img_mask``, ``encoder_hidden_states_mask``, ``img_shapes``), never of the
+latents. So the recipe runs the forward with that preamble factored out:
+
+* :func:`token_layout` is one *keyed* eager break: it computes the joint layout (the gather
+  index that replaces the repeat, the image positions that replace the boolean index-put, the
+  RoPE table, the target-token mask, the key-valid mask, ``prefix_len``, the prefix segments or
+  the flex ``BlockMask``) with diffusers' own helpers. Its host values (``prefix_len``, the
+  segments) are part of its output's structure, so a call with another layout replays (or
+  captures) a chain of its own instead of failing. Layouts are remembered by the masks' values,
+  so a replayed step pays one small device-to-host read, not the preamble.
+* everything after it (input projections, timestep and modulation, the block loop, the output
+  norm and projection) is the stock forward's code, captured as one segment. The blocks and
+  their attention processors are diffusers' own, called with the same arguments: the prefill's
+  per-segment SDPA (or flex) is exactly what stock runs.
+
+The result equals the stock forward bit for bit (the layout is pure data movement; every
+arithmetic op is the stock one, in the same order). The K/V cache (``kv_cache=``, a new
+``QwenImage21KVCache`` per pipeline call) is passed through untouched: whether its calls share
+graphs is the graph core's business (state containers), not the recipe's.
+
+The text is not padded to buckets: each image token's RoPE frame position counts the text
+before it, so padding moves the image's positions (not exact even in real arithmetic). Each text
+length is a signature of its own; warm up with the prompts real calls use.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import math
+import sys
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from accel import GenerationDefaults, GenericRecipe, eager_on_graph
+
+from .families.qwen_image.forms import qwen_rope_in_real_arithmetic
+
+__all__ = ["LAYOUTS_KEPT", "MODULE", "Layout", "QwenImage21Recipe", "token_layout"]
+
+logger = logging.getLogger(__name__)
+
+MODULE = "diffusers.models.transformers.transformer_qwenimage21"
+# Layouts remembered per transformer (by their masks' values): the tensors of one are a few MB at
+# 1024x1024 (its RoPE table), and a process sees few distinct layouts (one per prompt length and
+# condition-image size).
+LAYOUTS_KEPT = 16
+
+
+_QWEN3_VL = "transformers.models.qwen3_vl.modeling_qwen3_vl"
+# Qwen3-VL's functions that sync with the host, each a pure function of its inputs: the causal
+# mask's all-ones check (as Qwen2.5-VL's, for Qwen-Image), and where a condition image is read:
+# the vision tower (its grid read on the host), the placeholder count check, the 3D RoPE
+# positions (grouped on the host) and the deepstack features put at the image's positions
+# (a boolean index-put).
+TEXT_ENCODER_BREAKS = (
+    "transformers.masking_utils._ignore_causal_mask_sdpa",
+    f"{_QWEN3_VL}.Qwen3VLModel.get_image_features",
+    f"{_QWEN3_VL}.Qwen3VLModel.get_placeholder_mask",
+    f"{_QWEN3_VL}.Qwen3VLModel.compute_3d_position_ids",
+    f"{_QWEN3_VL}.Qwen3VLTextModel._deepstack_process",
+)
+
+
+@dataclasses.dataclass
+class Layout:
+    """The joint token layout of one call: what the stock forward computes on the host.
+
+    Attributes:
+        gather: ``(vlm_len * ...)`` indices into ``cat([text, target slots], dim=1)`` that expand
+            each vision slot to its 2x2 latent tokens (the stock ``repeat_interleave(repeats)``).
+        image_positions: the joint positions of the latent tokens (the stock boolean index-put).
+        rotary_emb: the RoPE table of the joint sequence.
+        target_token_mask: ``True`` at the target image's tokens.
+        joint_key_valid: ``(batch, joint_len)`` keys attention may see, or None without a text mask.
+        prefix_len: text and condition-image tokens before the target image.
+        segments: the prefill's ``(start, end, is_text)`` runs for the SDPA processor, or None.
+        block_mask: the prefill's flex ``BlockMask`` for the flex processor, or None.
+    """
+
+    gather: torch.Tensor
+    image_positions: torch.Tensor
+    rotary_emb: torch.Tensor
+    target_token_mask: torch.Tensor
+    joint_key_valid: torch.Tensor | None
+    prefix_len: int
+    segments: list[tuple[int, int, bool]] | None
+    block_mask: Any
+
+
+def _host_bytes(t: torch.Tensor | None) -> Hashable:
+    """A tensor's values as a hashable key (one device-to-host read)."""
+    if t is None:
+        return None
+    return (tuple(t.shape), t.dtype, t.detach().cpu().numpy().tobytes())
+
+
+class LayoutMemo:
+    """The layouts of one transformer, by the values of the masks and shapes they came from
+    (least recently used forgotten first). The same object comes back for the same values, so
+    a graph whose boundary buffer it is keeps reading what it was captured with."""
+
+    def __init__(self, limit: int = LAYOUTS_KEPT) -> None:
+        self.limit = limit
+        self._layouts: collections.OrderedDict[Hashable, Layout] = collections.OrderedDict()
+        self.computed = 0
+
+    def get(self, key: Hashable, compute: Callable[[], Layout]) -> Layout:
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = compute()
+            self.computed += 1
+            self._layouts[key] = layout
+            while len(self._layouts) > self.limit:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
+        return layout
+
+    def clear(self) -> None:
+        self._layouts.clear()
+
+    def __len__(self) -> int:
+        return len(self._layouts)
+
+
+def _compute_layout(
+    module: torch.nn.Module,
+    img_mask: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor | None,
+    img_shapes: list[list[tuple[int, int, int]]],
+    batch_size: int,
+    device: torch.device,
+    segments: bool,
+    block_mask: bool,
+) -> Layout:
+    """The stock forward's host-side preamble, with diffusers' helpers (see the module docstring)."""
+    mod = sys.modules[MODULE]
+    repeats = torch.where(img_mask, mod._IMG_TOKENS_PER_SLOT, 1)[0]
+    image_pad_mask = torch.repeat_interleave(img_mask[0], repeats)
+    gather = torch.repeat_interleave(torch.arange(repeats.shape[0], device=repeats.device), repeats)
+    image_positions = image_pad_mask.nonzero(as_tuple=True)[0]
+    rotary_emb = module.pos_embed(img_shapes[0], image_pad_mask, device=device)
+    image_ids, target_token_mask = module.build_token_metadata(image_pad_mask, img_shapes[0])
+    joint_key_valid = None
+    if encoder_hidden_states_mask is not None:
+        joint_key_valid = torch.ones(batch_size, image_pad_mask.shape[0], dtype=torch.bool, device=device)
+        text_positions = (~image_pad_mask).nonzero(as_tuple=True)[0]
+        vlm_text_positions = ~img_mask[0][: encoder_hidden_states_mask.shape[1]]
+        joint_key_valid[:, text_positions] = encoder_hidden_states_mask.bool()[:, vlm_text_positions]
+    prefix_len = int((~target_token_mask).sum())
+    return Layout(
+        gather=gather.to(device),
+        image_positions=image_positions.to(device),
+        rotary_emb=rotary_emb,
+        target_token_mask=target_token_mask,
+        joint_key_valid=joint_key_valid,
+        prefix_len=prefix_len,
+        segments=mod._qwenimage21_prefix_segments(image_ids, prefix_len) if segments else None,
+        block_mask=(
+            mod.build_qwenimage21_block_causal_mask(image_ids, joint_key_valid, batch_size, device)
+            if block_mask
+            else None
+        ),
+    )
+
+
+@eager_on_graph(keyed=True, name="qwen-image-2.1 token layout")
+def token_layout(
+    memo: LayoutMemo,
+    module: torch.nn.Module,
+    img_mask: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor | None,
+    img_shapes: list[list[tuple[int, int, int]]],
+    batch_size: int,
+    device: torch.device,
+    segments: bool,
+    block_mask: bool,
+) -> Layout:
+    """The call's :class:`Layout`: remembered by the masks' values, computed on a miss. An eager
+    break keyed on its output (``prefix_len`` and the segments are host values the segments
+    after it were captured for)."""
+    shapes = tuple(tuple(tuple(s) for s in sample) for sample in img_shapes)
+    key = (
+        _host_bytes(img_mask),
+        _host_bytes(encoder_hidden_states_mask),
+        shapes[:1],
+        batch_size,
+        device,
+        segments,
+        block_mask,
+    )
+    return memo.get(
+        key,
+        lambda: _compute_layout(
+            module, img_mask, encoder_hidden_states_mask, img_shapes, batch_size, device, segments, block_mask
+        ),
+    )
+
+
+def _forward(
+    memo: LayoutMemo,
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    img_shapes: list[list[tuple[int, int, int]]],
+    img_mask: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor | None = None,
+    attention_kwargs: dict[str, Any] | None = None,
+    kv_cache: Any = None,
+    kv_cache_mode: str | None = None,
+    return_dict: bool = True,
+) -> Any:
+    """diffusers 0.42's ``QwenImage21Transformer2DModel.forward`` (below its LoRA-scale
+    decorator), its layout taken from :func:`token_layout`; every other line as stock."""
+    mod = sys.modules[MODULE]
+    batch_size = hidden_states.shape[0]
+    if kv_cache is not None and not self.config.causal_condition:
+        raise ValueError(
+            "kv_cache requires `causal_condition=True`. The cache is only valid because text and condition-image "
+            "tokens modulate from t=0, which makes their activations independent of the denoising step."
+        )
+    if kv_cache is not None and kv_cache_mode not in ("extract", "cached"):
+        raise ValueError(
+            f"kv_cache_mode must be 'extract' or 'cached' when kv_cache is provided, got {kv_cache_mode!r}."
+        )
+    if kv_cache is None and kv_cache_mode is not None:
+        raise ValueError(f"kv_cache_mode is {kv_cache_mode!r} but no kv_cache was passed to hold the prefix.")
+
+    prefill = kv_cache_mode != "cached"
+    processors = [block.attn.processor for block in self.transformer_blocks]
+    flex = [isinstance(p, mod.QwenImage21FlexAttnProcessor) for p in processors]
+    layout = token_layout(
+        memo,
+        self,
+        img_mask,
+        encoder_hidden_states_mask,
+        img_shapes,
+        batch_size,
+        hidden_states.device,
+        prefill and not all(flex),
+        prefill and any(flex),
+    )
+
+    hidden_states = self.img_in(hidden_states)
+    encoder_hidden_states = self.txt_in(encoder_hidden_states)
+
+    target_tokens = math.prod(img_shapes[0][-1])
+    joint_hidden_states = torch.cat(
+        [
+            encoder_hidden_states,
+            encoder_hidden_states.new_zeros(batch_size, target_tokens // 4, encoder_hidden_states.shape[2]),
+        ],
+        dim=1,
+    )
+    # The stock repeat_interleave(repeats) and boolean index-put, as a gather and an index-put by
+    # positions: the same values moved, with no host sync.
+    joint_hidden_states = joint_hidden_states.index_select(1, layout.gather)
+    joint_hidden_states[:, layout.image_positions] = hidden_states
+
+    rotary_emb = layout.rotary_emb
+    target_token_mask = layout.target_token_mask
+
+    timestep = timestep.to(hidden_states.dtype)
+    if self.config.causal_condition:
+        timestep = torch.cat([timestep, timestep.new_zeros(1)], dim=0)
+        modulation_mask = target_token_mask
+    else:
+        modulation_mask = None
+    temb = self.time_text_embed(timestep, hidden_states)
+    modulation = self.modulation(temb)
+
+    joint_key_valid = layout.joint_key_valid
+    prefix_len = layout.prefix_len
+
+    if kv_cache_mode == "cached":
+        joint_hidden_states = joint_hidden_states[:, prefix_len:]
+        rotary_emb = rotary_emb[prefix_len:]
+        modulation_mask = modulation_mask[prefix_len:]
+        attention_mask = None if joint_key_valid is None else joint_key_valid[:, None, None, :]
+        cache_write_slice = None
+        block_segments, block_key_valid = None, None
+    else:
+        attention_mask = layout.block_mask
+        block_segments = layout.segments
+        cache_write_slice = slice(0, prefix_len) if kv_cache_mode == "extract" else None
+        block_key_valid = joint_key_valid
+
+    for index_block, block in enumerate(self.transformer_blocks):
+        layer_cache = kv_cache.get_layer(index_block) if kv_cache is not None else None
+        joint_hidden_states = block(
+            hidden_states=joint_hidden_states,
+            modulation=modulation,
+            rotary_emb=rotary_emb,
+            attention_mask=attention_mask,
+            target_token_mask=modulation_mask,
+            layer_cache=layer_cache,
+            kv_cache_mode=kv_cache_mode,
+            cache_write_slice=cache_write_slice,
+            segments=block_segments,
+            key_valid=block_key_valid,
+        )
+
+    joint_hidden_states = self.norm_out(joint_hidden_states, temb, modulation_mask)
+    output = self.proj_out(joint_hidden_states)
+
+    if not return_dict:
+        return (output,)
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    return Transformer2DModelOutput(sample=output)
+
+
+def layout_forward(fn: Callable[..., Any], memo: LayoutMemo) -> Callable[..., Any] | None:
+    """The forward of ``fn``'s module with its preamble as :func:`token_layout`, or None where
+    ``fn`` is not diffusers 0.42's forward of a QwenImage21Transformer2DModel (a subclass's own,
+    another wrapper): then the stock forward runs, and its capture fails into eager."""
+    mod = sys.modules.get(MODULE)
+    module = getattr(fn, "__self__", None)
+    if mod is None or getattr(fn, "__func__", None) is not mod.QwenImage21Transformer2DModel.forward:
+        return None
+    from diffusers.utils.peft_utils import apply_lora_scale
+
+    # The stock forward's decorator: PEFT's LoRA scale set around the call, as stock sets it.
+    scaled = apply_lora_scale("attention_kwargs")(functools.partial(_forward, memo))
+
+    @functools.wraps(fn)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and module.gradient_checkpointing:
+            return fn(*args, **kwargs)  # training: the stock forward, checkpointing as it does
+        return scaled(module, *args, **kwargs)
+
+    return forward
+
+
+class QwenImage21Recipe(GenericRecipe):
+    """The host-side token layout as one keyed eager break; the rest of the forward captured.
+
+    The warm-up is the generic one (real prompts through the pipeline, true CFG on and off, an
+    ``image`` or ``use_kv_cache`` where ``call_kwargs`` name them).
+    """
+
+    name = "qwen-image-2.1"
+    denoiser_classes = ("QwenImage21Transformer2DModel",)
+    diffusers_versions = ">=0.42,<0.43"
+    # quantize="fp8" keeps these in bf16 from the start: the input projections, the timestep
+    # embedder, the shared modulation, the output norm and projection (as for Qwen-Image).
+    fp8_keep = (
+        "img_in",
+        "txt_in.*",
+        "time_text_embed.*",
+        "modulation.*",
+        "norm_out.linear",
+        "proj_out",
+    )
+
+    def __init__(self) -> None:
+        self.layouts = LayoutMemo()
+
+    def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        forward = layout_forward(fn, self.layouts)
+        if forward is None:
+            logger.warning(
+                "qwen-image-2.1: %s is not diffusers 0.42's QwenImage21Transformer2DModel.forward; the stock forward "
+                "runs (its host syncs keep it eager)",
+                getattr(fn, "__qualname__", fn),
+            )
+            return fn
+        return forward
+
+    def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
+        # The same complex rotary product as Qwen-Image's (pipelines/compiled_forms.py).
+        if type(module).__module__ != MODULE:
+            return lambda: None
+        return qwen_rope_in_real_arithmetic(MODULE)
+
+    def component_breaks(self) -> dict[str, tuple[str, ...]]:
+        return {"text_encoder": TEXT_ENCODER_BREAKS}
+
+    def generation_defaults(self) -> GenerationDefaults:
+        # Qwen's recommendation (diffusers' docs): 40 steps, no guidance; true CFG only with a
+        # negative prompt and a scale above 1.
+        return GenerationDefaults(steps=40, guidance=None, guidance_kwarg="true_cfg_scale", cfg_above=1.0,
+                                  default_negative=" ")  # fmt: skip
