@@ -21,6 +21,12 @@ calling unchanged pipelines many times with every step cache and with joined gui
 * ``lora_scale`` and ``_safe_fusing`` on a diffusers model: ``fuse_lora``'s arguments, which
   ``unfuse_lora`` leaves behind, read by ``fuse_lora``'s own apply only;
 * a diffusers hook registry's ``_child_registries_cache``: rebuilt lazily, from what is watched;
+* an attribute a model's forward reads in one method only, while that method runs as an eager
+  break (:data:`READ_IN_BREAK`): a break runs at every replay and reads the attribute as it is
+  then, so no graph holds it. transformers' Qwen-VL models keep the M-RoPE deltas of their last
+  call with an image in ``rope_deltas`` (for generation's later steps): a new tensor at every such
+  call, read in a forward by ``compute_3d_position_ids`` alone. Without that method marked (a
+  recipe's known break), the attribute is watched as any other;
 * the watched module's own forward hooks (:data:`AROUND_THE_GRAPHS`): torch runs them around the
   module's ``forward``, where the graphs replay, so they run at every call and none is in a graph
   (a profiler's or a benchmark's timing hooks on the denoiser). Its submodules' hooks run inside
@@ -192,8 +198,27 @@ def unread(obj: Any) -> frozenset[str]:
     return _UNREAD_BY.get(type(obj), _NONE)
 
 
+# class name -> {attribute: the one method that reads it in a forward}: not watched while that
+# method is an eager break (see the module docstring).
+READ_IN_BREAK: dict[str, dict[str, str]] = {
+    name: {"rope_deltas": "compute_3d_position_ids"}
+    for name in ("Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel")
+}
+
+
+def _read_in_break(obj: Any) -> frozenset[str]:
+    cls = type(obj)
+    return frozenset(
+        attr
+        for c in cls.__mro__
+        for attr, method in READ_IN_BREAK.get(c.__name__, {}).items()
+        if getattr(getattr(cls, method, None), "__bcg_eager__", False)
+    )
+
+
 def module_keys(obj: Any, d: dict[str, Any]) -> list[str]:
     left = frozenset().union(*(keys for c in type(obj).__mro__ for n, keys in _LEFT_BY.items() if c.__name__ == n))
+    left |= _read_in_break(obj)
     return [k for k in d if k not in IGNORED and k not in CHURN and k not in left]
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from diffusers.models.attention_dispatch import attention_backend
 
+from accel import eager_on_graph
 from accel.hooks.state.states import StateKeys
 from accel.hooks.state.watch import Watch
 
@@ -250,6 +251,43 @@ def test_a_hook_registered_again_around_every_call_is_the_same_state_and_other_h
     assert not w.unchanged()
     look = w.look()
     assert look.changes and keys.number(look.record)[0] != first
+
+
+def _vl_model(marked: bool) -> torch.nn.Module:
+    """A module named as transformers' Qwen3-VL model, which keeps the M-RoPE deltas of its last
+    call with an image in ``rope_deltas`` and reads them only in ``compute_3d_position_ids``."""
+
+    class Qwen3VLModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.rope_deltas = None
+
+        def compute_3d_position_ids(self, n: int) -> torch.Tensor:
+            self.rope_deltas = torch.zeros(1, 1, dtype=torch.long) + n
+            return torch.arange(n)
+
+    if marked:
+        Qwen3VLModel.compute_3d_position_ids = eager_on_graph(Qwen3VLModel.compute_3d_position_ids)
+    return torch.nn.Sequential(Qwen3VLModel())
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_an_attribute_only_an_eager_break_reads_is_not_watched_while_it_is_one(marked: bool) -> None:
+    """Each call with an image sets a new ``rope_deltas`` tensor: while the one method that reads
+    it runs as an eager break (a recipe's known break, run at every replay) no graph holds it, so
+    it is no change; otherwise it is watched as any other attribute."""
+    m = _vl_model(marked)
+    w, first = _watched(m)
+    for n in (3, 5):
+        m[0].compute_3d_position_ids(n)
+        assert w.unchanged() is marked
+        look = w.look()
+        assert (look.record == first) is marked
+        assert any("0.rope_deltas" in c for c in look.changes) is not marked
+        first = look.record
+    m[0].proj.flag = True  # anything else on the module is still watched
+    assert not w.unchanged()
 
 
 def test_attention_backends_global_hooks_and_kernel_switches_are_seen() -> None:
