@@ -22,8 +22,9 @@ latents. So the recipe runs the forward with that preamble factored out:
 
 The result equals the stock forward bit for bit (the layout is pure data movement; every
 arithmetic op is the stock one, in the same order). The K/V cache (``kv_cache=``, a new
-``QwenImage21KVCache`` per pipeline call) is passed through untouched: whether its calls share
-graphs is the graph core's business (state containers), not the recipe's.
+``QwenImage21KVCache`` per pipeline call, filled at step 0 "extract" and read by the "cached"
+steps) is passed through untouched and named as request-scoped state (``state_types``): the
+graph core keys it by structure and puts back what the extract step stores into it.
 
 The text is not padded to buckets: each image token's RoPE frame position counts the text
 before it, so padding moves the image's positions (not exact even in real arithmetic). Each text
@@ -368,6 +369,12 @@ class QwenImage21Recipe(GenericRecipe):
 
     def __init__(self) -> None:
         self.layouts = LayoutMemo()
+
+    @property
+    def state_types(self) -> tuple[type, ...]:  # type: ignore[override]
+        """The K/V cache the pipeline makes per call: request-scoped state for the graph core
+        (keyed by its structure, its extract step's stores put back by every replay)."""
+        return (sys.modules[MODULE].QwenImage21KVCache,) if MODULE in sys.modules else ()
 
     def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         forward = layout_forward(fn, self.layouts)

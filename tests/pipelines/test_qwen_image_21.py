@@ -26,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("few_threads")
 
 SIDE = 64  # 4x4 latent tokens: one vision slot per 2x2
 STEPS = 2
+CACHED_STEPS = 6  # TaylorSeer caches from step 2, every third step
 PROMPTS = ("a red fox in the snow", "a cat", "a lighthouse on a cliff at dusk, oil painting")
 KV_PENDING = pytest.mark.xfail(
     reason="the K/V cache is a new object per call, matched by identity until the graph core keys such state "
@@ -132,8 +133,8 @@ def test_a_forward_that_is_not_diffusers_own_runs_stock(caplog) -> None:
 # --------------------------------------------------------------------------------------------
 # The pipeline, accelerated, against the stock pipeline
 # --------------------------------------------------------------------------------------------
-def _call(pipe, prompt: str, seed: int, **kwargs):
-    out = pipe(prompt=prompt, height=SIDE, width=SIDE, num_inference_steps=STEPS, output_type="pt",
+def _call(pipe, prompt: str, seed: int, steps: int = STEPS, **kwargs):
+    out = pipe(prompt=prompt, height=SIDE, width=SIDE, num_inference_steps=steps, output_type="pt",
                generator=torch.Generator().manual_seed(seed), **kwargs)  # fmt: skip
     return out.images
 
@@ -234,3 +235,30 @@ def test_same_shapes_another_layout_is_a_chain_of_its_own(emulated) -> None:
     # third call (the first layout again) replayed, switching back.
     assert st.entries == 1 and len(st.paths_per_entry[0]) == 2, st
     assert (st.captures, st.path_captures, st.path_switches, st.eager_calls) == (2, 1, 1, 0), st
+
+
+@pytest.mark.parametrize("kv", [False, pytest.param(True, marks=KV_PENDING)])
+def test_taylorseer_under_graphs_equals_it_run_eagerly(emulated, kv: bool) -> None:
+    """diffusers' TaylorSeer, the one step cache of diffusers 0.42 that takes this transformer
+    (FirstBlockCache and MagCache need its block registered, cache-dit lists Qwen-Image's only):
+    its decisions as breaks, both paths captured, every call equal to the same cache run eagerly."""
+    from diffusers.hooks import TaylorSeerCacheConfig, apply_taylorseer_cache
+
+    pipe = _pipe()
+    apply_taylorseer_cache(pipe.transformer, TaylorSeerCacheConfig(cache_interval=3, disable_cache_before_step=2))
+    cases = [(s, "a fox in the snow") for s in _seeds(3)]  # one signature: only the first call captures
+    kwargs = dict(true_cfg_scale=4.0, negative_prompt="blurry", use_kv_cache=kv)
+    accelerate_pipeline(pipe, mode="eager")
+    want = [_call(pipe, p, s, CACHED_STEPS, **kwargs) for s, p in cases]
+    pipe.accel.restore()
+    accelerate_pipeline(pipe, capture_on_miss=True)
+    got = [_call(pipe, *cases[0][::-1], CACHED_STEPS, **kwargs)]
+    captured = pipe.accel.stats()["transformer"].captures
+    got += [_call(pipe, p, s, CACHED_STEPS, **kwargs) for s, p in cases[1:]]
+    assert pipe.accel.stats()["transformer"].captures == captured
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"call {i}: max diff {(a - b).abs().max()}"
+    hook = pipe.accel.hooks["transformer"]
+    assert hook.active and hook.caches.active, hook.inactive_reason
+    st = pipe.accel.stats()["transformer"]
+    assert st.replays > 0 and st.eager_calls == 0 and st.path_captures > 0, st
