@@ -5,12 +5,20 @@
     python scripts/bench_fp8.py --only z-image --out out/fp8-z
     python scripts/bench_fp8.py --only qwen-image --fp8-backend torchao scaled-mm --out out/fp8-q
     python scripts/bench_fp8.py --size tiny --steps 3 --resolution 64 --out /tmp/f   # CPU smoke
+    python scripts/bench_fp8.py --only qwen-image-2.1 --variants bf16-eager bf16-graphs bf16-compiled-graphs \
+        fp8-compiled-graphs --out out/q21                     # 40 steps, no guidance, K/V cache on
+    python scripts/bench_fp8.py --only qwen-image-2.1 --steps 20 --true-cfg 4 \
+        --variants bf16-eager bf16-graphs --out out/q21-cfg
 
 Per model (Z-Image 1024x1024, 9 steps, no guidance; Qwen-Image 1024x1024, 20 steps, true CFG 4.0;
-full size, random weights, bf16 on CUDA), in this order (quantizing is one-way, so the bf16 rows
-come first, and every further backend builds the model again):
+Qwen-Image 2.1 1024x1024, 40 steps, no guidance and its prefix K/V cache, as Qwen recommends, or
+``--true-cfg`` with the negative prompt; full size, random weights, bf16 on CUDA), in this order
+(quantizing is one-way, so the bf16 rows come first, and every further backend builds the model
+again):
 
 * ``bf16-eager``: the stock pipeline, no accelerator: the reference of every row.
+* ``bf16-graphs``: ``accelerate_pipeline(pipe)``, no compile (opt-in): bit for bit with
+  ``bf16-eager`` where the recipe promises it (distances 0).
 * ``bf16-compiled-graphs``: ``accelerate_pipeline(pipe, compile=True)``.
 * ``fp8-compiled-graphs``: ``quantize="fp8", compile=True``; its warm-up measures and selects the
   layers (the row keeps what it chose and measured).

@@ -18,7 +18,7 @@ from .calls import timed_call
 from .settings import NEGATIVE, PROMPT, call_kwargs, res_name
 from .settings import say_clock as say
 
-STEPS = {"z-image": 9, "qwen-image": 20}
+STEPS = {"z-image": 9, "qwen-image": 20, "qwen-image-2.1": 40}
 
 
 def distances(out: torch.Tensor, ref: torch.Tensor, peak: float | None = None) -> dict[str, float]:
@@ -44,6 +44,8 @@ class Bench:
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.steps = args.steps or STEPS[model]
         self.wh = args.resolution
+        # Whether the calls run two guidance branches (the warm-up captures what they run).
+        self.cfg = model == "qwen-image" or (model == "qwen-image-2.1" and (args.true_cfg or 1.0) > 1)
         self.ref: dict[str, torch.Tensor] = {}
         self.pipe: Any = None
 
@@ -69,7 +71,11 @@ class Bench:
     def generate(self) -> tuple[float, torch.Tensor, torch.Tensor]:
         """(seconds, final latents, decoded 8-bit pixels) of one call."""
         seconds, latents, out = timed_call(
-            self.pipe, call_kwargs(self.model, self.wh, self.steps), self.steps, self.device, self.sync
+            self.pipe,
+            call_kwargs(self.model, self.wh, self.steps, self.args.true_cfg),
+            self.steps,
+            self.device,
+            self.sync,
         )
         return seconds, latents, pixels(out.images)
 
@@ -87,12 +93,12 @@ class Bench:
         )
         cache_dit.enable_cache(self.pipe, cache_config=config)
 
-    def accelerate(self, quantize: bool) -> dict[str, Any]:
+    def accelerate(self, quantize: bool, compile: bool = True) -> dict[str, Any]:
         from accel import accelerate_pipeline
 
         t0 = time.perf_counter()
-        options: dict[str, Any] = dict(compile=True)
-        if getattr(self.args, "cold", False):
+        options: dict[str, Any] = dict(compile=compile)
+        if compile and getattr(self.args, "cold", False):
             # A fresh, empty inductor cache: this row's compiles are cold, whatever ran before.
             import tempfile
 
@@ -100,12 +106,11 @@ class Bench:
         if quantize:
             options.update(quantize="fp8", fp8_budget=self.args.fp8_budget)
         accelerate_pipeline(self.pipe, **options)
-        qwen = self.model == "qwen-image"
         report = self.pipe.accel.warmup(
             [self.wh],
             prompts=[PROMPT],
-            negative_prompt=NEGATIVE if qwen else None,
-            cfg=qwen,
+            negative_prompt=NEGATIVE if self.cfg else None,
+            cfg=self.cfg,
             num_inference_steps=2,
             progress=False,
         )
@@ -155,7 +160,7 @@ class Bench:
             if cached:
                 self.enable_dbcache()
             if variant != "bf16-eager":
-                row.update(self.accelerate(quantize=variant.startswith("fp8")))
+                row.update(self.accelerate(quantize=variant.startswith("fp8"), compile="compiled" in variant))
             first, _, _ = self.generate()  # untimed: compiles and captures what the warm-up left
             row["first_call_s"] = round(first, 2)
             seconds = []

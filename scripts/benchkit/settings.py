@@ -71,13 +71,17 @@ def pipe_kwargs(model: str, wh: tuple[int, int], args: argparse.Namespace) -> di
     return call_kwargs(model, wh, steps_of(model, args))
 
 
-def call_kwargs(model: str, wh: tuple[int, int], steps: int) -> dict[str, Any]:
-    """The benchmarks' call of ``model`` at ``wh`` (width, height): Z-Image as Turbo, Qwen-Image with true CFG."""
+def call_kwargs(model: str, wh: tuple[int, int], steps: int, true_cfg: float | None = None) -> dict[str, Any]:
+    """The benchmarks' call of ``model`` at ``wh`` (width, height): Z-Image as Turbo, Qwen-Image with
+    true CFG, Qwen-Image 2.1 as Qwen recommends it (no guidance, its prefix K/V cache on) unless
+    ``true_cfg`` is above 1 (then with the negative prompt)."""
     kw: dict[str, Any] = dict(prompt=PROMPT, width=wh[0], height=wh[1], num_inference_steps=steps)
     if model == "z-image":
         kw["guidance_scale"] = 0.0
     elif model == "qwen-image":
         kw.update(negative_prompt=NEGATIVE, true_cfg_scale=QWEN_TRUE_CFG)
+    elif model == "qwen-image-2.1" and true_cfg is not None and true_cfg > 1:
+        kw.update(negative_prompt=NEGATIVE, true_cfg_scale=true_cfg)
     return kw
 
 
