@@ -262,3 +262,31 @@ def test_taylorseer_under_graphs_equals_it_run_eagerly(emulated, kv: bool) -> No
     assert hook.active and hook.caches.active, hook.inactive_reason
     st = pipe.accel.stats()["transformer"]
     assert st.replays > 0 and st.eager_calls == 0 and st.path_captures > 0, st
+
+
+def test_a_batch_of_prompts_of_two_lengths_and_several_images_per_prompt_replay_bit_for_bit(emulated) -> None:
+    """Two prompts of different lengths: the pipeline pads the shorter one and masks it, so the
+    layout carries a key-valid mask; one prompt, two images: the latents are batched, the masks
+    not. Captured on first use, then replayed."""
+    pipe = _pipe()
+    batches = [
+        dict(prompt=["a fox", "a lighthouse on a cliff at night"]),
+        dict(prompt=["a cat"], num_images_per_prompt=2),
+    ]
+
+    def call(seed: int, kwargs: dict) -> torch.Tensor:
+        n = len(kwargs["prompt"]) * kwargs.get("num_images_per_prompt", 1)
+        generators = [torch.Generator().manual_seed(seed + i) for i in range(n)]
+        return pipe(height=SIDE, width=SIDE, num_inference_steps=STEPS, output_type="pt", use_kv_cache=False,
+                    generator=generators, **kwargs).images  # fmt: skip
+
+    seeds = _seeds(len(batches))
+    want = [call(s, b) for s, b in zip(seeds, batches)]
+    accelerate_pipeline(pipe, capture_on_miss=True)
+    for _ in range(2):
+        got = [call(s, b) for s, b in zip(seeds, batches)]
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    st = pipe.accel.stats()["transformer"]
+    assert st.eager_calls == 0 and st.misses == 0 and st.captures == 2 and st.replays >= 6, st
+    assert any("2x" in path for paths in st.paths_per_entry for path in paths)  # a batch's key-valid mask
