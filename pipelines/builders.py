@@ -193,7 +193,10 @@ def _build_embedded(
     tokenizers = build_tokenizers(model)
     modules = build_modules(model, size=size, device=device, dtype=dtype, seed=seed, tokenizers=tokenizers)
     settings = dict(release(model).pipeline_kwargs)
-    pipe = pipeline_class(model)(**modules, **tokenizers, scheduler=build_scheduler(model), **settings)
+    make_processor = release(model).processor
+    # A pipeline reading its prompt through a processor takes it in place of the tokenizer.
+    text = {"processor": make_processor(tokenizers["tokenizer"], size)} if make_processor else tokenizers
+    pipe = pipeline_class(model)(**modules, **text, scheduler=build_scheduler(model), **settings)
     # Components are already in `dtype`: casting again would turn the fp32 rotary buffers that
     # transformers keeps on purpose (and from_pretrained leaves alone) into low precision. Only
     # the device move remains, for the few tensors created outside the construction context.

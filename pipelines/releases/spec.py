@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["TINY_TEXT_HIDDEN", "TOKENIZERS", "Part", "Release"]
@@ -45,7 +45,10 @@ class Release:
     (``tokenizer_2``). ``redrawn`` are transformer parameters drawn from a normal distribution
     after construction, where their zero init would hide what they do. ``pipeline_kwargs`` are
     the pipeline constructor's other arguments the release sets (its ``model_index.json``: FLUX.2
-    klein's ``is_distilled``).
+    klein's ``is_distilled``). ``processor``: for a pipeline that reads its prompt (and images)
+    through a processor instead of a tokenizer (Qwen-Image 2.1's Qwen3-VL processor),
+    ``processor(tokenizer, size)`` builds it over its text encoder's tokenizer; the pipeline then
+    gets ``processor=`` in place of ``tokenizer=``.
     """
 
     name: str
@@ -56,3 +59,4 @@ class Release:
     scheduler: Mapping[str, Any]
     redrawn: tuple[str, ...] = ()
     pipeline_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    processor: Callable[[Any, str], Any] | None = None

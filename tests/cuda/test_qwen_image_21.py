@@ -22,7 +22,7 @@ from PIL import Image
 from accel import accelerate_pipeline
 from accel.graphs.tree import tensors
 from accel.hooks.fp8 import quantizers
-from pipelines.qwen_image_21_build import build_qwen_image_21
+from pipelines.builders import build_pipeline
 
 pytestmark = pytest.mark.cuda
 
@@ -43,7 +43,7 @@ KV_PENDING = pytest.mark.xfail(
 
 @pytest.fixture(scope="module")
 def pipe():
-    pipe = build_qwen_image_21("full", device=DEVICE, dtype=torch.bfloat16, seed=0)
+    pipe = build_pipeline("qwen-image-2.1", "full", device=DEVICE, dtype=torch.bfloat16, seed=0)
     pipe.set_progress_bar_config(disable=True)
     yield pipe
     del pipe
@@ -178,7 +178,7 @@ def test_float8_compiled_graphs_equal_the_same_model_without_graphs(tmp_path) ->
         pytest.skip("float8 products need compute capability 8.9 or newer")
     pytest.importorskip("torchao")
     # Quantizing is one-way: a pipeline of its own.
-    pipe = build_qwen_image_21("full", device=DEVICE, dtype=torch.bfloat16, seed=0)
+    pipe = build_pipeline("qwen-image-2.1", "full", device=DEVICE, dtype=torch.bfloat16, seed=0)
     pipe.set_progress_bar_config(disable=True)
     try:
         bf16, _ = _call(pipe, PROMPTS[0], 0, 1024, use_kv_cache=False)

@@ -46,7 +46,8 @@ import torch
 
 from accel import GenerationDefaults, GenericRecipe, eager_on_graph
 
-from .families.qwen_image.forms import qwen_rope_in_real_arithmetic
+from ..qwen_image.forms import qwen_rope_in_real_arithmetic
+from .models import FAMILY
 
 __all__ = ["LAYOUTS_KEPT", "MODULE", "Layout", "QwenImage21Recipe", "token_layout"]
 
@@ -397,7 +398,4 @@ class QwenImage21Recipe(GenericRecipe):
         return {"text_encoder": TEXT_ENCODER_BREAKS}
 
     def generation_defaults(self) -> GenerationDefaults:
-        # Qwen's recommendation (diffusers' docs): 40 steps, no guidance; true CFG only with a
-        # negative prompt and a scale above 1.
-        return GenerationDefaults(steps=40, guidance=None, guidance_kwarg="true_cfg_scale", cfg_above=1.0,
-                                  default_negative=" ")  # fmt: skip
+        return GenerationDefaults(**FAMILY.generation)  # the family's (models.py)

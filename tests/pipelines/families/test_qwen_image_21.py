@@ -18,8 +18,8 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 from PIL import Image
 
 from accel import accelerate_pipeline
-from pipelines.qwen_image_21 import LayoutMemo, QwenImage21Recipe, layout_forward
-from pipelines.qwen_image_21_build import build_qwen_image_21
+from pipelines.builders import build_pipeline
+from pipelines.families.qwen_image_21.recipe import LayoutMemo, QwenImage21Recipe, layout_forward
 from tests.helpers.emulator import emulate_pipelines
 
 pytestmark = pytest.mark.usefixtures("few_threads")
@@ -42,7 +42,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def _pipe():
-    pipe = build_qwen_image_21("tiny")
+    pipe = build_pipeline("qwen-image-2.1", "tiny")
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

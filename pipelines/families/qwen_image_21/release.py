@@ -8,10 +8,11 @@ from typing import Any
 from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-from ..construction import init_defaults
-from .spec import TINY_TEXT_HIDDEN, Part, Release
+from ...construction import init_defaults
+from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
+from .processor import build_processor
 
-__all__ = ["PROCESSOR_IMAGES", "QWEN_IMAGE_21", "SCHEDULER", "TRANSFORMER", "VAE"]
+__all__ = ["PROCESSOR_IMAGES", "QWEN_IMAGE_21", "RELEASES", "SCHEDULER", "TRANSFORMER", "VAE"]
 
 # diffusers' defaults are the release: 32 single-stream layers, 32 heads x 128 (inner 4096),
 # SwiGLU x3, context_in_dim 4096 (= Qwen3-VL-8B's width), 64 latent channels, unpatched.
@@ -134,18 +135,21 @@ _TINY_QWEN3_VL: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 
-# The processor's image settings by size (pipelines.vl_processor holds Qwen3-VL's): a tiny
-# model's images are 32 pixels a side and up, below the released 256x256 minimum, which would
-# otherwise enlarge them past the VAE's tokens.
+# The processor's image settings by size (processor.py holds Qwen3-VL's): a tiny model's images
+# are 32 pixels a side and up, below the released 256x256 minimum, which would otherwise enlarge
+# them past the VAE's tokens.
 PROCESSOR_IMAGES: dict[str, dict[str, Any]] = {
     "full": {},
     "tiny": {"size": {"shortest_edge": 32 * 32, "longest_edge": 16777216}},
 }
 
+
+def _processor(tokenizer: Any, size: str) -> Any:
+    return build_processor(tokenizer, PROCESSOR_IMAGES[size])
+
+
 QWEN_IMAGE_21 = Release(
     name="qwen-image-2.1",
-    aliases=("qwen-image-21", "qwenimage21", "qwen_image_21", "qwen-image2.1"),
-    pipeline="QwenImage21Pipeline",
     transformer=TRANSFORMER,
     vae=VAE,
     text_encoders={
@@ -158,4 +162,6 @@ QWEN_IMAGE_21 = Release(
     },
     scheduler_class=FlowMatchEulerDiscreteScheduler,
     scheduler=SCHEDULER,
+    processor=_processor,
 )
+RELEASES = (QWEN_IMAGE_21,)

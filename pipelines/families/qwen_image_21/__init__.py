@@ -1,0 +1,8 @@
+"""Qwen-Image 2.1: a 7B single-stream block-causal DiT, a Qwen3-VL-8B text encoder reading the prompt
+and any condition images together, and its own 16x RGBA VAE.
+
+models     ``FAMILY``: the built-in model ``qwen-image-2.1`` and how it is run
+recipe     :class:`~pipelines.families.qwen_image_21.recipe.QwenImage21Recipe` (the token layout as one keyed break, the K/V cache as state)
+release    ``QWEN_IMAGE_21``, the released configs and a tiny model of the same structure
+processor  the offline Qwen3-VL processor its pipeline reads prompts and images through
+"""
