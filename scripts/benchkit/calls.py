@@ -23,9 +23,10 @@ def register_recipes() -> None:
         from pipelines.families.flux.recipe import FluxRecipe
         from pipelines.families.hunyuan_video15.recipe import HunyuanVideo15Recipe
         from pipelines.families.qwen_image.recipe import QwenImageRecipe
+        from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
         from pipelines.families.z_image.recipe import ZImageRecipe
 
-        for recipe in (FluxRecipe, HunyuanVideo15Recipe, QwenImageRecipe, ZImageRecipe):
+        for recipe in (FluxRecipe, HunyuanVideo15Recipe, QwenImageRecipe, QwenImage21Recipe, ZImageRecipe):
             register_recipe(recipe)
     except Exception as exc:
         say(f"warning: could not register the recipes by hand ({err_text(exc)})")

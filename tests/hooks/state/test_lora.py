@@ -21,7 +21,13 @@ from accel import accelerate_pipeline
 from pipelines.builders import build_pipeline, build_transformer
 from tests.helpers.generate import generate
 
-NAMES = ["qwen-image", "z-image"]
+NAMES = [
+    "qwen-image",
+    "z-image",
+    # Its pipeline keeps a prefix K/V cache by default: a new object per call, matched by identity
+    # until the graph core keys such state by structure.
+    pytest.param("qwen-image-2.1", marks=pytest.mark.xfail(reason="K/V cache state pending", strict=True)),
+]
 TARGETS = ["to_q", "to_k", "to_v"]
 
 

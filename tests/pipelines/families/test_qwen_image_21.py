@@ -290,3 +290,31 @@ def test_a_batch_of_prompts_of_two_lengths_and_several_images_per_prompt_replay_
     st = pipe.accel.stats()["transformer"]
     assert st.eager_calls == 0 and st.misses == 0 and st.captures == 2 and st.replays >= 6, st
     assert any("2x" in path for paths in st.paths_per_entry for path in paths)  # a batch's key-valid mask
+
+
+def test_float8_keeps_the_recipes_layers_and_its_graphs_replay_the_quantized_model(emulated) -> None:
+    """quantize="fp8" as on Qwen-Image (tests/hooks/fp8/test_quantize.py), against the stand-in
+    quantizer: the layers the recipe names stay bf16, the rest are measured and quantized within
+    the budget at the first warm-up, and the graphs replay the quantized model bit for bit with it
+    run eagerly."""
+    from tests.helpers.fake_quant import GridLinear, use_grid
+
+    use_grid(emulated, levels=64)
+    pipe = _pipe()
+    accelerate_pipeline(pipe, quantize="fp8", fp8_budget=0.05)
+    given = dict(use_kv_cache=False)
+    pipe.accel.warmup([(SIDE, SIDE)], prompts=[PROMPTS[0]], cfg=False, call_kwargs=given, progress=False)
+    sel = pipe.accel.quantization.selection
+    kept = {"img_in", "txt_in.in_layer", "txt_in.out_layer", "modulation.1", "norm_out.linear", "proj_out",
+            "time_text_embed.timestep_embedder.linear_1", "time_text_embed.timestep_embedder.linear_2"}  # fmt: skip
+    assert set(sel.kept_by_recipe) == kept and sel.quantized and sel.error <= sel.budget
+    assert all(n.startswith("transformer_blocks.") for n in sel.quantized)
+    layers = dict(pipe.transformer.named_modules())
+    assert all(type(layers[n]) is GridLinear for n in sel.quantized)
+    seeds = _seeds(2)
+    before = _counts(pipe)["transformer"]
+    got = [_call(pipe, PROMPTS[0], s, **given) for s in seeds]
+    assert _counts(pipe)["transformer"] == before  # replayed: no miss, no capture
+    pipe.accel.restore()  # the float8 layers stay: the eager reference runs the same model
+    for seed, out in zip(seeds, got):
+        assert torch.equal(out, _call(pipe, PROMPTS[0], seed, **given))
