@@ -49,7 +49,16 @@ from accel import GenerationDefaults, GenericRecipe, eager_on_graph
 from ..qwen_image.forms import qwen_rope_in_real_arithmetic
 from .models import FAMILY
 
-__all__ = ["LAYOUTS_KEPT", "MODULE", "Layout", "QwenImage21Recipe", "token_layout"]
+__all__ = [
+    "LAYOUTS_KEPT",
+    "MODULE",
+    "Layout",
+    "LayoutMemo",
+    "LayoutQuery",
+    "QwenImage21Recipe",
+    "layout_forward",
+    "token_layout",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -137,42 +146,50 @@ class LayoutMemo:
         return len(self._layouts)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayoutQuery:
+    """What a layout depends on besides the masks' values: the image blocks' ``(frame, height,
+    width)`` (the first sample's: samples share a layout), the batch, the device, and which
+    prefill form the attention processors read (the SDPA processor's segments, the flex one's
+    BlockMask; neither for the cached steps)."""
+
+    img_shapes: tuple[tuple[int, int, int], ...]
+    batch_size: int
+    device: torch.device
+    segments: bool
+    block_mask: bool
+
+
 def _compute_layout(
-    module: torch.nn.Module,
-    img_mask: torch.Tensor,
-    encoder_hidden_states_mask: torch.Tensor | None,
-    img_shapes: list[list[tuple[int, int, int]]],
-    batch_size: int,
-    device: torch.device,
-    segments: bool,
-    block_mask: bool,
+    module: torch.nn.Module, img_mask: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None, q: LayoutQuery
 ) -> Layout:
     """The stock forward's host-side preamble, with diffusers' helpers (see the module docstring)."""
     mod = sys.modules[MODULE]
+    shapes = [tuple(s) for s in q.img_shapes]
     repeats = torch.where(img_mask, mod._IMG_TOKENS_PER_SLOT, 1)[0]
     image_pad_mask = torch.repeat_interleave(img_mask[0], repeats)
     gather = torch.repeat_interleave(torch.arange(repeats.shape[0], device=repeats.device), repeats)
     image_positions = image_pad_mask.nonzero(as_tuple=True)[0]
-    rotary_emb = module.pos_embed(img_shapes[0], image_pad_mask, device=device)
-    image_ids, target_token_mask = module.build_token_metadata(image_pad_mask, img_shapes[0])
+    rotary_emb = module.pos_embed(shapes, image_pad_mask, device=q.device)
+    image_ids, target_token_mask = module.build_token_metadata(image_pad_mask, shapes)
     joint_key_valid = None
     if encoder_hidden_states_mask is not None:
-        joint_key_valid = torch.ones(batch_size, image_pad_mask.shape[0], dtype=torch.bool, device=device)
+        joint_key_valid = torch.ones(q.batch_size, image_pad_mask.shape[0], dtype=torch.bool, device=q.device)
         text_positions = (~image_pad_mask).nonzero(as_tuple=True)[0]
         vlm_text_positions = ~img_mask[0][: encoder_hidden_states_mask.shape[1]]
         joint_key_valid[:, text_positions] = encoder_hidden_states_mask.bool()[:, vlm_text_positions]
     prefix_len = int((~target_token_mask).sum())
     return Layout(
-        gather=gather.to(device),
-        image_positions=image_positions.to(device),
+        gather=gather.to(q.device),
+        image_positions=image_positions.to(q.device),
         rotary_emb=rotary_emb,
         target_token_mask=target_token_mask,
         joint_key_valid=joint_key_valid,
         prefix_len=prefix_len,
-        segments=mod._qwenimage21_prefix_segments(image_ids, prefix_len) if segments else None,
+        segments=mod._qwenimage21_prefix_segments(image_ids, prefix_len) if q.segments else None,
         block_mask=(
-            mod.build_qwenimage21_block_causal_mask(image_ids, joint_key_valid, batch_size, device)
-            if block_mask
+            mod.build_qwenimage21_block_causal_mask(image_ids, joint_key_valid, q.batch_size, q.device)
+            if q.block_mask
             else None
         ),
     )
@@ -184,31 +201,13 @@ def token_layout(
     module: torch.nn.Module,
     img_mask: torch.Tensor,
     encoder_hidden_states_mask: torch.Tensor | None,
-    img_shapes: list[list[tuple[int, int, int]]],
-    batch_size: int,
-    device: torch.device,
-    segments: bool,
-    block_mask: bool,
+    query: LayoutQuery,
 ) -> Layout:
     """The call's :class:`Layout`: remembered by the masks' values, computed on a miss. An eager
     break keyed on its output (``prefix_len`` and the segments are host values the segments
     after it were captured for)."""
-    shapes = tuple(tuple(tuple(s) for s in sample) for sample in img_shapes)
-    key = (
-        _host_bytes(img_mask),
-        _host_bytes(encoder_hidden_states_mask),
-        shapes[:1],
-        batch_size,
-        device,
-        segments,
-        block_mask,
-    )
-    return memo.get(
-        key,
-        lambda: _compute_layout(
-            module, img_mask, encoder_hidden_states_mask, img_shapes, batch_size, device, segments, block_mask
-        ),
-    )
+    key = (_host_bytes(img_mask), _host_bytes(encoder_hidden_states_mask), query)
+    return memo.get(key, lambda: _compute_layout(module, img_mask, encoder_hidden_states_mask, query))
 
 
 def _forward(
@@ -244,17 +243,14 @@ def _forward(
     prefill = kv_cache_mode != "cached"
     processors = [block.attn.processor for block in self.transformer_blocks]
     flex = [isinstance(p, mod.QwenImage21FlexAttnProcessor) for p in processors]
-    layout = token_layout(
-        memo,
-        self,
-        img_mask,
-        encoder_hidden_states_mask,
-        img_shapes,
-        batch_size,
-        hidden_states.device,
-        prefill and not all(flex),
-        prefill and any(flex),
+    query = LayoutQuery(
+        img_shapes=tuple(tuple(s) for s in img_shapes[0]),
+        batch_size=batch_size,
+        device=hidden_states.device,
+        segments=prefill and not all(flex),
+        block_mask=prefill and any(flex),
     )
+    layout = token_layout(memo, self, img_mask, encoder_hidden_states_mask, query)
 
     hidden_states = self.img_in(hidden_states)
     encoder_hidden_states = self.txt_in(encoder_hidden_states)
