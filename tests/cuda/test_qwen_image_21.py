@@ -34,11 +34,6 @@ PROMPTS = (
     "an isometric cutaway of a tiny underground library lit by lanterns",
 )
 NEGATIVE = "blurry, low quality"
-KV_PENDING = pytest.mark.xfail(
-    reason="the K/V cache is a new object per call, matched by identity until the graph core keys such state "
-    "containers by structure",
-    strict=True,
-)
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +83,9 @@ SETTINGS = [
     pytest.param(1024, False, False, False, id="1024-t2i"),
     pytest.param(1024, False, True, False, id="1024-t2i-cfg"),
     pytest.param(512, True, True, False, id="512-image-cfg"),
-    pytest.param(1024, False, False, True, id="1024-t2i-kv", marks=KV_PENDING),
-    pytest.param(1024, False, True, True, id="1024-t2i-cfg-kv", marks=KV_PENDING),
-    pytest.param(512, True, True, True, id="512-image-cfg-kv", marks=KV_PENDING),
+    pytest.param(1024, False, False, True, id="1024-t2i-kv"),
+    pytest.param(1024, False, True, True, id="1024-t2i-cfg-kv"),
+    pytest.param(512, True, True, True, id="512-image-cfg-kv"),
 ]
 
 
@@ -136,28 +131,35 @@ def _without_graphs(pipe, *args, **kwargs):
 
 def _compiled_session(pipe, cache_dir, *, quantize: bool) -> tuple[list[str], object]:
     """compile=True (and quantize="fp8" where asked): warm up two sizes, with and without true
-    CFG, the K/V cache off; shuffled calls against the same compiled model without graphs. The
-    mismatches, and the float8 layer selection (None without quantize)."""
+    CFG, the K/V cache on and off; shuffled calls against the same compiled model without graphs.
+    The mismatches, and the float8 layer selection (None without quantize)."""
     torch._dynamo.reset()
     options = dict(quantize="fp8") if quantize else {}
     accelerate_pipeline(pipe, compile=True, compile_cache_dir=cache_dir, **options)
-    given = dict(use_kv_cache=False)
     sizes = [(1024, 1024), (512, 512)]
-    report = pipe.accel.warmup(sizes, prompts=list(PROMPTS[:2]), negative_prompt=NEGATIVE, call_kwargs=given,
-                               progress=False)  # fmt: skip
-    print(f"\ncompile=True{' quantize=fp8' if quantize else ''} warm-up:\n{report}")
-    assert report.total_compile_seconds > 0 and report.total_captures > 0
+    for kv in (True, False):
+        report = pipe.accel.warmup(sizes, prompts=list(PROMPTS[:2]), negative_prompt=NEGATIVE,
+                                   call_kwargs=dict(use_kv_cache=kv), progress=False)  # fmt: skip
+        print(f"\ncompile=True{' quantize=fp8' if quantize else ''} kv={kv} warm-up:\n{report}")
+        assert report.total_captures > 0
     st0 = pipe.accel.stats()["transformer"]
-    cases = [(p, s, side, cfg) for p in PROMPTS[:2] for s in (0, 1) for side in (1024, 512) for cfg in (False, True)]
+    cases = [
+        (p, s, side, cfg, kv)
+        for p in PROMPTS[:2]
+        for s in (0, 1)
+        for side in (1024, 512)
+        for cfg in (False, True)
+        for kv in (True, False)
+    ]
     random.Random(0).shuffle(cases)
     mismatches = []
-    for prompt, seed, side, cfg in cases[:6]:
-        guidance = dict(true_cfg_scale=4.0, negative_prompt=NEGATIVE) if cfg else {}
-        want, _ = _without_graphs(pipe, prompt, seed, side, **given, **guidance)
+    for prompt, seed, side, cfg, kv in cases[:8]:
+        kwargs = dict(use_kv_cache=kv, **(dict(true_cfg_scale=4.0, negative_prompt=NEGATIVE) if cfg else {}))
+        want, _ = _without_graphs(pipe, prompt, seed, side, **kwargs)
         _poison(pipe)
-        got, _ = _call(pipe, prompt, seed, side, **given, **guidance)
+        got, _ = _call(pipe, prompt, seed, side, **kwargs)
         if not torch.equal(got, want):
-            mismatches.append(f"{prompt[:12]!r} {side} cfg={cfg}: max diff {(got - want).abs().max():.4g}")
+            mismatches.append(f"{prompt[:12]!r} {side} cfg={cfg} kv={kv}: max diff {(got - want).abs().max():.4g}")
     st = pipe.accel.stats()["transformer"]
     assert st.captures == st0.captures and st.misses == st0.misses and st.eager_calls == st0.eager_calls
     print(pipe.accel.report())
@@ -181,10 +183,10 @@ def test_float8_compiled_graphs_equal_the_same_model_without_graphs(tmp_path) ->
     pipe = build_pipeline("qwen-image-2.1", "full", device=DEVICE, dtype=torch.bfloat16, seed=0)
     pipe.set_progress_bar_config(disable=True)
     try:
-        bf16, _ = _call(pipe, PROMPTS[0], 0, 1024, use_kv_cache=False)
+        bf16, _ = _call(pipe, PROMPTS[0], 0, 1024)
         mismatches, sel = _compiled_session(pipe, tmp_path, quantize=True)
         assert sel is not None and sel.quantized and sel.error <= sel.budget
-        got, _ = _call(pipe, PROMPTS[0], 0, 1024, use_kv_cache=False)
+        got, _ = _call(pipe, PROMPTS[0], 0, 1024)
         print(
             f"float8 latents vs bf16: rel L2 {((got.float() - bf16.float()).norm() / bf16.float().norm()).item():.4f}"
         )

@@ -43,6 +43,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
 from accel import GenerationDefaults, GenericRecipe, eager_on_graph
 
@@ -353,6 +354,9 @@ class QwenImage21Recipe(GenericRecipe):
     name = "qwen-image-2.1"
     denoiser_classes = ("QwenImage21Transformer2DModel",)
     diffusers_versions = ">=0.42,<0.43"
+    # The K/V cache the pipeline makes per call: request-scoped state, keyed by its structure, the
+    # extract step's stores put back by every replay (accel.graphs.stores).
+    state_types = (QwenImage21KVCache,)
     # quantize="fp8" keeps these in bf16 from the start: the input projections, the timestep
     # embedder, the shared modulation, the output norm and projection (as for Qwen-Image).
     fp8_keep = (
@@ -366,12 +370,6 @@ class QwenImage21Recipe(GenericRecipe):
 
     def __init__(self) -> None:
         self.layouts = LayoutMemo()
-
-    @property
-    def state_types(self) -> tuple[type, ...]:  # type: ignore[override]
-        """The K/V cache the pipeline makes per call: request-scoped state for the graph core
-        (keyed by its structure, its extract step's stores put back by every replay)."""
-        return (sys.modules[MODULE].QwenImage21KVCache,) if MODULE in sys.modules else ()
 
     def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         forward = layout_forward(fn, self.layouts)

@@ -24,9 +24,7 @@ from tests.helpers.generate import generate
 NAMES = [
     "qwen-image",
     "z-image",
-    # Its pipeline keeps a prefix K/V cache by default: a new object per call, matched by identity
-    # until the graph core keys such state by structure.
-    pytest.param("qwen-image-2.1", marks=pytest.mark.xfail(reason="K/V cache state pending", strict=True)),
+    "qwen-image-2.1",  # with its prefix K/V cache (the pipeline's default): request-scoped state
 ]
 TARGETS = ["to_q", "to_k", "to_v"]
 

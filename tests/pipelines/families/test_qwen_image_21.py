@@ -28,11 +28,6 @@ SIDE = 64  # 4x4 latent tokens: one vision slot per 2x2
 STEPS = 2
 CACHED_STEPS = 6  # TaylorSeer caches from step 2, every third step
 PROMPTS = ("a red fox in the snow", "a cat", "a lighthouse on a cliff at dusk, oil painting")
-KV_PENDING = pytest.mark.xfail(
-    reason="the K/V cache is a new object per call, matched by identity until the graph core keys such state "
-    "containers by structure",
-    strict=True,
-)
 
 
 @pytest.fixture
@@ -148,9 +143,9 @@ CASES = [
     pytest.param(False, True, False, id="t2i-cfg"),
     pytest.param(True, False, False, id="image"),
     pytest.param(True, True, False, id="image-cfg"),
-    pytest.param(False, False, True, id="t2i-kv", marks=KV_PENDING),
-    pytest.param(False, True, True, id="t2i-cfg-kv", marks=KV_PENDING),
-    pytest.param(True, True, True, id="image-cfg-kv", marks=KV_PENDING),
+    pytest.param(False, False, True, id="t2i-kv"),
+    pytest.param(False, True, True, id="t2i-cfg-kv"),
+    pytest.param(True, True, True, id="image-cfg-kv"),
 ]
 
 
@@ -204,7 +199,6 @@ def test_the_documented_warmup_raises_nothing_and_its_calls_are_the_stock_ones(e
     _documented(_pipe())
 
 
-@KV_PENDING
 def test_the_documented_warmup_captures_what_its_calls_replay(emulated) -> None:
     # The pipeline's default call keeps the prefix K/V cache (use_kv_cache=True).
     _, before, after = _documented(_pipe())
@@ -237,7 +231,7 @@ def test_same_shapes_another_layout_is_a_chain_of_its_own(emulated) -> None:
     assert (st.captures, st.path_captures, st.path_switches, st.eager_calls) == (2, 1, 1, 0), st
 
 
-@pytest.mark.parametrize("kv", [False, pytest.param(True, marks=KV_PENDING)])
+@pytest.mark.parametrize("kv", [False, True])
 def test_taylorseer_under_graphs_equals_it_run_eagerly(emulated, kv: bool) -> None:
     """diffusers' TaylorSeer, the one step cache of diffusers 0.42 that takes this transformer
     (FirstBlockCache and MagCache need its block registered, cache-dit lists Qwen-Image's only):
