@@ -180,6 +180,8 @@ def build_modules(
     )
     if "tokenizer_2" in toks:
         modules["text_encoder_2"] = build_text_encoder_2(model, tokenizer=toks["tokenizer_2"], **kwargs)
+    for component in release(model).image_encoders:
+        modules[component] = seeded(constructor(model, component, size), device, dtype, seed)
     return modules
 
 
@@ -192,11 +194,14 @@ def _build_embedded(
     limits.check_weights(model, size, device, dtype)  # before anything is allocated
     tokenizers = build_tokenizers(model)
     modules = build_modules(model, size=size, device=device, dtype=dtype, seed=seed, tokenizers=tokenizers)
-    settings = dict(release(model).pipeline_kwargs)
-    make_processor = release(model).processor
+    data = release(model)
+    settings = dict(data.pipeline_kwargs)
     # A pipeline reading its prompt through a processor takes it in place of the tokenizer.
-    text = {"processor": make_processor(tokenizers["tokenizer"], size)} if make_processor else tokenizers
-    pipe = pipeline_class(model)(**modules, **text, scheduler=build_scheduler(model), **settings)
+    text = {"processor": data.processor(tokenizers["tokenizer"], size)} if data.processor else tokenizers
+    # An image-reading pipeline's image processors, and the components an offline build leaves out.
+    images = {name: cls(**kwargs) for name, (cls, kwargs) in data.image_processors.items()}
+    images.update(dict.fromkeys(data.absent))
+    pipe = pipeline_class(model)(**modules, **text, **images, scheduler=build_scheduler(model), **settings)
     # Components are already in `dtype`: casting again would turn the fp32 rotary buffers that
     # transformers keeps on purpose (and from_pretrained leaves alone) into low precision. Only
     # the device move remains, for the few tensors created outside the construction context.

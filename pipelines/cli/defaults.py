@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any
 
-from ..families.catalog import known_model, pipeline_generation
+from ..families.catalog import known_model, model_generation, pipeline_generation
 from .constants import DEFAULT_RESOLUTION
 
 if TYPE_CHECKING:  # accel imports torch: not before it is needed
@@ -15,9 +15,14 @@ if TYPE_CHECKING:  # accel imports torch: not before it is needed
 
 
 def generation_defaults(pipe: Any) -> GenerationDefaults:
-    """How ``pipe`` is usually run: its recipe's defaults, else its family's, else what its signature allows."""
+    """How ``pipe`` is usually run: a built-in model's own defaults (a pipeline its family's recipe
+    serves but runs otherwise: Z-Image Omni), else its recipe's, else its family's, else what its
+    signature allows."""
     from accel import DENOISER_NAMES, GenerationDefaults, recipe_for
 
+    own = model_generation(type(pipe).__name__)
+    if own is not None:
+        return GenerationDefaults(**own)
     for name in DENOISER_NAMES:
         module = getattr(pipe, name, None)
         if module is not None:

@@ -32,6 +32,7 @@ __all__ = [
     "canonical_name",
     "family_of",
     "known_model",
+    "model_generation",
     "module_name",
     "pipeline_generation",
     "video_model_names",
@@ -101,3 +102,10 @@ def pipeline_generation(pipeline: str) -> Mapping[str, Any] | None:
             if model.pipeline == pipeline and (model.generation or family.generation) is not None:
                 return model.generation or family.generation
     return None
+
+
+def model_generation(pipeline: str) -> Mapping[str, Any] | None:
+    """The generation defaults of the built-in model that builds the pipeline class named
+    ``pipeline`` where they are its own (:attr:`ModelRecord.generation`: it runs unlike its
+    family, whose recipe speaks for the family's other pipelines), else None."""
+    return next((m.generation for m in MODELS if m.pipeline == pipeline and m.generation is not None), None)

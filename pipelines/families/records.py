@@ -22,7 +22,7 @@ class ModelRecord:
     ``((width, height), frames)``; an image model's is the front end's default resolution.
     ``generation``: how its pipeline is run where that differs from its family's (two pipelines of
     one family taking different arguments: FLUX.2 klein's guidance scale, which klein KV's call does
-    not take); None: its family's.
+    not take; Z-Image Omni, undistilled, beside the Turbo its family's recipe speaks for); None: its family's.
     """
 
     name: str

@@ -224,7 +224,7 @@ def text_encoder_2_config(name: str, size: str, tokenizer: PreTrainedTokenizerBa
 def components(name: str) -> Mapping[str, Part]:
     """Every component of ``name`` that has weights, by pipeline component name."""
     r = release(name)
-    return {"transformer": r.transformer, "vae": r.vae, **r.text_encoders}
+    return {"transformer": r.transformer, "vae": r.vae, **r.text_encoders, **r.image_encoders}
 
 
 def constructor(
@@ -242,5 +242,8 @@ def constructor(
         cls = RELEASES[model].text_encoders[component].cls
         return lambda: cls(config)
     part = components(model)[component]
+    if part.config_class is not None:  # an image encoder: a transformers model built from its config
+        vision = part.config_class(**part.config(check_size(size)))
+        return lambda: part.cls(vision)
     kwargs = part.config(check_size(size))
     return lambda: part.cls(**kwargs)

@@ -49,6 +49,13 @@ class Release:
     through a processor instead of a tokenizer (Qwen-Image 2.1's Qwen3-VL processor),
     ``processor(tokenizer, size)`` builds it over its text encoder's tokenizer; the pipeline then
     gets ``processor=`` in place of ``tokenizer=``.
+
+    Pipelines that read images take more: ``image_encoders`` are further components with weights
+    (a vision tower), by pipeline component name, built from their ``config_class`` as text
+    encoders are (``cls(config)``); ``image_processors`` are components without weights (an image
+    processor beside the tokenizer), by name, each its class and constructor arguments; ``absent``
+    names components the offline build leaves None (a processor that needs a package the install
+    may lack).
     """
 
     name: str
@@ -60,3 +67,6 @@ class Release:
     redrawn: tuple[str, ...] = ()
     pipeline_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     processor: Callable[[Any, str], Any] | None = None
+    image_encoders: Mapping[str, Part] = dataclasses.field(default_factory=dict)
+    image_processors: Mapping[str, tuple[type, Mapping[str, Any]]] = dataclasses.field(default_factory=dict)
+    absent: tuple[str, ...] = ()

@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark eager vs bcg vs one whole-forward CUDA graph vs torch.compile.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--models", nargs="+", default=["z-image", "qwen-image"], help="z-image, qwen-image")
+    p.add_argument("--models", nargs="+", default=["z-image", "qwen-image"], help="z-image, qwen-image, z-image-omni")
     p.add_argument("--size", choices=("full", "tiny"), default=None, help="default: full on CUDA, tiny on CPU")
     p.add_argument(
         "--resolutions",

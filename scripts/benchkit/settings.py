@@ -15,6 +15,7 @@ NEGATIVE = "blurry, low quality, watermark"
 SEED = 0
 ZIMAGE_STEPS = 9
 QWEN_TRUE_CFG = 4.0
+OMNI_GUIDANCE = 5.0  # ZImageOmniPipeline's default guidance_scale
 MiB = 2**20
 PLOTS = ("step_time.png", "graph_memory.png")
 
@@ -56,7 +57,9 @@ def by_area(wh: tuple[int, int]) -> tuple[int, int]:
 # How each model is run
 # ------------------------------------------------------------------------------------------------
 def uses_cfg(model: str) -> bool:
-    return model == "qwen-image"  # Z-Image runs as Turbo: guidance 0, one call per step
+    # Z-Image runs as Turbo: guidance 0. Z-Image Omni (Omni-Base) runs guided, both branches in one
+    # denoiser call of batch 2; Qwen-Image's true CFG makes two calls.
+    return model in ("qwen-image", "z-image-omni")
 
 
 def steps_of(model: str, args: argparse.Namespace) -> int:
@@ -64,7 +67,7 @@ def steps_of(model: str, args: argparse.Namespace) -> int:
 
 
 def calls_per_step(model: str) -> int:
-    return 2 if uses_cfg(model) else 1
+    return 2 if model == "qwen-image" else 1
 
 
 def pipe_kwargs(model: str, wh: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
@@ -72,12 +75,14 @@ def pipe_kwargs(model: str, wh: tuple[int, int], args: argparse.Namespace) -> di
 
 
 def call_kwargs(model: str, wh: tuple[int, int], steps: int, true_cfg: float | None = None) -> dict[str, Any]:
-    """The benchmarks' call of ``model`` at ``wh`` (width, height): Z-Image as Turbo, Qwen-Image with
-    true CFG, Qwen-Image 2.1 as Qwen recommends it (no guidance, its prefix K/V cache on) unless
-    ``true_cfg`` is above 1 (then with the negative prompt)."""
+    """The benchmarks' call of ``model`` at ``wh`` (width, height): Z-Image as Turbo, Z-Image Omni
+    (text to image) guided, Qwen-Image with true CFG, Qwen-Image 2.1 as Qwen recommends it (no
+    guidance, its prefix K/V cache on) unless ``true_cfg`` is above 1 (then with the negative prompt)."""
     kw: dict[str, Any] = dict(prompt=PROMPT, width=wh[0], height=wh[1], num_inference_steps=steps)
     if model == "z-image":
         kw["guidance_scale"] = 0.0
+    elif model == "z-image-omni":
+        kw.update(negative_prompt=NEGATIVE, guidance_scale=OMNI_GUIDANCE)
     elif model == "qwen-image":
         kw.update(negative_prompt=NEGATIVE, true_cfg_scale=QWEN_TRUE_CFG)
     elif model == "qwen-image-2.1" and true_cfg is not None and true_cfg > 1:
@@ -94,4 +99,5 @@ def config_constants() -> dict[str, Any]:
         zimage_steps=ZIMAGE_STEPS,
         zimage_guidance=0.0,
         qwen_true_cfg_scale=QWEN_TRUE_CFG,
+        omni_guidance=OMNI_GUIDANCE,
     )

@@ -13,7 +13,13 @@ What it models of a real graph:
   replay still reads the old one, as a GPU graph would;
 * Python code inside a segment does not run again;
 * a host sync inside a segment (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``) fails
-  the capture as CUDA would.
+  the capture as CUDA would;
+* opted in (``host_copies=True``), host data made into a tensor inside a segment
+  (``torch.tensor(list, device=...)``, ``new_tensor``: aten's ``lift_fresh`` of a tensor with
+  dimensions) fails the capture as the pageable host-to-device copy it is on a GPU. Opt-in, as on
+  the CPU every tensor is a host tensor: a model that builds CPU-side tensors in its forward on
+  purpose would fail where a GPU capture would not. A 0-dim tensor is left alone (a CPU scalar
+  needs no copy on CUDA either), and so is an empty one (no bytes to copy).
 
 What it does not: ops also run while recorded (the tests need their values); recorded tensors
 never share a pool (a freed block is never handed to another tensor), and kernels are the CPU's,
@@ -50,6 +56,10 @@ def __torch_dispatch__(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     if func in HOST_SYNCS:
         raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({func})")
+    if HOST_COPIES[0] and func is LIFT_FRESH and args[0].dim() > 0 and args[0].numel() > 0:
+        raise RuntimeError(
+            f"CUDA error: operation not permitted when stream is capturing (a pageable host-to-device copy: {func})"
+        )
     out = func(*args, **kwargs)
     self.ops.append((func, *tree_map_only(torch.Tensor, memory_of, (args, kwargs, out))))
     return out
@@ -84,6 +94,8 @@ HOST_READS = ("tolist", "numpy", "cpu")
 _namespace: dict[str, Any] = {
     "__name__": "torch._emulated_capture",
     "HOST_SYNCS": _HOST_SYNCS,
+    "HOST_COPIES": [False],
+    "LIFT_FRESH": torch.ops.aten.lift_fresh.default,
     "RECORDING": [],
     "ORIGINAL_TENSOR": torch.Tensor,
     "PLAIN": (torch.Tensor, torch.nn.Parameter),
@@ -127,8 +139,9 @@ class EmulatedSegment:
             _write(out, func(*args, **kwargs))
 
 
-def emulate_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Graph runners capture and replay CPU tensors through emulated segments."""
+def emulate_cuda(monkeypatch: pytest.MonkeyPatch, *, host_copies: bool = False) -> None:
+    """Graph runners capture and replay CPU tensors through emulated segments; ``host_copies``:
+    host data made into a tensor inside a segment fails the capture (see the module docstring)."""
 
     recording = _namespace["RECORDING"]
 
@@ -151,6 +164,7 @@ def emulate_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
             recording.remove(rec)
             rec.__exit__(None, None, None)
 
+    monkeypatch.setitem(_namespace, "HOST_COPIES", [host_copies])
     monkeypatch.setattr(bcg._Capture, "open", open_)
     monkeypatch.setattr(bcg._Capture, "close", close_)
     monkeypatch.setattr(bcg._Capture, "abort", abort_)
@@ -173,12 +187,12 @@ def segment_replays(runner: GraphRunner) -> int:
     )
 
 
-def emulate_pipelines(monkeypatch: pytest.MonkeyPatch) -> None:
-    """:func:`emulate_cuda`, and accelerated pipelines on the CPU warm up and capture too (one
-    real pool of the emulated kind for every runner)."""
+def emulate_pipelines(monkeypatch: pytest.MonkeyPatch, *, host_copies: bool = False) -> None:
+    """:func:`emulate_cuda` (``host_copies`` as there), and accelerated pipelines on the CPU warm
+    up and capture too (one real pool of the emulated kind for every runner)."""
     from accel.hooks.install import Installation
 
-    emulate_cuda(monkeypatch)
+    emulate_cuda(monkeypatch, host_copies=host_copies)
     monkeypatch.setattr(Installation, "why_no_graphs", lambda self, device: None)
     pools: dict[str, object] = {}
     monkeypatch.setattr(

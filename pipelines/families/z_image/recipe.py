@@ -13,6 +13,8 @@ break. What it does need:
   shares a graph, and the arithmetic is the stock model's, bit for bit.
 * Its RoPE tables live on a plain object outside the module tree; the ones a graph reads are
   kept alive with the graph.
+* Its omni mode (``ZImageOmniPipeline``: condition images, SigLIP features, nested captions) has
+  its own call, breaks and warm-up: :mod:`pipelines.families.z_image.omni`.
 * On several GPUs: diffusers ships no context-parallel plan for it; :func:`context_parallel_plan`
   is ours (Ulysses over 2 ranks: 30 heads and a 32-token multiple). Its split hooks sit on the
   main layers, inside the repeated blocks ``compile=True`` compiles, so before every call their
@@ -34,6 +36,7 @@ import torch
 
 from accel import GenerationDefaults, Recipe
 
+from . import omni
 from .models import FAMILY
 
 logger = logging.getLogger(__name__)
@@ -157,9 +160,10 @@ class ZImageRecipe(Recipe):
         _register_block_for_caches()
 
     def install(self, module: torch.nn.Module) -> Callable[[], None]:
+        undo_omni = omni.install(module)
         original = getattr(module, "_pad_with_ids", None)
         if original is None or not hasattr(module, "create_coordinate_grid"):
-            return lambda: None
+            return undo_omni
 
         def pad_with_ids(feat, pos_grid_size, pos_start, device, noise_mask_val=None):  # type: ignore[no-untyped-def]
             masks = _pending_masks.get()
@@ -173,20 +177,28 @@ class ZImageRecipe(Recipe):
             return feat, pos_ids, pad_mask, len(feat), None
 
         module._pad_with_ids = pad_with_ids
-        return lambda: module.__dict__.pop("_pad_with_ids", None)
+
+        def undo() -> None:
+            module.__dict__.pop("_pad_with_ids", None)
+            undo_omni()
+
+        return undo
 
     def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
             masks = kwargs.pop(MASKS_KWARG, None)
             token = _pending_masks.set(list(masks) if masks is not None else None)
             try:
-                return fn(*args, **kwargs)
+                with omni.taking_lengths(kwargs):
+                    return fn(*args, **kwargs)
             finally:
                 _pending_masks.reset(token)
 
         return forward
 
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if omni.is_omni_call(args, kwargs):
+            return omni.prepare(args, kwargs)
         if len(args) < 3 or kwargs.get("siglip_feats") is not None:
             return args, kwargs
         x, t, captions = args[0], args[1], args[2]
@@ -262,6 +274,8 @@ class ZImageRecipe(Recipe):
         return _ceil(length)
 
     def prompt_lengths(self, pipe: Any, prompts: list[str]) -> list[int]:
+        if omni.is_omni_pipeline(pipe):  # its caption of a call without condition images
+            return [omni.plain_length(pipe, p, DEFAULT_MAX_SEQUENCE_LENGTH) for p in prompts]
         lengths = []
         for p in prompts:
             text = pipe.tokenizer.apply_chat_template(
@@ -291,6 +305,20 @@ class ZImageRecipe(Recipe):
         given = call_kwargs or {}
         device, dtype, g = self.embedding_setup(pipe)
         dim = pipe.transformer.config.cap_feat_dim
+        if omni.is_omni_pipeline(pipe):
+            yield from self._omni_warmup_calls(
+                pipe,
+                width=width,
+                height=height,
+                batch_size=batch_size,
+                cfg=cfg,
+                prompt_length=prompt_length,
+                negative_prompt_length=negative_prompt_length,
+                num_inference_steps=num_inference_steps,
+                given=given,
+                setup=(device, dtype, g, dim),
+            )
+            return
 
         def embeds(length: int) -> list[torch.Tensor]:
             return [torch.randn(length, dim, generator=g, device=device, dtype=dtype) for _ in range(batch_size)]
@@ -308,3 +336,50 @@ class ZImageRecipe(Recipe):
         if cfg and "negative_prompt_embeds" not in given:
             kwargs["negative_prompt_embeds"] = embeds(negative_prompt_length)
         yield kwargs
+
+    def _omni_warmup_calls(
+        self,
+        pipe: Any,
+        *,
+        width: int,
+        height: int,
+        batch_size: int,
+        cfg: bool,
+        prompt_length: int,
+        negative_prompt_length: int,
+        num_inference_steps: int,
+        given: Mapping[str, Any],
+        setup: tuple[torch.device, torch.dtype, torch.Generator, int],
+    ) -> Iterator[dict[str, Any]]:
+        # ZImageOmniPipeline: nested captions at the lengths its templates give, condition images
+        # (if any) as call_kwargs pass them; see pipelines.families.z_image.omni.
+        device, dtype, g, dim = setup
+        images = omni.condition_image_count(given)
+        max_length = given.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
+
+        def embeds(plain: int) -> list[list[torch.Tensor]]:
+            return omni.warmup_embeddings(
+                pipe,
+                batch_size=batch_size,
+                plain=plain,
+                images=images,
+                max_length=max_length,
+                dim=dim,
+                device=device,
+                dtype=dtype,
+                generator=g,
+            )
+
+        for plain in omni.warmup_plains(pipe, prompt_length, images, max_length):
+            kwargs: dict[str, Any] = dict(
+                height=height,
+                width=width,
+                num_inference_steps=num_inference_steps,
+                output_type="latent",
+                guidance_scale=4.0 if cfg else 0.0,
+            )
+            if "prompt_embeds" not in given:
+                kwargs["prompt_embeds"] = embeds(plain)
+            if cfg and "negative_prompt_embeds" not in given:
+                kwargs["negative_prompt_embeds"] = embeds(negative_prompt_length)
+            yield kwargs
