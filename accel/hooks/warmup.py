@@ -211,7 +211,9 @@ def _component_calls(
         return
     for prompt in prompts[1:]:
         for kwargs in case_calls(recipe, pipe, plan, smallest):
-            yield smallest.size, {**prompted(kwargs, prompt, smallest.batch_size), "output_type": "latent"}
+            # The recipe's own output type (latents, where the pipeline can return them): only
+            # the text encoder has anything left to capture.
+            yield smallest.size, {"output_type": "latent", **prompted(kwargs, prompt, smallest.batch_size)}
 
 
 def _run_capturing(

@@ -101,6 +101,36 @@ def test_tiny_omni_replays_every_step_bit_for_bit(conditioned: bool) -> None:
 
 
 @torch.no_grad()
+def test_tiny_layered_replays_every_step_bit_for_bit() -> None:
+    def build():
+        pipe = build_pipeline("qwen-image-layered", "tiny", device=DEV, dtype=torch.bfloat16)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def call(pipe, prompt: str, seed: int) -> torch.Tensor:
+        return pipe(
+            image=_image(640, 480, seed, mode="RGBA"),
+            prompt=prompt,
+            negative_prompt="blurry",
+            true_cfg_scale=4.0,
+            layers=2,
+            num_inference_steps=3,
+            output_type="pt",
+            generator=torch.Generator(DEV).manual_seed(seed),
+        ).images[0]
+
+    pipe, stock = build(), build()
+    accelerate_pipeline(pipe, auto_breaks=False)
+    pipe.accel.warmup(
+        [(640, 480)], prompts=PROMPTS, negative_prompt="blurry", call_kwargs=dict(layers=2), progress=False
+    )
+    before = pipe.accel.stats()
+    for i, prompt in enumerate(PROMPTS):
+        assert torch.equal(call(pipe, prompt, i), call(stock, prompt, i)), prompt
+    _after_warmup_only_replays(pipe, before)
+
+
+@torch.no_grad()
 def test_full_size_omni_1024_decoded_graphs_equal_eager() -> None:
     """The released shapes at 1024x1024, decoded: the same pipeline eagerly, then accelerated (its
     warm-up the documented one, with the prompt), bit for bit; with a condition image too."""

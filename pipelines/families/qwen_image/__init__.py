@@ -1,7 +1,9 @@
-"""Qwen-Image: a 20B double-stream DiT with a Qwen2.5-VL-7B text encoder and its own VAE.
+"""Qwen-Image: a 20B double-stream DiT with a Qwen2.5-VL-7B text encoder and its own VAE; Qwen-Image
+Layered, the same DiT splitting an RGBA image into layers.
 
-models    ``FAMILY``: the built-in model ``qwen-image`` and how it is run
+models    ``FAMILY``: the built-in models ``qwen-image`` and ``qwen-image-layered`` and how they are run
 recipe    :class:`~pipelines.families.qwen_image.recipe.QwenImageRecipe` (text padding, the mask helper's break, true CFG)
-release   ``QWEN_IMAGE``, the released configs and a tiny model of the same structure
+layered   what ``QwenImageLayeredPipeline``'s call needs (image and resolution, a prompt, decoded output)
+release   ``QWEN_IMAGE`` and ``QWEN_IMAGE_LAYERED``, the released configs and tiny models of the same structure
 forms     rotary embeddings in real arithmetic (``compile=True``)
 """

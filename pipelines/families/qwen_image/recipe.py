@@ -24,6 +24,8 @@ What the stock forward needs (diffusers 0.42):
   at most :data:`BUCKET_MAX_IMAGE_TOKENS`: up to 768x768 on one GPU, up to 1024x1024 on two
   Ulysses ranks (measured on 2 H200s: 1.33x one GPU at 512x512 joined against 1.00x apart;
   1-3% faster than apart at 1024x1024).
+* Qwen-Image Layered (``QwenImageLayeredPipeline``, the same denoiser with a layer-indexed RoPE)
+  is called by image and ``resolution``, not by size: :mod:`pipelines.families.qwen_image.layered`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 
 from accel import GenerationDefaults, Recipe, eager_on_graph, patch, tree, unpatched
 
+from . import layered
 from .forms import QWEN_MODULE, qwen_rope_in_real_arithmetic
 from .models import FAMILY
 
@@ -55,6 +58,12 @@ CFG_BRANCHES = {"cond": 0, "uncond": 1}
 # A denoiser call's per-sample arguments, when two calls are joined into one batch.
 BATCHED_TENSORS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance")
 PER_SAMPLE_LISTS = ("img_shapes", "txt_seq_lens")
+# What a warm-up call of a pipeline that must be given a prompt says (the text reaches the
+# denoiser as random embeddings of the case's length).
+WARMUP_PROMPT = "a photograph"
+# The RoPE helpers whose cached tables a graph reads (QwenEmbedRope: the first; the Layered
+# model's QwenEmbedLayer3DRope: both).
+_ROPE_CACHES = ("_compute_video_freqs", "_compute_condition_freqs")
 
 
 def _mark_mask_helper(modname: str) -> Callable[[], None]:
@@ -130,9 +139,11 @@ class QwenImageRecipe(Recipe):
         self.buckets: tuple[int, ...] = tuple(sorted(set(text_buckets or ())))
         self._too_long_said = False
         self._per_sample_shapes = False
+        self._layered = False
 
     def install(self, module: torch.nn.Module) -> Callable[[], None]:
         self._per_sample_shapes = bool(getattr(module.config, "zero_cond_t", False))
+        self._layered = layered.is_layered(module)
         modname = type(module).__module__
         if not hasattr(sys.modules.get(modname), "compute_text_seq_len_from_mask"):
             return lambda: None
@@ -145,7 +156,7 @@ class QwenImageRecipe(Recipe):
         return qwen_rope_in_real_arithmetic()
 
     def inexact(self) -> tuple[str, str] | None:
-        if not self.buckets or self.padding_refused is not None:
+        if not self.buckets or self.padding_refused is not None or self._layered:
             return None
         side = math.isqrt(BUCKET_MAX_IMAGE_TOKENS) * PATCH_PIXELS
         return (
@@ -170,8 +181,8 @@ class QwenImageRecipe(Recipe):
             # images, so N prompts and one prompt times N images would otherwise not share.
             kwargs = {**kwargs, "img_shapes": shapes[:1]}
         text = kwargs.get("encoder_hidden_states")
-        if not self.buckets or args or not isinstance(text, torch.Tensor) or text.dim() != 3:
-            return args, kwargs
+        if not self.buckets or self._layered or args or not isinstance(text, torch.Tensor) or text.dim() != 3:
+            return args, kwargs  # the Layered model's calls are far past where padding pays: exact
         image = kwargs.get("hidden_states")
         if isinstance(image, torch.Tensor) and image.dim() == 3 and image.shape[1] > BUCKET_MAX_IMAGE_TOKENS:
             return args, kwargs  # compute-bound: the masked kernel would cost more than it saves
@@ -192,21 +203,26 @@ class QwenImageRecipe(Recipe):
     def capture_scope(self, module: torch.nn.Module) -> Iterator[list]:
         keep: list[Any] = []
         rope = getattr(module, "pos_embed", None)
-        cached = getattr(rope, "_compute_video_freqs", None)
-        if cached is None:
+        cached = {name: getattr(rope, name) for name in _ROPE_CACHES if getattr(rope, name, None) is not None}
+        if not cached:
             yield keep
             return
 
-        def recording(*a: Any, **k: Any) -> Any:
-            out = cached(*a, **k)
-            keep.append(out)
-            return out
+        def recording(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def record(*a: Any, **k: Any) -> Any:
+                out = fn(*a, **k)
+                keep.append(out)
+                return out
 
-        rope._compute_video_freqs = recording
+            return record
+
+        for name, fn in cached.items():
+            setattr(rope, name, recording(fn))
         try:
             yield keep
         finally:
-            rope.__dict__.pop("_compute_video_freqs", None)
+            for name in cached:
+                rope.__dict__.pop(name, None)
             device_freqs = getattr(rope, "_get_device_freqs", None)
             if device_freqs is not None:
                 for p in module.parameters():
@@ -253,7 +269,7 @@ class QwenImageRecipe(Recipe):
         # Only where each rank's share of the image is launch-bound (one GPU: where text is padded
         # anyway, within bf16 noise of eager already; Ulysses: where it is split, never bit for
         # bit). Both texts go to the larger of their two buckets, exact in real arithmetic.
-        if len(calls) != 2 or not self.buckets or self._per_sample_shapes or any(a for a, _ in calls):
+        if len(calls) != 2 or not self.buckets or self._per_sample_shapes or self._layered or any(a for a, _ in calls):
             return None
         (_, first), (_, second) = calls
         if set(first) != set(second):
@@ -310,9 +326,15 @@ class QwenImageRecipe(Recipe):
         return tuple(b for b in self.buckets if b <= 128)
 
     def warmup_length(self, length: int, width: int, height: int) -> int:
+        if self._layered:  # several frames at 640 or 1024: never padded (see layered.py)
+            return length
         if (width // PATCH_PIXELS) * (height // PATCH_PIXELS) > BUCKET_MAX_IMAGE_TOKENS:
             return length
         return self.bucket(length) or length
+
+    def check_warmup(self, pipe: Any, *, cfg: tuple[bool, ...], call_kwargs: Mapping[str, Any]) -> None:
+        if layered.is_layered_pipeline(pipe):
+            layered.check_warmup(pipe, call_kwargs)
 
     def prompt_lengths(self, pipe: Any, prompts: list[str]) -> list[int]:
         if getattr(pipe, "tokenizer", None) is None:  # built without text encoders: embeddings are given
@@ -348,11 +370,21 @@ class QwenImageRecipe(Recipe):
             e = torch.randn(batch_size, length, dim, generator=g, device=device, dtype=dtype)
             return e, torch.ones(batch_size, length, dtype=torch.long, device=device)
 
-        kwargs: dict[str, Any] = dict(
-            height=height, width=width, num_inference_steps=num_inference_steps, output_type="latent"
-        )
-        # An edit pipeline's image (QwenImageEditPipeline cannot run without one).
-        kwargs.update(self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given))
+        kwargs: dict[str, Any]
+        if layered.is_layered_pipeline(pipe):
+            # Called by image and resolution, with a prompt, decoded: see layered.py.
+            kwargs = dict(num_inference_steps=num_inference_steps)
+            kwargs.update(
+                layered.warmup_call(
+                    pipe, width=width, height=height, batch_size=batch_size, prompt=WARMUP_PROMPT, call_kwargs=given
+                )
+            )
+        else:
+            kwargs = dict(height=height, width=width, num_inference_steps=num_inference_steps, output_type="latent")
+            # An edit pipeline's image (QwenImageEditPipeline cannot run without one).
+            kwargs.update(
+                self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given)
+            )
         if "prompt_embeds" not in given:
             kwargs["prompt_embeds"], kwargs["prompt_embeds_mask"] = embeds(prompt_length)
         if cfg:

@@ -10,7 +10,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from ...construction import init_defaults
 from ...releases.spec import TINY_TEXT_HIDDEN, Part, Release
 
-__all__ = ["QWEN_IMAGE", "RELEASES", "SCHEDULER", "TRANSFORMER", "VAE"]
+__all__ = ["QWEN_IMAGE", "QWEN_IMAGE_LAYERED", "RELEASES", "SCHEDULER", "TRANSFORMER", "VAE"]
 
 # diffusers' defaults are the release: 60 layers, 24 heads x 128, joint_attention_dim 3584 (= the
 # width of Qwen2.5-VL-7B).
@@ -113,5 +113,22 @@ QWEN_IMAGE = Release(
     scheduler=SCHEDULER,
 )
 
+# Qwen-Image Layered (Qwen/Qwen-Image-Layered): the same DiT with a layer-indexed RoPE and a second
+# timestep condition (`use_layer3d_rope`, `use_additional_t_cond`; `zero_cond_t` off), splitting an
+# RGBA image into RGBA layers; its VAE is Qwen-Image's reading and writing four channels, its text
+# encoder and scheduler Qwen-Image's. The pipeline's `processor` (Qwen2VLProcessor, used only to
+# caption an image when the prompt is empty) needs torchvision for its video half: the offline
+# build leaves it None, so pass a prompt.
+_LAYERED: dict[str, Any] = dict(use_layer3d_rope=True, use_additional_t_cond=True, zero_cond_t=False)
+QWEN_IMAGE_LAYERED = Release(
+    name="qwen-image-layered",
+    transformer=Part(TRANSFORMER.cls, {s: {**TRANSFORMER.config(s), **_LAYERED} for s in ("tiny", "full")}),
+    vae=Part(VAE.cls, {s: {**VAE.config(s), "input_channels": 4} for s in ("tiny", "full")}),
+    text_encoders=QWEN_IMAGE.text_encoders,
+    scheduler_class=QWEN_IMAGE.scheduler_class,
+    scheduler=QWEN_IMAGE.scheduler,
+    absent=("processor",),
+)
+
 # The family's built-in models (models.py names them and their pipelines).
-RELEASES = (QWEN_IMAGE,)
+RELEASES = (QWEN_IMAGE, QWEN_IMAGE_LAYERED)

@@ -43,7 +43,7 @@ def test_every_family_folder_is_in_the_catalog_in_its_order() -> None:
     assert orders == sorted(orders) and len(set(orders)) == len(orders), "each family its own place"
     first = ("z-image", "qwen-image", "flux", "wan", "wan-1.3b")  # each family's first model, in order
     assert tuple(n for n in catalog.MODEL_NAMES if n in first) == first
-    assert catalog.MODEL_NAMES[:3] == ("z-image", "z-image-omni", "qwen-image")
+    assert catalog.MODEL_NAMES[:4] == ("z-image", "z-image-omni", "qwen-image", "qwen-image-layered")
     assert tuple(m.name for f in catalog.FAMILIES.values() for m in f.models) == catalog.MODEL_NAMES
 
 
