@@ -305,72 +305,33 @@ class ZImageRecipe(Recipe):
         given = call_kwargs or {}
         device, dtype, g = self.embedding_setup(pipe)
         dim = pipe.transformer.config.cap_feat_dim
+        embeds: Callable[[int], Any]
         if omni.is_omni_pipeline(pipe):
-            yield from self._omni_warmup_calls(
-                pipe,
-                width=width,
-                height=height,
-                batch_size=batch_size,
-                cfg=cfg,
-                prompt_length=prompt_length,
-                negative_prompt_length=negative_prompt_length,
-                num_inference_steps=num_inference_steps,
-                given=given,
-                setup=(device, dtype, g, dim),
-            )
-            return
+            # ZImageOmniPipeline: nested captions at the lengths its templates give, condition
+            # images (if any) as call_kwargs pass them; see omni.py.
+            images = omni.condition_image_count(given)
+            longest = given.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
+            lengths = omni.warmup_plains(pipe, prompt_length, images, longest)
 
-        def embeds(length: int) -> list[torch.Tensor]:
-            return [torch.randn(length, dim, generator=g, device=device, dtype=dtype) for _ in range(batch_size)]
+            def embeds(length: int) -> list[list[torch.Tensor]]:
+                return omni.warmup_embeddings(
+                    pipe,
+                    batch_size=batch_size,
+                    plain=length,
+                    images=images,
+                    max_length=longest,
+                    dim=dim,
+                    device=device,
+                    dtype=dtype,
+                    generator=g,
+                )
+        else:
+            lengths = [prompt_length]
 
-        kwargs: dict[str, Any] = dict(
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            output_type="latent",
-            guidance_scale=4.0 if cfg else 0.0,
-        )
-        kwargs.update(self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given))
-        if "prompt_embeds" not in given:
-            kwargs["prompt_embeds"] = embeds(prompt_length)
-        if cfg and "negative_prompt_embeds" not in given:
-            kwargs["negative_prompt_embeds"] = embeds(negative_prompt_length)
-        yield kwargs
+            def embeds(length: int) -> list[torch.Tensor]:
+                return [torch.randn(length, dim, generator=g, device=device, dtype=dtype) for _ in range(batch_size)]
 
-    def _omni_warmup_calls(
-        self,
-        pipe: Any,
-        *,
-        width: int,
-        height: int,
-        batch_size: int,
-        cfg: bool,
-        prompt_length: int,
-        negative_prompt_length: int,
-        num_inference_steps: int,
-        given: Mapping[str, Any],
-        setup: tuple[torch.device, torch.dtype, torch.Generator, int],
-    ) -> Iterator[dict[str, Any]]:
-        # ZImageOmniPipeline: nested captions at the lengths its templates give, condition images
-        # (if any) as call_kwargs pass them; see pipelines.families.z_image.omni.
-        device, dtype, g, dim = setup
-        images = omni.condition_image_count(given)
-        max_length = given.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
-
-        def embeds(plain: int) -> list[list[torch.Tensor]]:
-            return omni.warmup_embeddings(
-                pipe,
-                batch_size=batch_size,
-                plain=plain,
-                images=images,
-                max_length=max_length,
-                dim=dim,
-                device=device,
-                dtype=dtype,
-                generator=g,
-            )
-
-        for plain in omni.warmup_plains(pipe, prompt_length, images, max_length):
+        for length in lengths:
             kwargs: dict[str, Any] = dict(
                 height=height,
                 width=width,
@@ -378,8 +339,11 @@ class ZImageRecipe(Recipe):
                 output_type="latent",
                 guidance_scale=4.0 if cfg else 0.0,
             )
+            kwargs.update(
+                self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given)
+            )
             if "prompt_embeds" not in given:
-                kwargs["prompt_embeds"] = embeds(plain)
+                kwargs["prompt_embeds"] = embeds(length)
             if cfg and "negative_prompt_embeds" not in given:
                 kwargs["negative_prompt_embeds"] = embeds(negative_prompt_length)
             yield kwargs
