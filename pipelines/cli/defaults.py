@@ -1,6 +1,7 @@
-"""Model defaults: steps and guidance from the model's recipe (accel.Recipe.generation_defaults)
-or, for pipelines the generic recipe serves, from their family's record in the catalog; sizes and
-frames by model (:mod:`pipelines.families.catalog`)."""
+"""Model defaults: steps and guidance from a built-in model's own record where it runs unlike its
+family, else from the model's recipe (accel.Recipe.generation_defaults), else, for pipelines the
+generic recipe serves, from their family's record in the catalog; sizes and frames by model
+(:mod:`pipelines.families.catalog`)."""
 
 from __future__ import annotations
 
