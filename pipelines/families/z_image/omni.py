@@ -1,7 +1,7 @@
 """Z-Image Omni: ``ZImageTransformer2DModel`` in its omni mode, as ``ZImageOmniPipeline`` calls it.
 
-The Z-Image recipe (:mod:`pipelines.families.z_image.recipe`) serves both modes of the one denoiser class; this
-module holds what the omni mode needs (diffusers 0.42):
+The Z-Image recipe (:mod:`pipelines.families.z_image.recipe`) serves both modes of the one
+denoiser class; this module holds what the omni mode needs (diffusers 0.42):
 
 * **The call.** ``x`` is one list per sample (condition latents, then the target), ``cap_feats``
   one list of caption segments per sample (one segment without condition images; with N images,
@@ -65,8 +65,8 @@ _NOISE_MASKS = (11, 12, 13)
 class TokenInts:
     """A per-token list of ints (a noise mask) as one constant: what the token layout's break
     returns in place of the list, so a replay compares it as one value (a tuple, hashed once)
-    instead of walking thousands of leaves (10 ms a step at 1024x1024 with guidance). Only this
-    module's wrappers read it (:func:`token_ints`)."""
+    instead of walking thousands of leaves (milliseconds of host time a step at 1024x1024, while
+    the GPU waits). Only this module's wrappers read it (:func:`token_ints`)."""
 
     __slots__ = ("_hash", "values")
 
