@@ -155,10 +155,15 @@ def mask_from(image: Any) -> Any:
     return image.convert("L") if image.mode != "L" else image
 
 
-def flatten(image: Any) -> Any:
-    """``image`` as RGB (a transparent input image's pixels over black, as OpenAI's edits read it)."""
+def flatten(image: Any, pipe: Any = None) -> Any:
+    """``image`` as ``pipe`` reads it: RGBA where its VAE reads four channels (Qwen-Image Layered
+    splits an RGBA image into RGBA layers), else RGB (a transparent input image's pixels over
+    black, as OpenAI's edits read it)."""
     from PIL import Image
 
+    config = getattr(getattr(pipe, "vae", None), "config", None) or {}
+    if config.get("input_channels", config.get("in_channels")) == 4:
+        return image.convert("RGBA")
     if image.mode == "RGB":
         return image
     if image.mode in ("RGBA", "LA"):

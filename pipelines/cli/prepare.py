@@ -277,7 +277,7 @@ def _image_pipeline(pipe: Any, workload: Workload) -> tuple[Any, dict[str, Any] 
     if workload.strength is not None and not taking.strength:
         logger.warning("--strength is ignored: %s takes no strength", type(taking.pipe).__name__)
     mask = mask_from(workload.mask) if workload.mask is not None else None
-    kwargs = taking.kwargs(flatten(workload.image), mask, workload.strength)
+    kwargs = taking.kwargs(flatten(workload.image, taking.pipe), mask, workload.strength)
     width, height = workload.image.size
     note = f"{workload.image_name or 'an image'} ({width}x{height}), {taking.kind}"
     if "strength" in kwargs:

@@ -119,3 +119,15 @@ def test_the_layered_denoiser_and_pipeline_are_told_apart() -> None:
     assert layered.is_layered(pipe.transformer) and layered.is_layered_pipeline(pipe)
     qwen = build_pipeline("qwen-image", "tiny")
     assert not layered.is_layered(qwen.transformer) and not layered.is_layered_pipeline(qwen)
+
+
+def test_the_cli_hands_the_layered_pipeline_an_rgba_image() -> None:
+    """Its VAE reads four channels: ``bcg-generate --image`` keeps an input image's alpha for it
+    (an RGB file gets an opaque one) where other pipelines get the image flattened to RGB."""
+    from pipelines.cli.image_input import flatten
+
+    rgba, rgb = _image((64, 48), 0), _image((64, 48), 1).convert("RGB")
+    pipe, other = _pipe(), build_pipeline("qwen-image", "tiny")
+    assert flatten(rgba, pipe).mode == flatten(rgb, pipe).mode == "RGBA"
+    assert flatten(rgba, pipe).tobytes() == rgba.tobytes()
+    assert flatten(rgba, other).mode == flatten(rgba).mode == "RGB"
