@@ -92,9 +92,10 @@ HOOKS_BASE: dict[str, tuple[str, ...]] = {
     "accel.hooks.call_shape": ("accel.hooks.options", "accel.hooks.components"),
 }
 HOOKS_PARTS: dict[str, tuple[str, ...]] = {
+    "accel.hooks.attention": ("accel.hooks.options", "accel.hooks.components"),
     "accel.hooks.caches": (),
     "accel.hooks.compiled": ("accel.hooks.options",),
-    "accel.hooks.fp8": ("accel.hooks.options", "accel.hooks.components"),
+    "accel.hooks.fp8": ("accel.hooks.options", "accel.hooks.components", "accel.hooks.attention"),
     "accel.hooks.images": (),
     "accel.hooks.recipes": tuple(HOOKS_BASE),
     "accel.hooks.state": (*HOOKS_BASE, "accel.hooks.caches", "accel.hooks.compiled"),

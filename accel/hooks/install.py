@@ -5,7 +5,8 @@ it out again on one undo list, which :meth:`Installation.uninstall` runs last-in
 when an install fails half-way):
 
 1. quantization: nothing to put in (``quantize=`` acts at the first warm-up); at uninstall it
-   says what stays in float8;
+   says what stays in float8; attention: the backend ``attention=`` sets on the denoisers'
+   processors, before any graph hook watches them;
 2. graph hooks: a :class:`~accel.hooks.graph_hook.GraphHook` on every planned module (one per
    module, shared by every pipeline that uses it), each capturing into this pipeline's pool on
    its device, so the decode's activations reuse the denoiser's;
@@ -106,6 +107,7 @@ class Installation:
         try:
             if self.quantization is not None:
                 self._undo.append(self.quantization.let_go)
+            self._enter_attention()
             self._enter_graph_hooks()
             self._enter_guard()
             self._enter_parallel()
@@ -116,6 +118,12 @@ class Installation:
             raise
 
     # -- the layers, in order ----------------------------------------------------------------
+    def _enter_attention(self) -> None:
+        choice = self.plan.attention
+        if choice is not None:
+            denoisers = {m.name: m.module for m in self.plan.modules if not m.component}
+            self._undo.append(choice.enter(denoisers))
+
     def _enter_graph_hooks(self) -> None:
         self._undo.append(self._leave_graph_hooks)
         for entry in self.plan.modules:

@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import Literal, get_args
 
 __all__ = [
+    "ATTENTION_MODES",
     "MODES",
     "PARALLEL_MODES",
     "QUANTIZE_MODES",
     "RECIPE_DEFAULT",
     "RESOLUTION_MULTIPLE",
     "AcceleratorOptions",
+    "Attention",
     "Mode",
     "Parallel",
     "Quantize",
@@ -43,6 +45,10 @@ MODES: tuple[str, ...] = get_args(Mode)
 Parallel = Literal["cfg", "ulysses", "cfg+ulysses"]
 PARALLEL_MODES: tuple[str, ...] = get_args(Parallel)
 DEFAULT_PARALLEL_TIMEOUT_S = 300.0
+
+# The denoisers' attention on FlashAttention-3 (accel/hooks/attention): exact, not cuDNN's bits.
+Attention = Literal["fa3"]
+ATTENTION_MODES: tuple[str, ...] = get_args(Attention)
 
 # Lossy, opt-in: the denoiser's Linear layers in float8 (accel/hooks/fp8/quantize.py).
 Quantize = Literal["fp8"]
@@ -208,6 +214,20 @@ class AcceleratorOptions:
             stored as sorted ``(name, value)`` pairs. Names inductor does not know raise
             ValueError when the blocks are compiled. Default None: the library's settings.
 
+    Attention:
+
+    Attributes:
+        attention: ``"fa3"``: the denoisers' attention on FlashAttention-3 (the ``fa3-fwd``
+            wheel, the ``[fa3]`` extra), through diffusers' attention dispatch, so the stock
+            attention processors stay (:mod:`accel.hooks.attention`): exact attention on faster
+            kernels than cuDNN's at the large sizes, not bit for bit cuDNN's (the report says
+            so). Key-padding masks (padded text) are taken; other masks run diffusers' native
+            attention, with one warning. Where it cannot run (no wheel, not a Hopper GPU) the
+            attention stays as it was, with one warning. With ``quantize="fp8"`` the attention
+            layers are float8 candidates too (float8 queries, keys and values, per-head
+            scales), kept within ``fp8_budget`` like the Linear layers. Not with
+            ``parallel="ulysses"``. Default None: diffusers' backend as it is.
+
     Quantization (lossy, opt-in):
 
     Attributes:
@@ -268,6 +288,8 @@ class AcceleratorOptions:
     compile_cache_dir: Path | None = None
     compiled_forms: bool = True
     inductor: tuple[tuple[str, object], ...] | None = None
+    # attention
+    attention: Attention | None = None
     # quantization
     quantize: Quantize | None = None
     fp8_budget: float = DEFAULT_FP8_BUDGET
@@ -309,6 +331,11 @@ class AcceleratorOptions:
             and timeout > 0
         ):
             raise ValueError(f"parallel_timeout_s must be a positive number of seconds, got {timeout!r}")
+        if self.attention is not None and self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be None or one of {', '.join(ATTENTION_MODES)}; got {self.attention!r}")
+        if self.attention is not None and self.parallel is not None and "ulysses" in self.parallel:
+            # Ulysses' all-to-alls come from diffusers' templated attention, which only its own backends take.
+            raise ValueError(f"attention={self.attention!r} does not combine with parallel={self.parallel!r} yet")
         if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize must be None or one of {', '.join(QUANTIZE_MODES)}; got {self.quantize!r}")
         fp8 = self.fp8_budget

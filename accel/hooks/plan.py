@@ -7,6 +7,8 @@ other options); nothing is installed by then. The :class:`InstallPlan` it return
 order :class:`~accel.hooks.install.Installation` enters them:
 
 1. ``quantization``: what ``quantize=`` will do (it changes nothing before the first warm-up);
+   ``attention``: the attention backend ``attention=`` sets on the denoisers' processors, or why
+   it cannot (:mod:`accel.hooks.attention.selection`), set before the graph hooks see them;
 2. ``modules``: every module that gets a graph hook, denoisers first, each with its recipe (the
    one in use where another pipeline accelerated the module already), the breaks its pipeline's
    recipe names for it, the component whose offload hooks move it, and the device whose graph
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .attention.selection import AttentionChoice, plan_attention
 from .components import DENOISER_NAMES, component, components, module_device
 from .fp8.quantize import Quantization, plan_quantization
 from .graph_hook import check_joinable
@@ -74,6 +77,7 @@ class InstallPlan:
 
     options: AcceleratorOptions
     quantization: Quantization | None
+    attention: AttentionChoice | None
     modules: tuple[ModulePlan, ...]
     guard: bool
     parallel: str | None
@@ -96,6 +100,7 @@ class InstallPlan:
 
         pools = sorted({str(m.device) for m in self.modules if m.device.type == "cuda"})
         quantize = self.quantization.value if self.quantization is not None else None
+        attention = [self.attention.describe()] if self.attention is not None else []
         return [
             f"  install plan: {', '.join(module(m) for m in self.modules)}",
             f"    graph pool {', '.join(pools) or 'none (nothing on CUDA)'}; "
@@ -107,6 +112,7 @@ class InstallPlan:
                 if self.postprocess_stock is None
                 else f"post-processing stock ({self.postprocess_stock})"
             ),
+            *attention,
         ]
 
 
@@ -146,6 +152,7 @@ def plan_install(pipe: Any, options: AcceleratorOptions) -> InstallPlan:
         )
     # Refused (one line) before anything is installed; quantizes nothing until the warm-up.
     quantization = plan_quantization(pipe, options, DENOISER_NAMES, denoisers[0].recipe.fp8_layers)
+    attention = plan_attention(options, {d.name: d.module for d in denoisers})
     known = denoisers[0].recipe.component_breaks()
     parts = []
     for name in components(pipe, options):
@@ -166,6 +173,7 @@ def plan_install(pipe: Any, options: AcceleratorOptions) -> InstallPlan:
     return InstallPlan(
         options=options,
         quantization=quantization,
+        attention=attention,
         modules=(*denoisers, *parts),
         guard=guard,
         parallel=options.parallel,

@@ -10,6 +10,8 @@ session, graph memory, and the patches the library has in place in the process.
 from __future__ import annotations
 
 from ..graphs import patches
+from .attention.backends import FA3
+from .attention.selection import library_backends_in_use
 from .components import component, module_device
 from .graph_hook import GraphHook
 from .images.decoder_trial import SLOWER
@@ -40,6 +42,9 @@ def image_line(installed: Installation, h: GraphHook) -> str:
     if inexact is not None:
         differs.append(inexact[0])
         exact_with.append(inexact[1])
+    if module is not None and FA3 in library_backends_in_use(module):
+        differs.append("its attention runs FlashAttention-3 (exact, not bit for bit cuDNN's attention)")
+        exact_with.append("attention=None" if installed.plan.attention is not None else "diffusers' default attention")
     if h.compiled:
         differs.append("its blocks are compiled (graphs give the compiled model's image bit for bit)")
         exact_with.append("compile=False")
