@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from ..graphs import patches
 from .attention.backends import FA3
-from .attention.selection import library_backends_in_use
 from .components import component, module_device
 from .graph_hook import GraphHook
 from .images.decoder_trial import SLOWER
 from .install import Installation
+from .recipes.mask_backends import backends_in_use
 
 __all__ = ["graph_memory_bytes", "image_line", "report"]
 
@@ -42,7 +42,7 @@ def image_line(installed: Installation, h: GraphHook) -> str:
     if inexact is not None:
         differs.append(inexact[0])
         exact_with.append(inexact[1])
-    if module is not None and FA3 in library_backends_in_use(module):
+    if module is not None and FA3 in backends_in_use(module):
         differs.append("its attention runs FlashAttention-3 (exact, not bit for bit cuDNN's attention)")
         exact_with.append("attention=None" if installed.plan.attention is not None else "diffusers' default attention")
     if h.compiled:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +33,6 @@ __all__ = [
     "BACKENDS",
     "FA3",
     "FA3_FP8",
-    "backend_of",
     "describe_backend",
     "dispatching_processors",
     "member",
@@ -52,7 +50,6 @@ BACKENDS: dict[str, tuple[Callable[..., torch.Tensor], str]] = {
     FA3: (fa3_attention, "FlashAttention-3 (fa3-fwd), bf16: lossless, not bit for bit cuDNN's attention"),
     FA3_FP8: (fa3_fp8_attention, "FlashAttention-3 (fa3-fwd) on float8 queries, keys and values, per-head scales"),
 }
-_DISPATCH = "diffusers.models.attention_dispatch"
 
 _lock = threading.Lock()
 # Process-wide, as diffusers' own registrations are; kept for the process's life.
@@ -144,16 +141,6 @@ def dispatching_processors(model: torch.nn.Module) -> tuple[list[tuple[str, Any]
             (path, processor) if hasattr(processor, "_attention_backend") else path
         )
     return through, around
-
-
-def backend_of(processor: Any) -> str | None:
-    """The name of the backend ``processor`` dispatches to (its own, else diffusers' active one)."""
-    backend = getattr(processor, "_attention_backend", None)
-    if backend is None:
-        dispatch = sys.modules.get(_DISPATCH)
-        registry = getattr(dispatch, "_AttentionBackendRegistry", None)
-        backend = registry._active_backend if registry is not None else None
-    return None if backend is None else str(getattr(backend, "value", backend))
 
 
 def describe_backend(name: str | None) -> str | None:

@@ -22,22 +22,12 @@ import torch
 
 from ..components import module_device
 from ..options import AcceleratorOptions
-from .backends import BACKENDS, FA3, backend_of, describe_backend, dispatching_processors, register, set_backend
+from .backends import FA3, describe_backend, dispatching_processors, register, set_backend
 from .fa3 import why_not_fa3
 
-__all__ = ["AttentionChoice", "backends_in", "library_backends_in_use", "plan_attention"]
+__all__ = ["AttentionChoice", "plan_attention"]
 
 logger = logging.getLogger(__name__)
-
-
-def backends_in(model: torch.nn.Module) -> dict[str, int]:
-    """How many of ``model``'s dispatching attention processors use each backend, by name
-    (``"default"`` for diffusers' active one where it is unset)."""
-    counts: dict[str, int] = {}
-    for _, processor in dispatching_processors(model)[0]:
-        name = backend_of(processor) or "default"
-        counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 @dataclasses.dataclass
@@ -107,8 +97,3 @@ def plan_attention(options: AcceleratorOptions, denoisers: Mapping[str, torch.nn
         )
     return choice
 
-
-def library_backends_in_use(model: torch.nn.Module) -> list[str]:
-    """The library's backends (:data:`~accel.hooks.attention.backends.BACKENDS`) that ``model``'s
-    processors use now, however they were set."""
-    return [name for name in backends_in(model) if name in BACKENDS]

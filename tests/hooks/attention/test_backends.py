@@ -17,7 +17,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from accel import AcceleratorOptions, accelerate_pipeline
 from accel.hooks import graph_hook, report
 from accel.hooks.attention import backends, fa3
-from accel.hooks.attention.selection import backends_in
+from accel.hooks.recipes.mask_backends import backend_refusal, backends_in_use
 from pipelines.builders import build_pipeline, build_transformer
 from tests.helpers import fake_fa3
 from tests.helpers.emulator import emulate_pipelines
@@ -41,6 +41,10 @@ def _pipe(name: str = "qwen-image") -> Any:
 
 def _call(pipe: Any, prompt: str = "a lighthouse in a storm", **kw: Any) -> torch.Tensor:
     return generate(pipe, prompt, negative_prompt="blurry", guidance=4.0, steps=2, seed=3, **kw)
+
+
+def backends_in(model: torch.nn.Module) -> dict[str, int]:
+    return {name: len(paths) for name, paths in backends_in_use(model).items()}
 
 
 def test_registered_backends_are_diffusers_own_names(wheel: None) -> None:
@@ -91,7 +95,7 @@ def test_dynamo_traces_a_block_through_the_backend_in_one_graph(wheel: None) -> 
         compiled = torch.compile(block, backend="eager", fullgraph=True)(**args)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
     undo()
-    assert backends_in(t) == {"native": 2} or backends_in(t) == {"default": 2}
+    assert backends_in(t) == {"native": 2}
 
 
 @pytest.fixture
@@ -124,6 +128,15 @@ def test_attention_fa3_replays_equal_the_same_backend_run_eagerly(wheel: None, g
     assert backends.FA3 not in backends_in(pipe.transformer)
     held()
     assert backends.FA3 not in backends_in(stock.transformer)
+
+
+def test_the_padding_gate_finds_that_the_backends_take_key_padding_masks(wheel: None) -> None:
+    """diffusers' own FlashAttention-3 refuses every mask (so text would not be padded); the
+    library's take a key-padding mask in FA3's seqused form."""
+    backends.register()
+    assert backend_refusal("_flash_3") is not None
+    for name in backends.BACKENDS:
+        assert backend_refusal(name) is None
 
 
 @torch.no_grad()
