@@ -236,6 +236,7 @@ class GraphHook(ModelHook):
             self._gate_padding(module)
             if self.recipe.padding_refused is None:
                 args, kwargs = self.recipe.prepare(args, kwargs)
+            args, kwargs = self.recipe.route_call(args, kwargs)
         # Before the runner runs: a capture it begins refuses the forward it stands for as a found
         # break, which it knows only once the forward is resolved.
         self._resolved_forward()

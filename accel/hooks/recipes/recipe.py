@@ -149,6 +149,12 @@ class Recipe:
         where graphs run, and not while :attr:`padding_refused` is set."""
         return args, kwargs
 
+    def route_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Add to a call what picks its graph beyond its inputs: a constant keyword that
+        :meth:`wrap_forward` takes out again (Qwen-Image's modulation role). Called at every call
+        where graphs run, after :meth:`prepare`, whether the call was padded or not."""
+        return args, kwargs
+
     def inexact(self) -> tuple[str, str] | None:
         """Where this recipe's calls are not the stock pipeline's bit for bit: what differs (a
         phrase for ``report()``) and the options that give the stock image; None where they are."""

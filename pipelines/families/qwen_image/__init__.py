@@ -6,4 +6,5 @@ recipe    :class:`~pipelines.families.qwen_image.recipe.QwenImageRecipe` (text p
 layered   what ``QwenImageLayeredPipeline``'s call needs (image and resolution, a prompt, decoded output)
 release   ``QWEN_IMAGE`` and ``QWEN_IMAGE_LAYERED``, the released configs and tiny models of the same structure
 forms     rotary embeddings in real arithmetic (``compile=True``)
+modulation the blocks' modulation computed once per step for both guidance calls
 """

@@ -44,6 +44,7 @@ from accel import GenerationDefaults, Recipe, eager_on_graph, patch, tree, unpat
 from . import layered
 from .forms import QWEN_MODULE, qwen_rope_in_real_arithmetic
 from .models import FAMILY
+from .modulation import ROLE_KWARG, ModulationOnce, modulation_once
 
 logger = logging.getLogger(__name__)
 
@@ -140,14 +141,33 @@ class QwenImageRecipe(Recipe):
         self._too_long_said = False
         self._per_sample_shapes = False
         self._layered = False
+        self.modulation: ModulationOnce | None = None
 
     def install(self, module: torch.nn.Module) -> Callable[[], None]:
         self._per_sample_shapes = bool(getattr(module.config, "zero_cond_t", False))
         self._layered = layered.is_layered(module)
+        undo: list[Callable[[], None]] = []
+        # Both guidance calls of a step read one computation of the blocks' modulation (modulation.py).
+        self.modulation = modulation_once(module)
+        if self.modulation is not None:
+            undo.append(self.modulation.install())
         modname = type(module).__module__
-        if not hasattr(sys.modules.get(modname), "compute_text_seq_len_from_mask"):
-            return lambda: None
-        return _mark_mask_helper(modname)
+        if hasattr(sys.modules.get(modname), "compute_text_seq_len_from_mask"):
+            undo.append(_mark_mask_helper(modname))
+
+        def uninstall() -> None:
+            for u in reversed(undo):
+                u()
+            self.modulation = None
+
+        return uninstall
+
+    def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return self.modulation.wrap(fn) if self.modulation is not None else fn
+
+    def route_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        role = self.modulation.role(kwargs) if self.modulation is not None and not args else None
+        return (args, {**kwargs, ROLE_KWARG: role}) if role is not None else (args, kwargs)
 
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
         # The complex rotary product is an ATen kernel inductor cannot fuse (pipelines/families/qwen_image/forms.py).
