@@ -16,6 +16,10 @@
 5. What is not used is let go: the bf16 weights of the quantized layers, the quantized versions
    of the kept ones. A failure anywhere puts every layer back in bf16.
 
+Where the denoisers' attention runs a backend with a float8 version (``attention``:
+:mod:`accel.hooks.fp8.attention_layers`), each attention module is a candidate too, measured on
+the same calls and ranked with the Linear layers by its own output's error.
+
 The calls are the caller's (``run``): one pipeline call, the same every time, returning its final
 latents. Counts and errors are the same on every run of the same call on the same device.
 """
@@ -34,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ...graphs.patches import patch
+from .attention_layers import AttentionFloat8, AttentionLayer, attention_layers, measuring
 from .quantizers import Quantizer, module_bytes
 
 __all__ = ["Layer", "Selection", "candidates", "distance", "select_layers"]
@@ -100,6 +105,9 @@ class Selection:
         budget: the budget it was selected for.
         runs: the calls it made (the reference included).
         bytes_before, bytes_after: the denoisers' parameter and buffer bytes before and after.
+        attention: the attention modules whose attention runs in float8.
+        attention_kept: those measured worst and kept in bf16, worst first.
+        attention_backend: what runs the float8 attention (None: no attention was a candidate).
     """
 
     quantized: tuple[str, ...]
@@ -114,6 +122,10 @@ class Selection:
     runs: int
     bytes_before: int
     bytes_after: int
+    attention: tuple[str, ...] = ()
+    attention_kept: tuple[str, ...] = ()
+    attention_backend: str | None = None
+    attention_layers: tuple[AttentionLayer, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
 
 def distance(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -248,10 +260,12 @@ def select_layers(
     keep: Mapping[str, Sequence[str]],
     run: Callable[[], torch.Tensor],
     budget: float,
+    attention: AttentionFloat8 | None = None,
 ) -> Selection:
-    """Quantize ``roots``' Linear layers (by component name) with ``quantizer``, keeping in bf16
-    what the recipe names (``keep``, fnmatch patterns by component) and the worst measured ones
-    until ``run()``'s output is within ``budget`` of bf16 (see the module docstring)."""
+    """Quantize ``roots``' Linear layers (by component name) with ``quantizer``, and their
+    attention with ``attention`` where it takes it, keeping in bf16 what the recipe names
+    (``keep``, fnmatch patterns by component) and the worst measured ones until ``run()``'s
+    output is within ``budget`` of bf16 (see the module docstring)."""
     bytes_before = sum(module_bytes(r) for r in roots.values())
     chosen: dict[str, list[str]] = {}
     kept_by_recipe: list[str] = []
@@ -263,6 +277,7 @@ def select_layers(
         kept_by_recipe += [f"{component}.{n}" if several else n for n in kept]
         not_taken += [f"{component}.{n}" if several else n for n in skipped]
     layers = _layers(roots, chosen)
+    attentions = attention_layers(roots, attention) if attention is not None else []
     runs = 0
 
     def call() -> torch.Tensor:
@@ -280,8 +295,10 @@ def select_layers(
         layers = [layer for layer in layers if layer.name in quantized]
         for layer in layers:
             layer.quantized = _State.of(layer.parent._modules[layer.attr])
+        for a in attentions:
+            a.use(quantized=True)
         refused: dict[str, str] = {}
-        with _measuring(layers, refused) as sums:
+        with _measuring(layers, refused) as sums, measuring(attentions, attention) as attention_sums:
             first, first_max = distance(call(), ref)
         if refused:
             logger.warning(
@@ -298,10 +315,13 @@ def select_layers(
             layers = [layer for layer in layers if layer.name not in refused]
         for layer in layers:
             layer.error = _relative(*sums[layer.name])
+        for a in attentions:
+            a.error = _relative(*attention_sums[a.name])
         logger.info("quantize: every candidate in float8: final latents %.4g from bf16 (budget %g)", first, budget)
         # Worst first; equal errors in model order, so the choice is the same on every run.
-        order = sorted(range(len(layers)), key=lambda i: (-layers[i].error, i))
-        worst = [layers[i] for i in order]
+        ranked: list[Layer | AttentionLayer] = [*layers, *attentions]
+        order = sorted(range(len(ranked)), key=lambda i: (-ranked[i].error, i))
+        worst = [ranked[i] for i in order]
         maxima = {0: first_max}
 
         def error_keeping(k: int) -> float:
@@ -317,6 +337,8 @@ def select_layers(
         for layer in layers:
             if layer.bf16 is not None:
                 layer.use(quantized=False)
+        for a in attentions:
+            a.use(quantized=False)
         raise
     for i, layer in enumerate(worst):
         layer.use(quantized=i >= k)
@@ -328,9 +350,9 @@ def select_layers(
     return Selection(
         quantized=tuple(layer.name for layer in layers if layer.name not in back),
         kept_by_recipe=tuple(kept_by_recipe),
-        kept_measured=tuple(w.name for w in worst[:k]),
+        kept_measured=tuple(w.name for w in worst[:k] if isinstance(w, Layer)),
         not_taken=tuple(not_taken),
-        errors={layer.name: layer.error for layer in layers},
+        errors={layer.name: layer.error for layer in ranked},
         error=measured[k],
         max_abs=maxima[k],
         all_quantized_error=first,
@@ -338,4 +360,8 @@ def select_layers(
         runs=runs,
         bytes_before=bytes_before,
         bytes_after=sum(module_bytes(r) for r in roots.values()),
+        attention=tuple(a.name for a in attentions if a.name not in back),
+        attention_kept=tuple(w.name for w in worst[:k] if isinstance(w, AttentionLayer)),
+        attention_backend=attention.name if attentions and attention is not None else None,
+        attention_layers=tuple(a for a in attentions if a.name not in back),
     )

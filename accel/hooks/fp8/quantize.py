@@ -39,6 +39,7 @@ import torch
 
 from ..components import module_device
 from ..options import AcceleratorOptions
+from .attention_layers import AttentionFloat8, FlashAttentionFloat8
 from .layer_kinds import quantizer_for
 from .layer_select import Selection, select_layers
 from .quantizers import QuantizeError, Quantizer, quantized_when_loaded
@@ -96,6 +97,8 @@ class Quantization:
         self.loaded = loaded
         self.selection: Selection | None = None
         self.where: str | None = None
+        # Float8 attention, where the denoisers' attention has a float8 version (attention="fa3").
+        self.attention: AttentionFloat8 = FlashAttentionFloat8()
         self._calibrating = False
         self._said_pending = False
 
@@ -126,7 +129,9 @@ class Quantization:
         self._calibrating = True
         try:
             with paused, torch.compiler.set_stance("force_eager"), torch.no_grad():
-                self.selection = select_layers(self.roots, self.quantizer, keep, run, self.budget)
+                self.selection = select_layers(
+                    self.roots, self.quantizer, keep, run, self.budget, attention=self.attention
+                )
         finally:
             self._calibrating = False
             pipe._progress_bar_config = progress
@@ -156,7 +161,11 @@ class Quantization:
             )
 
     def let_go(self) -> None:
-        """At restore: say what stays quantized (quantize= is one-way)."""
+        """At restore: float8 attention goes back to bf16 (nothing of it was freed); say what stays
+        quantized (quantize= is one-way for the Linear layers)."""
+        if self.selection is not None:
+            for layer in self.selection.attention_layers:
+                layer.let_go()
         if self.selection is not None and self.selection.quantized:
             logger.warning(
                 "restore(): %d Linear layers of %s stay in float8 (quantize=%r is one-way: their bf16 weights "
@@ -171,9 +180,14 @@ class Quantization:
         s = self.selection
         if s is not None:
             kept = len(s.kept_by_recipe) + len(s.kept_measured)
+            attention = (
+                f", {len(s.attention)} attention layers in float8 ({len(s.attention_kept)} in bf16)"
+                if s.attention_backend
+                else ""
+            )
             return (
-                f"{self.value} ({self.quantizer.name}): {len(s.quantized)} Linear layers in float8, {kept} in bf16; "
-                f"final latents {s.error:.2%} from bf16 (budget {s.budget:.2%})"
+                f"{self.value} ({self.quantizer.name}): {len(s.quantized)} Linear layers in float8, {kept} in bf16"
+                f"{attention}; final latents {s.error:.2%} from bf16 (budget {s.budget:.2%})"
             )
         loaded = "; ".join(f"{n} {how}" for n, how in self.loaded.items())
         if self.pending:
@@ -205,6 +219,17 @@ class Quantization:
             f"({self.where}; {s.runs} calls)",
             f"    denoiser weights {_size(s.bytes_before)} -> {_size(s.bytes_after)}",
         ]
+        if s.attention_backend is not None:
+            kept_attention = (
+                f"; {len(s.attention_kept)} measured worst kept in bf16 ({_names(s.attention_kept)})"
+                if s.attention_kept
+                else ""
+            )
+            lines.append(
+                f"    attention: {len(s.attention)} of {len(s.attention) + len(s.attention_kept)} layers in float8 "
+                f"({s.attention_backend}: float8 queries, keys and values, per-head scales, keys smoothed)"
+                f"{kept_attention}: {_names(s.attention, 3)}"
+            )
         return lines
 
 
