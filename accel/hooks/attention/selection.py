@@ -96,4 +96,3 @@ def plan_attention(options: AcceleratorOptions, denoisers: Mapping[str, torch.nn
             "no attention processor of the denoisers goes through diffusers' dispatch",
         )
     return choice
-
