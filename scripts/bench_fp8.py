@@ -20,8 +20,13 @@ again):
 * ``bf16-graphs``: ``accelerate_pipeline(pipe)``, no compile (opt-in): bit for bit with
   ``bf16-eager`` where the recipe promises it (distances 0).
 * ``bf16-compiled-graphs``: ``accelerate_pipeline(pipe, compile=True)``.
+* ``bf16-fa3-compiled-graphs``: the same with ``attention="fa3"`` (FlashAttention-3, the
+  ``fa3-fwd`` wheel; where it cannot run, the row says why and runs the default attention).
 * ``fp8-compiled-graphs``: ``quantize="fp8", compile=True``; its warm-up measures and selects the
   layers (the row keeps what it chose and measured).
+* ``fp8-fa3-compiled-graphs``: ``quantize="fp8", attention="fa3", compile=True`` on a freshly
+  built bf16 model: the warm-up measures the attention layers too (float8 FlashAttention-3 where
+  the budget allows).
 * ``fp8-dbcache-compiled-graphs``: the same with cache-dit's DBCache, the settings of
   docs/benchmarks.md (Fn=1, Bn=0, warm-up 8 steps for Qwen-Image and 4 for Z-Image, at most 3
   cached in a row, Z-Image at most 3 in all, the threshold lifted so that every step they allow is

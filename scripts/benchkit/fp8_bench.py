@@ -93,11 +93,13 @@ class Bench:
         )
         cache_dit.enable_cache(self.pipe, cache_config=config)
 
-    def accelerate(self, quantize: bool, compile: bool = True) -> dict[str, Any]:
+    def accelerate(self, quantize: bool, compile: bool = True, attention: bool = False) -> dict[str, Any]:
         from accel import accelerate_pipeline
 
         t0 = time.perf_counter()
         options: dict[str, Any] = dict(compile=compile)
+        if attention:
+            options["attention"] = "fa3"
         if compile and getattr(self.args, "cold", False):
             # A fresh, empty inductor cache: this row's compiles are cold, whatever ran before.
             import tempfile
@@ -140,7 +142,12 @@ class Bench:
                     calibration_calls=s.runs,
                     weights_gib=[round(s.bytes_before / 2**30, 3), round(s.bytes_after / 2**30, 3)],
                     worst=sorted(s.errors.items(), key=lambda kv: -kv[1])[:8],
+                    attention_fp8=len(s.attention),
+                    attention_kept=list(s.attention_kept),
                 )
+        choice = self.pipe.accel.plan.attention
+        if choice is not None:
+            row["attention"] = choice.describe().strip()
         return row
 
     def without_graphs(self) -> tuple[float, torch.Tensor]:
@@ -160,7 +167,11 @@ class Bench:
             if cached:
                 self.enable_dbcache()
             if variant != "bf16-eager":
-                row.update(self.accelerate(quantize=variant.startswith("fp8"), compile="compiled" in variant))
+                row.update(
+                    self.accelerate(
+                        quantize=variant.startswith("fp8"), compile="compiled" in variant, attention="-fa3-" in variant
+                    )
+                )
             first, _, _ = self.generate()  # untimed: compiles and captures what the warm-up left
             row["first_call_s"] = round(first, 2)
             seconds = []

@@ -22,7 +22,16 @@ from .settings import parse_resolution, res_name
 
 MODELS = ("z-image", "qwen-image", "qwen-image-2.1")
 # bf16-graphs: graphs without compile, against bf16-eager (bit for bit where the recipe promises it).
-VARIANTS = ("bf16-eager", "bf16-graphs", "bf16-compiled-graphs", "fp8-compiled-graphs", "fp8-dbcache-compiled-graphs")
+# The -fa3- rows: attention="fa3" (FlashAttention-3); the float8 one on a freshly built model.
+VARIANTS = (
+    "bf16-eager",
+    "bf16-graphs",
+    "bf16-compiled-graphs",
+    "bf16-fa3-compiled-graphs",
+    "fp8-compiled-graphs",
+    "fp8-fa3-compiled-graphs",
+    "fp8-dbcache-compiled-graphs",
+)
 DEFAULT_MODELS = ("z-image", "qwen-image")
 DEFAULT_VARIANTS = ("bf16-eager", "bf16-compiled-graphs", "fp8-compiled-graphs", "fp8-dbcache-compiled-graphs")
 BACKENDS: dict[str, Any] = {"torchao": quantizers.TorchAOFloat8, "scaled-mm": ScaledMMFloat8}
@@ -60,6 +69,8 @@ def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str,
         s, base = r.get("seconds"), eager.get((r["model"], r["resolution"]))
         lat, img, sel = r.get("latents") or {}, r.get("image") or {}, r.get("selection") or {}
         layers = f"{sel['quantized']} / {sel['kept_by_recipe'] + len(sel['kept_measured'])}" if sel else ""
+        if sel.get("attention_fp8") or sel.get("attention_kept"):
+            layers += f"; attention {sel['attention_fp8']} / {len(sel['attention_kept'])}"
         lines.append(
             f"| {r['model']} | {r['variant']} | {r['resolution']} | {s or ''} | "
             f"{f'{base / s:.2f}' if s and base else ''} | {r.get('setup_s', '')} | "
@@ -146,8 +157,10 @@ def run(args: argparse.Namespace) -> None:
                 bench.build()  # the previous backend's float8 layers stay: a fresh bf16 model
             with fp8_backend(backend):
                 for j, variant in enumerate(v for v in args.variants if v.startswith("fp8")):
-                    if args.cold and j:
-                        bench.build()  # measured again, compiled cold: not the last row's float8 model
+                    if j and (args.cold or "-fa3-" in variant):
+                        # Measured again (FlashAttention-3's float8 attention is chosen by the
+                        # measurement), compiled cold: not the last row's float8 model.
+                        bench.build()
                     write(bench.run(variant, backend))
             built = False
         bench.pipe = None

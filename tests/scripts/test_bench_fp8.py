@@ -24,13 +24,14 @@ def test_the_fp8_bench_runs_every_row_and_writes_its_tables(tmp_path: Path, monk
     use_grid(monkeypatch, levels=32)
     out = tmp_path / "fp8"
     argv = ["--only", "z-image", "--size", "tiny", "--steps", "2", "--resolution", "32", "--runs", "1"]
-    bench.main([*argv, "--out", str(out)])
+    variants = [v for v in VARIANTS if v != "bf16-graphs"]
+    bench.main([*argv, "--variants", *variants, "--out", str(out)])
 
     result = json.loads((out / "results.json").read_text())
     rows = result["rows"]
-    assert [r["variant"] for r in rows] == list(VARIANTS)
+    assert [r["variant"] for r in rows] == variants
     assert all(r["status"] == "ok" for r in rows), [r.get("reason") for r in rows]
-    eager, compiled, fp8, cached = rows
+    eager, compiled, fa3, fp8, fp8_fa3, cached = rows
     assert eager["latents"] == {"max_abs": 0.0, "rel_l2": 0.0} and eager["image"]["psnr_db"] == float("inf")
     assert compiled["latents"]["max_abs"] == 0.0 and compiled["vs_no_graphs"] == 0.0  # on the CPU: eager
     assert fp8["latents"]["rel_l2"] > 0 and fp8["image"]["max_abs"] > 0 and fp8["vs_no_graphs"] == 0.0
@@ -38,12 +39,16 @@ def test_the_fp8_bench_runs_every_row_and_writes_its_tables(tmp_path: Path, monk
     assert sel["kept_by_recipe"] == 9 and sel["calibration_error"] <= result["args"]["fp8_budget"]
     assert sel["quantized"] + sel["kept_by_recipe"] + len(sel["kept_measured"]) == 37
     assert fp8["quantize"].startswith("fp8 (stand-in grid): ")
+    # No fa3-fwd wheel here: the rows say so in one line and run the attention as before.
+    assert fa3["attention"].startswith("attention fa3: not used (the fa3-fwd wheel is not installed")
+    assert fa3["latents"] == compiled["latents"]
+    assert "by an earlier" not in fp8_fa3["quantize"] and fp8_fa3["selection"] == fp8["selection"]
     assert "by an earlier quantize='fp8'" in cached["quantize"]  # the float8 layers stayed; not measured again
     assert cached["latents"] == fp8["latents"]  # tiny runs no cached step within 2 steps
     for key in ("torch", "diffusers", "torchao", "device_name", "git_commit"):
         assert key in result["env"]
     md = (out / "results.md").read_text()
-    assert md.count("\n| z-image | ") == 4 and "| fp8-compiled-graphs | 32x32 |" in md
+    assert md.count("\n| z-image | ") == 6 and "| fp8-compiled-graphs | 32x32 |" in md
 
 
 def test_cold_rows_each_start_from_a_fresh_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,3 +75,28 @@ def test_cold_rows_each_start_from_a_fresh_model(tmp_path: Path, monkeypatch: py
     assert cached["quantize"].startswith("fp8 (stand-in grid): ") and cached["selection"] == fp8["selection"]
     for r in (fp8, cached):
         assert {"compiled_graphs", "capture_passes", "recompile_drops"} <= set(r)
+
+
+def test_the_fa3_rows_run_flashattention3_and_measure_its_float8_attention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the wheel (its stand-in, computing on the CPU): the bf16 row's attention is
+    FlashAttention-3, the float8 row measures the attention layers with the Linear ones."""
+    from tests.helpers.fake_fa3 import use_fake_fa3
+
+    spec = importlib.util.spec_from_file_location("bench_fp8_script", ROOT / "scripts" / "bench_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    use_fake_fa3(monkeypatch)
+    use_grid(monkeypatch, levels=32)
+    out = tmp_path / "fa3"
+    variants = ["bf16-eager", "bf16-fa3-compiled-graphs", "fp8-fa3-compiled-graphs"]
+    argv = ["--only", "z-image", "--size", "tiny", "--steps", "2", "--resolution", "32", "--runs", "1"]
+    bench.main([*argv, "--variants", *variants, "--fp8-budget", "1.0", "--out", str(out)])
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok"] * 3, [r.get("reason") for r in rows]
+    _, fa3, fp8 = rows
+    assert fa3["attention"].startswith("attention fa3: FlashAttention-3 (fa3-fwd), bf16")
+    assert 0 < fa3["latents"]["rel_l2"] < 0.05  # exact attention, other sums (and bf16 here)
+    assert fp8["selection"]["attention_fp8"] == 4 and fp8["selection"]["attention_kept"] == []
+    assert "attention 4 / 0" in (out / "results.md").read_text()
