@@ -35,7 +35,13 @@ Before anything is accelerated, one step runs with a hook on every Linear layer
 selection put in float8), each timed alone on the device; with the profile's kernel kinds
 (:mod:`benchkit.kernels`: float8 and bf16 GEMMs, float8 quantization, attention, norms, ...) they
 give the floor (:mod:`benchkit.floor`): products at the measured peak rates (float8 1160-1340
-TFLOP/s, bf16 725-777 on one H200), every other kernel as measured. ``--outside``: one end-to-end
+TFLOP/s, bf16 725-777 on one H200), every other kernel as measured. The same step's attention
+calls are recorded by shape (:mod:`benchkit.attention_shapes`) and timed alone (cuDNN's SDPA,
+FlashAttention-3 in bf16 and in float8), for the floor from the work (:mod:`benchkit.work_floor`):
+products at those peaks or their weights' bytes, attention at FlashAttention-3's rate (float8 for
+the attention layers in float8), nothing else; each kernel kind of the measured step against it.
+``--attention fa3``: ``attention="fa3"`` (with ``--quantize fp8`` the attention is measured for
+float8 too; the bf16 step beside it runs FlashAttention-3 in bf16). ``--outside``: one end-to-end
 call split into phases (:mod:`benchkit.phases`: text encoder, denoiser, the rest of the loop with
 the scheduler, the VAE decode, post-processing), once with the decoder's graphs and once with the
 decoder eager.
@@ -83,12 +89,11 @@ os.environ.setdefault("TEARDOWN_CUPTI", "0")
 os.environ.setdefault("DISABLE_CUPTI_LAZY_REINIT", "1")
 
 import torch  # noqa: E402
-from benchkit.floor import floor  # noqa: E402
 from benchkit.fp8_run import fp8_backend  # noqa: E402
-from benchkit.gemm_shapes import gemm_rows, measure_bandwidth, measure_rates, record_linears  # noqa: E402
 from benchkit.profile_report import markdown  # noqa: E402
 from benchkit.profiler import profile, timeline  # noqa: E402, F401 (the tests read timeline here)
 from benchkit.settings import NEGATIVE, PROMPT, SEED, parse_resolution, res_name, say, uses_cfg  # noqa: E402
+from benchkit.step_floors import floors, record_step  # noqa: E402
 from benchkit.timeline import summarize  # noqa: E402
 
 MODELS = ("z-image", "qwen-image", "flux")
@@ -111,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphs", action=on_off, default=True, help="replay the graphs (default); off: kernel by kernel")
     p.add_argument("--quantize", choices=("fp8",), default=None, help="quantize='fp8' (CUDA only)")
     p.add_argument("--fp8-backend", choices=("default", "torchao", "scaled-mm"), default="default")
+    p.add_argument("--attention", choices=("fa3",), default=None, help="attention='fa3' (FlashAttention-3, Hopper)")
     p.add_argument("--bf16-beside", action=on_off, default=None, help="with --quantize: the bf16 step first (default)")
     p.add_argument("--gemms", action=on_off, default=True, help="the step's products by shape and the floor")
     p.add_argument("--outside", action=on_off, default=True, help="one end-to-end call split into phases")
@@ -163,12 +169,12 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, float]:
     return pipe, time.perf_counter() - t0
 
 
-def linear_calls(pipe: Any, args: argparse.Namespace, device: torch.device) -> dict[str, list[tuple[int, int, int]]]:
-    """Step 0's Linear calls of the stock denoiser (before anything is compiled or quantized)."""
+def linear_calls(pipe: Any, args: argparse.Namespace, device: torch.device) -> tuple[dict, dict]:
+    """Step 0's Linear and attention calls of the stock denoiser (before anything is compiled or quantized)."""
     from benchkit.calls import record_step0_calls
 
     calls = record_step0_calls(pipe, args.model, args.resolution, _RECORD_ARGS, device, args.batch)
-    return record_linears(pipe.transformer, lambda: [pipe.transformer(*a, **k) for a, k in calls])
+    return record_step(pipe.transformer, lambda: [pipe.transformer(*a, **k) for a, k in calls])
 
 
 def setup(args: argparse.Namespace, pipe: Any, device: torch.device, quantize: str | None) -> tuple[list, dict]:
@@ -177,7 +183,7 @@ def setup(args: argparse.Namespace, pipe: Any, device: torch.device, quantize: s
 
     from pipelines.builders import describe
 
-    options = dict(compile=args.compile, compile_cache_dir=args.compile_cache)
+    options = dict(compile=args.compile, compile_cache_dir=args.compile_cache, attention=args.attention)
     accelerate(pipe, **options, **({"quantize": quantize} if quantize else {}))
     cfg = uses_cfg(args.model)
     t0 = time.perf_counter()
@@ -316,7 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = collect_env(device)
     say(f"device {env['device_name']} | torch {env['torch']} | diffusers {env['diffusers']}")
     pipe, build_s = build(args, device)
-    shapes = linear_calls(pipe, args, device) if args.gemms else {}
+    shapes, attention_calls = linear_calls(pipe, args, device) if args.gemms else ({}, {})
     beside = None
     if args.bf16_beside:
         beside = profile_variant(args, pipe, device, None)
@@ -330,21 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if beside is not None:
         result["beside"] = {"variant": "bf16", **beside}
     if shapes:
-        q = pipe.accel.quantization
-        fp8 = q.selection.quantized if q is not None and q.selection is not None else ()
-        rows, rows_bf16 = gemm_rows(shapes, fp8), gemm_rows(shapes, ())
-        measure_rates(rows + (rows_bf16 if fp8 else []), device)
-        bw = measure_bandwidth(device)
-        result["gemms"] = [r.as_dict() for r in rows]
-        prof = main["profile"]
-        result["floor"] = {
-            args.quantize or "bf16": floor(
-                prof["kinds"], prof["idle_ms"], rows, main["timing"]["step_ms"], bandwidth=bw
-            )
-        }
-        if beside is not None:
-            kinds, idle = beside["profile"]["kinds"], beside["profile"]["idle_ms"]
-            result["floor"]["bf16 beside"] = floor(kinds, idle, rows_bf16, beside["timing"]["step_ms"], bandwidth=bw)
+        result.update(floors(pipe, device, args.quantize or "bf16", main, beside, shapes, attention_calls))
     if args.outside:
         result["outside"] = outside(args, pipe, device)
     return result
@@ -361,6 +353,7 @@ def config(args: argparse.Namespace, main: dict[str, Any]) -> dict[str, Any]:
         "compile": args.compile,
         "graphs": args.graphs,
         "quantize": args.quantize,
+        "attention": args.attention,
         "fp8_backend": args.fp8_backend if args.quantize else None,
         "bf16_beside": args.bf16_beside,
         "steps": args.steps,

@@ -50,6 +50,9 @@ timeline        a profiled step's time by kernel and kind, busy and idle
 profiler        one profiler session and the kernels and step windows read out of it
 gemm_shapes     the step's Linear products by shape, float8 or bf16, each timed alone
 floor           the floor those products imply at the peak rates, beside the profile
+attention_shapes  the step's attention calls by shape, float8 or bf16, each timed alone (SDPA, FA3, FA3 float8)
+work_floor      the floor from the work: products at the peaks or their bytes, attention at FA3's rate, nothing else
+step_floors     both floors of a profiled variant and the bf16 step beside it
 profile_report  profile.md
 
 scripts/bench_restart.py: restart_child (one process's compile=True warm-up with a given cache folder).

@@ -156,6 +156,51 @@ def _floor(name: str, f: dict[str, Any]) -> list[str]:
     return L
 
 
+def _attention(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    L = ["", "## The step's attention by shape", ""]
+    L += [
+        "TFLOP/s measured alone: cuDNN's SDPA, FlashAttention-3 in bf16 and on float8 operands (quantization "
+        "left out); - where not measured (no CUDA, no fa3-fwd wheel).",
+        "",
+        "| dtype | batch | queries | keys | heads | dim | calls/step | GFLOP/step | SDPA | FA3 | FA3 float8 | layers |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        rate = {k: "-" if v is None else f"{v:g}" for k, v in r["tflops_alone"].items()}
+        L.append(
+            f"| {r['dtype']} | {r['batch']} | {r['query_tokens']} | {r['key_tokens']} | {r['heads']} | {r['head_dim']} "
+            f"| {r['calls_per_step']} | {r['flop_per_step'] / 1e9:.1f} | {rate['sdpa']} | {rate['fa3']} | "
+            f"{rate['fa3_fp8']} | {r['layers']} |"
+        )
+    return L
+
+
+def _work_floor(name: str, f: dict[str, Any]) -> list[str]:
+    lo, hi = f["floor_ms"]
+    peaks = ", ".join(f"{d} {p[0]:g}-{p[1]:g}" for d, p in f["peaks_tflops"].items())
+    roof = f"; or their bytes at {f['bandwidth_tbs']:g} TB/s where longer" if f.get("bandwidth_tbs") else ""
+    fp8 = len(f["attention_layers_fp8"])
+    L = [
+        "",
+        f"## Floor from the work: {name}",
+        "",
+        f"Products at the measured peak ({peaks} TFLOP/s{roof}), attention at the rate measured alone "
+        f"({f['attention_rates']}; {fp8} attention layers in float8), nothing else: **{lo:.2f}-{hi:.2f} ms** per "
+        f"step; measured {f['step_ms']:.2f} ms, {f['ratio'][1]:.2f}x-{f['ratio'][0]:.2f}x the floor. With every "
+        f"attention call in bf16: {f['floor_all_bf16_attention_ms'][0]:.2f}-{f['floor_all_bf16_attention_ms'][1]:.2f} "
+        f"ms; in float8: {f['floor_all_fp8_attention_ms'][0]:.2f}-{f['floor_all_fp8_attention_ms'][1]:.2f} ms.",
+        "",
+        "| kind | measured ms | floor ms | excess ms |",
+        "|---|--:|--:|--:|",
+    ]
+    L += [
+        f"| {r['kind']} | {r['measured_ms']:.3f} | {r['floor_ms']:.3f} | {r['excess_ms']:.3f} |" for r in f["by_kind"]
+    ]
+    return L
+
+
 def _outside(out: dict[str, Any]) -> list[str]:
     L = ["", "## The call outside the denoiser", ""]
     images = f"{out.get('batch', 1)} image(s), "
@@ -178,8 +223,11 @@ def markdown(result: dict[str, Any], top: int) -> str:
     beside = result.get("beside")
     L = _header(result) + _kinds(result, beside) + _top(result["profile"], top)
     L += _gemms(result.get("gemms", []))
+    L += _attention(result.get("attention", []))
     for name, f in result.get("floor", {}).items():
         L += _floor(name, f)
+    for name, f in result.get("work_floor", {}).items():
+        L += _work_floor(name, f)
     if result.get("outside"):
         L += _outside(result["outside"])
     L += [

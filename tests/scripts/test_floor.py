@@ -111,3 +111,64 @@ def test_the_roofline_holds_small_products_to_their_bytes() -> None:
     assert roof["bandwidth_tbs"] == 3.0 and plain["bandwidth_tbs"] is None
     by = {r["kind"]: r for r in roof["by_kind"]}
     assert by["gemm"]["excess_ms"] == pytest.approx(0.45 - bytes_ms, abs=1e-3)
+
+
+def test_work_floor_by_hand() -> None:
+    """Products at the peak (or their bytes), attention at FlashAttention-3's rate for its dtype,
+    nothing else; every other kind against a floor of 0."""
+    from benchkit.attention_shapes import AttentionRow
+    from benchkit.work_floor import work_floor
+
+    gemms = [GemmRow(4096, 3072, 12288, True, 10, ["a"]), GemmRow(1, 3072, 18432, False, 4, ["mod"])]
+    bf16_att = AttentionRow(
+        1, 4096, 4096, 24, 128, False, 2, ["b0.attn"], {"sdpa": 600.0, "fa3": 700.0, "fa3_fp8": 850.0}
+    )
+    fp8_att = AttentionRow(
+        1, 4096, 4096, 24, 128, True, 3, ["b1.attn"], {"sdpa": 600.0, "fa3": 700.0, "fa3_fp8": 850.0}
+    )
+    kinds = _kinds(fp8_gemm=9.0, gemm=1.5, attention=4.0, quant=2.0, norm=1.0)
+    f = work_floor(kinds, idle_ms=0.5, gemms=gemms, attention=[bf16_att, fp8_att], step_ms=20.0, bandwidth=3.0)
+    flops = 4 * 4096 * 4096 * 24 * 128
+    att = (2 * flops / 700e12 + 3 * flops / 850e12) * 1e3
+    assert f["attention_floor_ms"] == pytest.approx(att, abs=1e-3) and f["attention_rates"] == "fa3"
+    fp8_lo = 10 * gemms[0].flops / 1e12 / PEAKS["fp8"][1] * 1e3
+    bytes_ms = 4 * gemms[1].bytes / 3e12 * 1e3  # the one-row product: its weight's bytes
+    assert f["gemm_floor_ms"]["fp8"][0] == pytest.approx(fp8_lo, abs=1e-3)
+    assert f["gemm_floor_ms"]["bf16"] == [pytest.approx(bytes_ms, abs=1e-3)] * 2
+    assert f["floor_ms"][0] == pytest.approx(fp8_lo + bytes_ms + att, abs=1e-3)
+    assert f["floor_all_fp8_attention_ms"][0] < f["floor_ms"][0] < f["floor_all_bf16_attention_ms"][0]
+    assert f["attention_layers_fp8"] == ["b1.attn"] and f["ratio"][0] == pytest.approx(
+        20.0 / f["floor_ms"][0], rel=1e-3
+    )
+    by = {r["kind"]: r for r in f["by_kind"]}
+    assert by["quant"] == {"kind": "quant", "measured_ms": 2.0, "floor_ms": 0.0, "excess_ms": 2.0}
+    assert by["attention"]["floor_ms"] == pytest.approx(att, abs=1e-3) and by["idle"]["excess_ms"] == 0.5
+    assert [r["excess_ms"] for r in f["by_kind"]] == sorted((r["excess_ms"] for r in f["by_kind"]), reverse=True)
+    # Without FlashAttention-3 measured: cuDNN's rate, and said so.
+    for row in (bf16_att, fp8_att):
+        row.tflops.update(fa3=None, fa3_fp8=None)
+    g = work_floor(kinds, 0.5, gemms, [bf16_att, fp8_att], 20.0, bandwidth=3.0)
+    assert g["attention_rates"].startswith("sdpa") and g["attention_floor_ms"] == pytest.approx(
+        5 * flops / 600e12 * 1e3, abs=1e-3
+    )
+
+
+def test_attention_calls_by_module_and_shape() -> None:
+    from benchkit.attention_shapes import attention_rows, measure_attention_rates, record_attention
+
+    from pipelines.builders import build_transformer
+
+    t = build_transformer("z-image", "tiny")
+    x = [torch.randn(t.in_channels, 1, 8, 8)]
+    cap = [torch.randn(5, t.config.cap_feat_dim)]
+    calls = record_attention(t, lambda: t(x, torch.tensor([0.5]), cap))
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in t.modules())  # hooks removed
+    assert set(calls) == {n for n, m in t.named_modules() if type(m).__name__ == "Attention"}
+    rows = attention_rows(calls, fp8_layers=["layers.0.attention"])
+    by_layer = {name: r for r in rows for name in r.layers}
+    assert by_layer["layers.0.attention"].fp8 and not by_layer["layers.1.attention"].fp8
+    main = by_layer["layers.1.attention"]
+    assert main.sq == main.sk and main.sk > by_layer["context_refiner.0.attention"].sk  # text and image joined
+    assert main.flops == 4 * main.batch * main.heads * main.sq * main.sk * main.dim
+    measure_attention_rates(rows, torch.device("cpu"))  # measured on CUDA only
+    assert all(v is None for r in rows for v in r.tflops.values())

@@ -77,7 +77,22 @@ def test_cpu_run_lists_the_steps_products_its_floor_and_the_call_outside(zimage)
     out = result["outside"]
     assert out["steps"] == 9 and out["graphs"]["phases"]["denoiser"]["calls"] == 9
     assert out["graphs"]["phases"]["vae_decode"]["calls"] == 1 and out["eager_decoder"]["call_ms"] > 0
-    for title in ("## The step's matrix products by shape", "## Floor: bf16", "## The call outside the denoiser"):
+    att = result["attention"]
+    assert att and all(
+        a["dtype"] == "bf16" and a["tflops_alone"] == {"sdpa": None, "fa3": None, "fa3_fp8": None} for a in att
+    )
+    assert sum(a["layers"] for a in att) >= 4  # tiny Z-Image: 2 layers, a noise and a context refiner
+    w = result["work_floor"]["bf16"]
+    assert w["attention_tflop_per_step"] == pytest.approx(sum(a["flop_per_step"] for a in att) / 1e12, abs=1e-6)
+    assert w["attention_floor_ms"] == 0.0 and w["attention_layers_fp8"] == []  # no rates measured on a CPU
+    assert w["floor_ms"][0] == pytest.approx(sum(w["gemm_floor_ms"][d][0] for d in ("fp8", "bf16")), abs=1e-3)
+    for title in (
+        "## The step's matrix products by shape",
+        "## The step's attention by shape",
+        "## Floor: bf16",
+        "## Floor from the work: bf16",
+        "## The call outside the denoiser",
+    ):
         assert title in md, title
     assert "| VAE decode |" in md and "| bf16 |" in md
 
