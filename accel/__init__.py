@@ -35,7 +35,9 @@ from .graphs.runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
 from .hooks.call_shape import warmup_image
 from .hooks.compiled.fused import addmm_gelu_tanh, fusable_linear
+from .hooks.fp8.norm_quant import modulated_norm_rows_e4m3
 from .hooks.fp8.quantizers import QuantizeError, check_quantize
+from .hooks.fp8.scaled_mm import Float8RowwiseLinear
 from .hooks.images.convert import PixelCheck, check_pixels, to_pil_images
 from .hooks.options import AcceleratorOptions
 from .hooks.recipes.generic import GenericRecipe
@@ -53,6 +55,7 @@ __all__ = [
     "BreakableCUDAGraph",
     "BusyError",
     "CopyBackError",
+    "Float8RowwiseLinear",
     "GenerationDefaults",
     "GenericRecipe",
     "GraphMemoryBudgetError",
@@ -79,6 +82,7 @@ __all__ = [
     "eager_on_graph",
     "fusable_linear",
     "is_capturing",
+    "modulated_norm_rows_e4m3",
     "patch",
     "peak_memory",
     "recipe_for",

@@ -89,6 +89,13 @@ class Float8RowwiseLinear(torch.nn.Module):
         :mod:`accel.hooks.compiled.fused`)."""
         return self._product(pre, gelu_tanh=True)
 
+    def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+        """The product of an input quantized already (rows of e4m3 values and their float32 scales,
+        as :func:`~accel.hooks.fp8.row_quant.quantize_rows_e4m3` makes them, written by the kernel
+        that produced the input; see :mod:`accel.hooks.fp8.norm_quant`), shaped ``(*lead, out)``."""
+        out = scaled_mm_rowwise(xq, self.qweight.t(), xs, self.weight_scale, self.bias, self._dtype)
+        return out.reshape(*lead, self.out_features)
+
     def _product(self, x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         xq, xs = quantize_rows_e4m3(x2, gelu_tanh)

@@ -7,4 +7,5 @@ layered   what ``QwenImageLayeredPipeline``'s call needs (image and resolution, 
 release   ``QWEN_IMAGE`` and ``QWEN_IMAGE_LAYERED``, the released configs and tiny models of the same structure
 forms     rotary embeddings in real arithmetic (``compile=True``)
 modulation the blocks' modulation computed once per step for both guidance calls
+fused_norms the second modulated LayerNorm writes the feed-forward's float8 input (``compile=True``)
 """

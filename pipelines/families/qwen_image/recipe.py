@@ -43,6 +43,7 @@ from accel import GenerationDefaults, Recipe, eager_on_graph, patch, tree, unpat
 
 from . import layered
 from .forms import QWEN_MODULE, qwen_rope_in_real_arithmetic
+from .fused_norms import fuse_norm_quantization
 from .models import FAMILY
 from .modulation import ROLE_KWARG, ModulationOnce, modulation_once
 
@@ -169,10 +170,12 @@ class QwenImageRecipe(Recipe):
         return (args, {**kwargs, ROLE_KWARG: role}) if role is not None else (args, kwargs)
 
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
-        # The complex rotary product is an ATen kernel inductor cannot fuse (pipelines/families/qwen_image/forms.py).
+        # The complex rotary product is an ATen kernel inductor cannot fuse (pipelines/families/qwen_image/forms.py);
+        # the second modulated LayerNorm writes the feed-forward's float8 input itself (fused_norms.py).
         if type(module).__module__ != QWEN_MODULE:
             return lambda: None
-        return qwen_rope_in_real_arithmetic()
+        undo = [qwen_rope_in_real_arithmetic(), fuse_norm_quantization(module)]
+        return lambda: [u() for u in reversed(undo)] and None
 
     def inexact(self) -> tuple[str, str] | None:
         if not self.buckets or self.padding_refused is not None or self._layered:

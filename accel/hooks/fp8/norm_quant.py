@@ -1,0 +1,93 @@
+"""A modulated LayerNorm that writes its float8 activation and row scales: :func:`modulated_norm_rows_e4m3`.
+
+Qwen-Image's image stream normalises each block's residual (LayerNorm, no affine), modulates it
+per sample (``norm * (1 + scale) + shift``) and hands it to float8 products, whose one-pass
+quantization (:mod:`accel.hooks.fp8.row_quant`) reads it again: the modulated activation is
+written out in bf16 only to be read once more (on an H100 the norms of Qwen-Image's float8 step
+rose from 13.5 to 23.0 ms when its quantization became a separate pass;
+samples/gpu-run-2026-12-06d/). :func:`modulated_norm_rows_e4m3` does the norm, the modulation and
+the quantization in one op: on CUDA one Triton program per row holds the row in registers, reads
+it once and writes only the float8 values and the row's scale
+(:mod:`accel.hooks.fp8.norm_quant_kernel`); elsewhere (and for rows too long for registers) it is
+:func:`modulated_norm_rows_reference`, the modules' own operations followed by the tensor ops of
+the row quantization, bit for bit what the unfused path computes eagerly. The kernel rounds each
+step to the input's dtype as the modules do; its sums run in another order than ATen's LayerNorm,
+so a few values land one float8 step away (tests/cuda/test_fused_quant.py bounds how far and how
+often). Used by a recipe's compiled form only (Qwen-Image:
+``pipelines/families/qwen_image/fused_norms.py``), under ``compile=True``, whose rule is graphs
+equal to the same compiled model without graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .row_quant import _INV_QMAX, E4M3, E4M3_MAX, MAX_ROW, quantize_rows_reference, row_floor
+
+__all__ = ["modulated_norm_rows_e4m3", "modulated_norm_rows_reference"]
+
+
+def modulated_norm_rows_reference(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (batch, tokens, K) LayerNorm-ed over K without affine, modulated per sample by
+    ``shift`` and ``scale`` (batch, K) as diffusers' Qwen-Image block does, then as float8 rows
+    (batch * tokens, K) and their float32 scales (batch * tokens, 1)."""
+    y = F.layer_norm(x, (x.shape[-1],), eps=eps)
+    y = y * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+    return quantize_rows_reference(y.reshape(-1, x.shape[-1]))
+
+
+def _one_pass(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[-1] <= MAX_ROW and x.is_contiguous()
+
+
+@torch.library.custom_op("bcg_diffusers::modulated_norm_rows_e4m3", mutates_args=())
+def modulated_norm_rows_e4m3(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`modulated_norm_rows_reference` in one pass on CUDA (see the module docstring)."""
+    if x.dim() != 3 or shift.shape != (x.shape[0], x.shape[2]) or scale.shape != shift.shape:
+        raise ValueError(
+            f"modulated_norm_rows_e4m3 takes x (batch, tokens, K) and shift, scale (batch, K); got "
+            f"{tuple(x.shape)}, {tuple(shift.shape)}, {tuple(scale.shape)}"
+        )
+    if not _one_pass(x) or shift.dtype != x.dtype or scale.dtype != x.dtype:
+        return modulated_norm_rows_reference(x, shift, scale, eps)
+    import triton
+
+    from .norm_quant_kernel import modulated_norm_rows_kernel
+
+    batch, tokens, k = x.shape
+    rows = batch * tokens
+    shift, scale = shift.contiguous(), scale.contiguous()
+    q = torch.empty((rows, k), dtype=E4M3, device=x.device)
+    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(k)
+        with torch.cuda.device(x.device):
+            modulated_norm_rows_kernel[(rows,)](
+                x,
+                shift,
+                scale,
+                q,
+                s,
+                k,
+                tokens,
+                k,
+                k,
+                EPS=float(eps),
+                FLOOR=row_floor(x.dtype),
+                QMAX=E4M3_MAX,
+                INV_QMAX=_INV_QMAX,
+                BLOCK=block,
+                num_warps=4 if block <= 4096 else 8,
+            )
+    return q, s
+
+
+@modulated_norm_rows_e4m3.register_fake
+def _(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.shape[0] * x.shape[1]
+    return x.new_empty((rows, x.shape[2]), dtype=E4M3), x.new_empty((rows, 1), dtype=torch.float32)

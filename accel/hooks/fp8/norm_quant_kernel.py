@@ -1,0 +1,58 @@
+"""The Triton kernel of :func:`accel.hooks.fp8.norm_quant.modulated_norm_rows_e4m3`, in a module of
+its own (imported only where it runs: CUDA with Triton, never at ``import accel``)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["modulated_norm_rows_kernel"]
+
+
+@triton.jit
+def modulated_norm_rows_kernel(
+    x_ptr,
+    shift_ptr,
+    scale_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    ROWS_PER_SAMPLE,
+    stride_x,
+    stride_mod,
+    EPS: tl.constexpr,
+    FLOOR: tl.constexpr,
+    QMAX: tl.constexpr,
+    INV_QMAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per row, the whole row in registers: its LayerNorm (no affine), the sample's
+    modulation ``norm * (1 + scale) + shift``, each step rounded to the input's dtype as the
+    modules compute it eagerly, then its float8 values and scale as the row kernel of
+    :mod:`accel.hooks.fp8.row_quant_kernel` computes them. The row is read once; the modulated
+    activation is never written out."""
+    row = tl.program_id(0).to(tl.int64)
+    sample = row // ROWS_PER_SAMPLE
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    raw = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    x = raw.to(tl.float32)
+    mean = tl.sum(x, axis=0) / K
+    centered = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(centered * centered, axis=0) / K
+    norm = (centered * tl.math.rsqrt(var + EPS)).to(raw.dtype).to(tl.float32)
+    shift = tl.load(shift_ptr + sample * stride_mod + offs, mask=mask, other=0.0).to(tl.float32)
+    scale_mod = tl.load(scale_ptr + sample * stride_mod + offs, mask=mask, other=0.0).to(tl.float32)
+    one_plus = (1.0 + scale_mod).to(raw.dtype).to(tl.float32)
+    y = (norm * one_plus).to(raw.dtype).to(tl.float32)
+    y = (y + shift).to(raw.dtype).to(tl.float32)
+    y = tl.where(mask, y, 0.0)
+    amax = tl.max(tl.abs(y), axis=0)
+    amax = tl.maximum(amax, FLOOR).to(raw.dtype).to(tl.float32)
+    scale = (amax * INV_QMAX).to(raw.dtype).to(tl.float32)
+    r = tl.math.div_rn(1.0, scale)
+    q0 = y * r
+    q = tl.math.fma(tl.math.fma(-q0, scale, y), r, q0)
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + row, scale)
