@@ -21,7 +21,8 @@ only read to be quantized: a layer that offers ``forward_after_gelu_tanh(pre)``
 (:class:`~accel.hooks.fp8.scaled_mm.Float8RowwiseLinear`) computes the GELU inside its input's
 one-pass quantization, and the feed-forward (diffusers' ``FeedForward``) hands it the up
 projection's output instead, so the GELU's activation is never written out. Decided at each call
-(the layers change while ``fp8_budget`` selects them); any other layer takes the stock path.
+(the layers change while ``fp8_budget`` selects them); any other layer takes the stock path, as does
+a layer whose forward is wrapped (the selection measuring it against bf16 through its forward).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def _gelu_input_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
             and not kwargs
             and not torch.is_grad_enabled()
             and callable(getattr(down, "forward_after_gelu_tanh", None))
+            # While quantize="fp8" measures the layer its forward is wrapped: the measured path.
+            and "forward" not in vars(down)
             and all(_inactive_dropout(m) for i, m in enumerate(net) if i not in (0, 2))
         ):
             return down.forward_after_gelu_tanh(net[0].proj(hidden_states))

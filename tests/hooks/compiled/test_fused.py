@@ -150,3 +150,21 @@ def test_a_feed_forward_under_gradients_runs_the_stock_way() -> None:
         assert not down.pre and out.requires_grad
     finally:
         undo()
+
+
+@torch.no_grad()
+def test_a_down_projection_measured_through_its_forward_takes_the_stock_path() -> None:
+    """quantize="fp8"'s selection measures a float8 layer by wrapping its forward: the feed-forward
+    then calls that forward, so the layer's error is measured, not skipped."""
+    ff = _ff("gelu-approximate")
+    ff.net[2] = down = _TakesGelu(ff.net[2])
+    x = torch.randn(2, 3, 24)
+    measured = []
+    stock = down.forward
+    down.forward = lambda h: measured.append(h) or stock(h)  # as the selection's measurement wraps it
+    undo = fuse_gelu_epilogues(ff)
+    try:
+        out = ff(x)
+        assert not down.pre and len(measured) == 1 and torch.equal(out, stock(ff.net[0](x)))
+    finally:
+        undo()

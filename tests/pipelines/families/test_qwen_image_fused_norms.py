@@ -122,3 +122,21 @@ def test_dynamo_traces_a_block_with_the_form_in_one_graph(monkeypatch: pytest.Mo
         compiled = torch.compile(block, backend="eager", fullgraph=True)(**args)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
     assert isinstance(block.img_mlp.net[2], Float8RowwiseLinear)
+
+
+@torch.no_grad()
+def test_layers_measured_through_their_forward_take_the_unfused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantize="fp8"'s selection measures a float8 layer by wrapping its forward: the block then
+    calls that forward (its error measured), not the fused op."""
+    t, args = _blocks(monkeypatch)
+    fuse_gelu_epilogues(t)
+    fuse_norm_quantization(t)
+    block = t.transformer_blocks[0]
+    up = block.img_mlp.net[0].proj
+    seen = []
+    stock = up.forward
+    up.forward = lambda h: seen.append(h) or stock(h)
+    calls = []
+    monkeypatch.setattr(accel, "modulated_norm_rows_e4m3", lambda *a: calls.append(1))
+    block(**args)
+    assert seen and not calls
