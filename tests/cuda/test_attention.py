@@ -97,7 +97,8 @@ def test_bf16_and_float8_attention_at_the_models_shapes(shape: tuple[int, int, i
         f"\n{shape}: FA3 bf16 {_rel(out, ref):.4f}, float8 per-head scales {_rel(plain, ref):.4f}, "
         f"with smoothed keys {_rel(fp8, ref):.4f} (relative L2 to cuDNN)"
     )
-    assert _rel(out, ref) < 0.01 and _rel(fp8, ref) < 0.06 and _rel(fp8, ref) <= _rel(plain, ref)
+    # Smoothing subtracts what every score of a query shares: it may only help (a little noise aside).
+    assert _rel(out, ref) < 0.01 and _rel(fp8, ref) < 0.06 and _rel(fp8, ref) <= 1.05 * _rel(plain, ref)
     for fn in (fa3.fa3_attention, fa3.fa3_fp8_attention):
         _replays_as_eager(fn, q, k, v)
         compiled = torch.compile(fn, fullgraph=True)
