@@ -226,9 +226,9 @@ def served(engine: Any, s: Settings, max_batch: int, max_wait: float, clients: S
     calls: list[int] = []  # images of each pipeline call, in order: where padding went
     make = engine.make
 
-    def counted(plans: Sequence[Any]) -> Any:
+    def counted(plans: Sequence[Any], stop: Callable[[], bool] | None = None) -> Any:
         calls.append(sum(len(p.seeds) for p in plans))
-        return make(plans)
+        return make(plans, stop)
 
     engine.make = counted
     try:

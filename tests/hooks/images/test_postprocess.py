@@ -69,7 +69,8 @@ def test_an_accelerated_pipeline_gives_the_stock_pil_images_and_restore_takes_th
     pipe.accel.restore()
     assert "postprocess" not in vars(processor)
     assert processor.postprocess.__func__ is VaeImageProcessor.postprocess
-    assert patches.active() == before
+    # Nothing of this install is left; patches other tests left behind may be collected meanwhile.
+    assert set(patches.active()) <= set(before)
     assert same_images(generate(pipe, output_type="pil", **calls[0]), stock[0])
     assert len(conversions) == 2
 
