@@ -12,6 +12,8 @@ recipe    the ``accel.Recipe`` of its denoiser, found by accel through the one l
 release   ``RELEASES``: the released configs of its built-in models, as data
           (:class:`pipelines.releases.spec.Release`), read by :mod:`pipelines.releases`
 forms     its compiled forms: code swapped in under ``compile=True`` (where it has any)
+steps     its pipeline's denoising loop one step at a time, for a batch whose rows are at their own
+          steps (``bcg-serve --batching continuous``; :mod:`pipelines.stepwise` finds it)
 
 and an ``__init__`` docstring naming them. Nothing outside the folder lists a family:
 :mod:`~pipelines.families.catalog` finds every package here and reads its ``models.FAMILY``, so

@@ -12,8 +12,10 @@ gone) stops at its next step's end. Requests that can share one pipeline call (s
 steps, guidance, negative prompt or not, adapter, text length) are joined, up to the largest
 batch-size bucket that fits the device's memory, waiting at most ``--max-wait-ms``; a call runs
 at the smallest bucket that holds its images (the warm-up captured only the buckets), and each
-image keeps its own seed. One worker thread owns the device; requests wait in a bounded queue
-(``--queue``; beyond, 429).
+image keeps its own seed. With ``--batching continuous`` requests instead join running batches at
+the next step boundary, each with its own steps, guidance and seed, leave them when done, and may
+stream partial images (``stream``, ``partial_images``). One worker thread owns the device;
+requests wait in a bounded queue (``--queue``; beyond, 429).
 
 It lives in ``pipelines`` beside the CLI, a front end like it: it takes the CLI's model flags,
 builds and accelerates the pipeline with the CLI's steps, writes the CLI's PNG text, and reaches
@@ -33,6 +35,9 @@ engine      a request planned against the model's defaults; a batch made into im
 encode      an image as the file its request asked for (png, jpeg, webp)
 warmup      every size at every bucket captured, timed and measured per bucket
 worker      the device worker: the one thread that calls the pipeline
+running     --batching continuous: which running batch a request's images join
+continuous  --batching continuous: the device worker that steps running batches
+streaming   a request answered as OpenAI's image streaming events (partial images, then the image)
 service     phases, and one request's way through the queue (timeout, disconnect)
 metrics     Prometheus counters, gauges and histograms
 access      the access log: a line and an id for every request

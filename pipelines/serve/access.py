@@ -54,6 +54,8 @@ def access_line(method: str, path: str, status: int, seconds: float, fields: dic
     work = fields.get("work")
     if work is not None:
         queued = (work.taken - work.arrived) if work.taken is not None else None
+        if work.bucket is not None:
+            parts.append(f"bucket={work.bucket}")
         parts += [f"queue_ms={_ms(queued)}", f"device_ms={_ms(work.device_seconds if work.taken else None)}",
                   f"encode_ms={_ms(work.encode_seconds if work.encode_seconds else None)}"]  # fmt: skip
     return " ".join(parts)

@@ -1,7 +1,8 @@
 """The HTTP routes, on FastAPI.
 
 ==========================  ================================================================
-``POST /v1/images/generations``  OpenAI's image generation: PNG, JPEG or WebP as ``b64_json``
+``POST /v1/images/generations``  OpenAI's image generation: PNG, JPEG or WebP as ``b64_json``;
+                            with ``stream``, its events (:mod:`.streaming`)
 ``POST /v1/images/edits``   OpenAI's image edits (a multipart form, :mod:`.edits`), the same answer
 ``GET /v1/models``          the model served, its sizes, adapters and limits
 ``GET /v1/models/{id}``     the same entry, by its id or an alias; 404 for another model
@@ -27,7 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .access import AccessLog, fields_of
@@ -37,6 +38,7 @@ from .errors import ServeError, error_body
 from .metrics import CONTENT_TYPE
 from .schema import ImageRequest, parse_request
 from .service import Service
+from .streaming import MEDIA_TYPE, ImageStream
 
 __all__ = ["create_app"]
 
@@ -71,22 +73,27 @@ def _json_body(body: dict[str, Any], b64: Sequence[bytes]) -> bytes:
     return b"".join(out)
 
 
-def _answer(request: ImageRequest, images: list[Generated]) -> Response:
-    """The 200: OpenAI's images response, and headers for what was not honoured."""
+def _headers(request: ImageRequest, tokens: Any) -> dict[str, str]:
+    """Headers for what was not honoured: fields ignored, a prompt cut (``tokens``, where counted)."""
     headers: dict[str, str] = {}
-    data = []
-    for g in images:
-        item: dict[str, Any] = {"b64_json": _B64, "seed": g.seed}
-        if g.tokens is not None and g.tokens.truncated:
-            item["prompt_truncated"] = {"tokens": g.tokens.tokens, "read": g.tokens.limit}
-        data.append(item)
-    tokens = images[0].tokens if images else None
     if tokens is not None and tokens.truncated:
         headers["X-Prompt-Truncated"] = f"{tokens.tokens} tokens, the first {tokens.limit} read"
         logger.warning("a prompt of %d tokens was cut at the text encoder's %d", tokens.tokens, tokens.limit)
     if request.ignored:
         headers["X-Ignored-Parameters"] = ", ".join(request.ignored)
         logger.info("accepted and ignored: %s", ", ".join(request.ignored))
+    return headers
+
+
+def _answer(request: ImageRequest, images: list[Generated]) -> Response:
+    """The 200: OpenAI's images response, and headers for what was not honoured."""
+    data = []
+    for g in images:
+        item: dict[str, Any] = {"b64_json": _B64, "seed": g.seed}
+        if g.tokens is not None and g.tokens.truncated:
+            item["prompt_truncated"] = {"tokens": g.tokens.tokens, "read": g.tokens.limit}
+        data.append(item)
+    headers = _headers(request, images[0].tokens if images else None)
     body = {"created": int(time.time()), "data": data, "output_format": request.output_format,
             "size": f"{request.width}x{request.height}"}  # fmt: skip
     content = _json_body(body, [g.b64 for g in images])
@@ -140,6 +147,10 @@ def create_app(service: Service) -> FastAPI:
         try:
             checked = await parse(request)
             access.update(model=service.served.model, size=f"{checked.width}x{checked.height}", n=checked.n)
+            if checked.stream:  # queued now (so its errors are JSON answers), then answered as events
+                stream = ImageStream(service, checked, arrived, access)
+                m.requests.labels("200").inc()
+                return StreamingResponse(stream.events(), media_type=MEDIA_TYPE, headers=_headers(checked, None))
             images = await service.generate(checked, request.receive, arrived, access)
         except ServeError as e:
             m.requests.labels(str(e.status)).inc()

@@ -81,6 +81,8 @@ class Work:
     the device worker makes nothing more for it, and stops a call that only it and others gone
     still wait for. ``taken``, ``device_seconds`` and ``encode_seconds``: when the device worker
     took it, the seconds of the calls that made its images and of encoding them (the access log's).
+    ``bucket`` and ``partial`` (``--batching continuous``): the bucket of the running batch its
+    images joined, and where a streamed request's previews go.
     """
 
     key: BatchKey
@@ -92,6 +94,10 @@ class Work:
     taken: float | None = None
     device_seconds: float = 0.0
     encode_seconds: float = 0.0
+    # --batching continuous: the bucket of the running batch its images joined.
+    bucket: int | None = None
+    # Called by the device worker with each preview (its step, its image) as it is made.
+    partial: Callable[[int, Any], None] | None = None
 
 
 class Batcher:
@@ -198,6 +204,31 @@ class Batcher:
                 running = [w for w in batch if w.future.set_running_or_notify_cancel()]
                 if running:
                     return running
+
+    def take(self, room: int, timeout: float | None = 0.0) -> list[Work] | None:
+        """For ``--batching continuous``: the oldest waiting requests, of any key, while their
+        images fit ``room``, their futures marked running (none where the oldest does not fit:
+        requests keep their order). With nothing waiting it waits ``timeout`` seconds (None: until
+        a request comes) and returns ``[]``; None once the batcher is closed."""
+        give_up = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                self._drop_cancelled()
+                if self._queue:
+                    break
+                left = None if give_up is None else give_up - time.monotonic()
+                if left is not None and left <= 0:
+                    return []
+                self._cond.wait(left)
+            taken: list[Work] = []
+            while self._queue and self._queue[0].images <= room:
+                w = self._queue.popleft()
+                if w.future.set_running_or_notify_cancel():
+                    taken.append(w)
+                    room -= w.images
+            return taken
 
     def _room(self, key: BatchKey) -> int:
         if self.limit is None:

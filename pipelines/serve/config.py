@@ -40,6 +40,9 @@ DEFAULT_MAX_STEPS = 100
 # warm-up time and graph memory; on the H200 four 512x512 Z-Image images in one call took 3.3x one
 # image's time (docs/serving.md), so buckets above 4 are a measured choice, not a default.
 DEFAULT_BATCH_SIZES = (1, 2, 4)
+# How requests share the device: whole pipeline calls of compatible requests (dynamic), or rows of
+# running batches that requests join and leave at step boundaries (continuous, :mod:`.continuous`).
+BATCHING = ("dynamic", "continuous")
 
 
 class UsageError(Exception):
@@ -167,6 +170,12 @@ POST /v1/images/edits takes OpenAI's multipart form (image, prompt, mask, n, siz
   runs at the smallest bucket of at least k; the rows added to reach it repeat the last image and
   are dropped. --max-batch N alone means the buckets 1 2 4 ... below N, and N.
 
+--batching continuous: requests join running batches (one per size, bucket and text case) at the
+  next step boundary and leave them, decoded and answered, when their own steps are done; each
+  keeps its own steps, guidance and seed, and its image is bit for bit the one a pipeline call of
+  its bucket makes. Streaming (stream, partial_images 0-3) needs it. --batching dynamic (the
+  default) joins whole pipeline calls.
+
 --timeout: a request not answered in time is a 504; a pipeline call whose requests have all
   given up (timed out, or their clients left) stops at the end of its current step, so the
   requests behind it wait one step, not the whole call.
@@ -196,6 +205,9 @@ exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 
         metavar="N",
         help="the largest batch size (the buckets below it are 1 2 4 ...); --batch-sizes names them all",
     )
+    s.add_argument("--batching", choices=BATCHING, default="dynamic",
+                   help="dynamic: requests that can share a pipeline call are joined into one (default); "
+                   "continuous: requests join running batches at step boundaries (and may stream)")  # fmt: skip
     s.add_argument("--capture-on-miss", action="store_true",
                    help="serve a --resolutions size that --warmup left out by capturing it on its first call "
                    "(default: a 422 naming the sizes warmed up)")  # fmt: skip
@@ -242,6 +254,7 @@ class ServeConfig:
     memory_budget: int | None = None
     names: tuple[str, ...] = ()
     max_steps: int = DEFAULT_MAX_STEPS
+    batching: str = "dynamic"
 
     @property
     def max_batch(self) -> int:
@@ -268,8 +281,11 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     sizes = tuple(dict.fromkeys(args.resolutions or [resolution(DEFAULT_RESOLUTION)]))
     if args.capture_on_miss and settings.mode == "eager":
         raise UsageError("--capture-on-miss captures graphs, which --mode eager never does: drop one of them")
+    if args.batching == "continuous" and settings.cache is not None:
+        raise UsageError(f"--cache {args.cache} decides per pipeline call (its residuals and step counts are the "
+                         "whole batch's), not per row: drop it for --batching continuous")  # fmt: skip
     return ServeConfig(settings=settings, resolutions=sizes, batch_sizes=batch_sizes(args.batch_sizes, args.max_batch),
                        max_wait=args.max_wait_ms / 1000, queue=args.queue, timeout=args.timeout, host=args.host,
                        port=args.port, quiet=args.quiet, capture_on_miss=args.capture_on_miss,
                        memory_budget=args.memory_budget, names=served_names(settings.model, args.served_model_name),
-                       max_steps=args.max_steps)  # fmt: skip
+                       max_steps=args.max_steps, batching=args.batching)  # fmt: skip

@@ -102,6 +102,9 @@ def parse_edit(fields: Mapping[str, Sequence[str]], files: Mapping[str, Sequence
     if len(masks) > 1:
         raise ServeError(400, "mask is given more than once", param="mask", code="invalid_value")
     checked = check_fields(data, served, _EditBody)
+    if checked.stream:  # an edit is one pipeline call of its own, which makes no previews
+        raise ServeError(400, "stream is served for generations (POST /v1/images/generations) only", param="stream",
+                         code="unsupported_stream")  # fmt: skip
     image = _image(images[0], "image")
     mask = _image(masks[0], "mask") if masks else None
     digest = hashlib.sha256(images[0]).hexdigest()[:16]

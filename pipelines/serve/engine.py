@@ -218,6 +218,8 @@ class Engine:
         # makes images only from one (an edit model whose pipeline makes none from text alone).
         self.image_inputs: dict[bool, ImageInput] = {}
         self.needs_image = False
+        # Set by the start with --batching continuous: the pipeline's loop by steps (:mod:`pipelines.stepwise`).
+        self.steps: Any = None
 
     def _taking(self, request: ImageRequest) -> ImageInput:
         """The pipeline that makes ``request``'s images from its input image; ServeError 400 where
@@ -347,16 +349,23 @@ class Engine:
         start = 0
         for q in plans:
             n = len(q.seeds)
-            mine = Job(q.request.prompt, r.width, r.height, tuple(range(n)), q.seeds)
-            common = run_text(p.settings.model, self.device, p.dtype, q.call, p.cache, self.adapters.specs(key.lora),
-                              quantized(self.pipe), p.scheduler_name)  # fmt: skip
-            tokens = self._tokens(q)
-            texts = image_texts(mine, common, ran, p.settings.mode, tokens)
-            fmt, compression = q.request.output_format, q.request.output_compression
-            out.append([Made(image, text, seed, tokens, fmt, compression)
-                        for image, text, seed in zip(images[start : start + n], texts, q.seeds)])  # fmt: skip
+            out.append(self.made(q, images[start : start + n], ran))
             start += n
         return out
+
+    def made(self, plan: Plan, images: Sequence[Any], ran: str) -> list[Made]:
+        """``plan``'s images (PIL, one per seed) with their PNG text, ``ran`` saying what the
+        denoiser did (``bcg``: a graph replayed; else the mode)."""
+        p, r = self.prepared, plan.request
+        job = Job(r.prompt, r.width, r.height, tuple(range(len(plan.seeds))), plan.seeds)
+        common = run_text(p.settings.model, self.device, p.dtype, plan.call, p.cache, self.adapters.specs(r.lora),
+                          quantized(self.pipe), p.scheduler_name)  # fmt: skip
+        tokens = self._tokens(plan)
+        texts = image_texts(job, common, ran, p.settings.mode, tokens)
+        fmt, compression = r.output_format, r.output_compression
+        return [
+            Made(image, text, seed, tokens, fmt, compression) for image, text, seed in zip(images, texts, plan.seeds)
+        ]
 
     def run(self, plans: Sequence[Plan]) -> list[list[Generated]]:
         """:meth:`make` and every image encoded: one pipeline call and its files, per plan."""

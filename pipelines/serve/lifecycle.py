@@ -102,8 +102,9 @@ def serve(config: ServeConfig, start: Callable[[], Any], sock: socket.socket | N
     names = config.names or (config.settings.model,)
     served = Served(model=names[0], aliases=names[1:], sizes=config.resolutions, max_n=config.max_batch,
                     loras=tuple(spec.name or "" for spec in config.settings.loras), batch_sizes=config.batch_sizes,
-                    max_steps=config.max_steps)  # fmt: skip
-    service = Service(served, Batcher(config.queue, config.max_batch, config.max_wait), start, config.timeout)
+                    max_steps=config.max_steps, stream=config.batching == "continuous")  # fmt: skip
+    service = Service(served, Batcher(config.queue, config.max_batch, config.max_wait), start, config.timeout,
+                      batching=config.batching)  # fmt: skip
     uv = uvicorn.Config(create_app(service), log_config=None, access_log=False, lifespan="off",
                         timeout_graceful_shutdown=int(config.timeout) + 1)  # fmt: skip
     server = _server_class()(uv)

@@ -6,7 +6,9 @@ default), ``response_format`` (``b64_json``), ``model``, ``output_format`` (png,
 ``output_compression`` (jpeg and webp). Accepted and ignored (:data:`IGNORED`): what a diffusion
 model here has no setting for (``quality``, ``style``, ``background``, ``moderation``, ...); the
 request lists them (``ignored``), and the route says so in the log and the
-``X-Ignored-Parameters`` header. ``stream: true`` is refused (no streaming). A body that is not
+``X-Ignored-Parameters`` header. ``stream: true`` (with ``partial_images``, 0 to 3, and ``n`` 1) is
+served where the server streams (``--batching continuous``; else a 400); without it
+``partial_images`` is ignored. A body that is not
 UTF-8, not JSON or not an object, a field of the wrong type, out of range, or naming what this
 server does not serve (a size, an adapter, a model, a format) is a 400, as OpenAI answers an
 invalid request (its client raises ``BadRequestError``): one line naming the field, and nothing
@@ -32,6 +34,7 @@ __all__ = [
     "IGNORED",
     "MAX_BODY_BYTES",
     "MAX_GUIDANCE",
+    "MAX_PARTIAL_IMAGES",
     "MAX_PROMPT_CHARS",
     "MAX_SEED",
     "MAX_STEPS",
@@ -62,6 +65,7 @@ IGNORED = (
     "safety_identifier",
 )
 FORMATS = ("png", "jpeg", "webp")
+MAX_PARTIAL_IMAGES = 3  # OpenAI's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +78,7 @@ class Served:
     batch size); ``loras``: adapter names loaded at start; ``cold``: sizes of ``--resolutions``
     that the warm-up did not capture and are not served (no ``--capture-on-miss``);
     ``batch_sizes``: the buckets; ``max_steps``: the most steps a request may ask for
-    (``--max-steps``).
+    (``--max-steps``); ``stream``: requests may stream (``--batching continuous``).
     """
 
     model: str
@@ -85,6 +89,7 @@ class Served:
     batch_sizes: tuple[int, ...] = ()
     aliases: tuple[str, ...] = ()
     max_steps: int = MAX_STEPS
+    stream: bool = False
 
     @property
     def size_names(self) -> list[str]:
@@ -100,7 +105,7 @@ class ImageRequest:
     """A checked request. None: the model's default (steps, guidance), no negative prompt, no
     adapter, or a random seed (drawn when the request is planned). An edit's ``image`` and
     ``mask`` (PIL), its ``strength`` and how its images' record names the input (``image_note``):
-    :mod:`.edits`."""
+    :mod:`.edits`. ``stream``: answered as server-sent events, ``partial_images`` previews first."""
 
     prompt: str
     n: int
@@ -118,6 +123,8 @@ class ImageRequest:
     mask: Any = dataclasses.field(default=None, compare=False)
     strength: float | None = None
     image_note: str | None = None
+    stream: bool = False
+    partial_images: int = 0
 
 
 class _Body(BaseModel):
@@ -241,11 +248,19 @@ def check_fields(data: dict[str, Any], served: Served, body: type[BaseModel] | N
         raise ServeError(400, f"n must be 1 to {served.max_n} (this server's largest batch size), got {b.n}",
                          param="n", code="n_out_of_range")  # fmt: skip
     width, height = _size(b.size, served)
-    if b.stream:
-        raise ServeError(400, "stream is not served: the images come in one answer", param="stream",
-                         code="unsupported_stream")  # fmt: skip
+    stream = bool(b.stream)
+    if stream and not served.stream:
+        raise ServeError(400, "stream is not served: the images come in one answer (bcg-serve --batching continuous "
+                         "streams them)", param="stream", code="unsupported_stream")  # fmt: skip
+    if stream and b.n != 1:
+        raise ServeError(400, f"stream takes n=1 (one image's events), got {b.n}", param="n", code="invalid_value")
+    partials = b.partial_images or 0
+    if not 0 <= partials <= MAX_PARTIAL_IMAGES:
+        raise ServeError(400, f"partial_images must be 0 to {MAX_PARTIAL_IMAGES}, got {partials}",
+                         param="partial_images", code="invalid_value")  # fmt: skip
     fmt, compression, ignored = _format(b)
-    ignored = [name for name in IGNORED if getattr(b, name) is not None] + ignored
+    honoured = ("partial_images",) if stream else ()  # without stream there is nothing to send them in
+    ignored = [name for name in IGNORED if getattr(b, name) is not None and name not in honoured] + ignored
     if b.response_format != "b64_json":
         raise ServeError(400, f"response_format {b.response_format!r} is not served: only 'b64_json' (no image "
                          "store to link to)", param="response_format", code="unsupported_response_format")  # fmt: skip
@@ -269,4 +284,5 @@ def check_fields(data: dict[str, Any], served: Served, body: type[BaseModel] | N
         raise ServeError(400, f"lora {b.lora!r} is not loaded (loaded: {known})", param="lora", code="unknown_adapter")
     return ImageRequest(prompt=prompt, n=b.n, width=width, height=height, seed=b.seed, steps=b.steps,
                         guidance=b.guidance, negative_prompt=negative, lora=b.lora, output_format=fmt,
-                        output_compression=compression, ignored=tuple(ignored))  # fmt: skip
+                        output_compression=compression, ignored=tuple(ignored), stream=stream,
+                        partial_images=partials if stream else 0)  # fmt: skip

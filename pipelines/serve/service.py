@@ -28,6 +28,7 @@ from typing import Any
 from prometheus_client import Histogram
 
 from .batcher import Batcher, Closed, QueueFull, Work
+from .continuous import ContinuousWorker
 from .engine import Generated, Made
 from .errors import ServeError, one_line
 from .metrics import Metrics
@@ -47,7 +48,8 @@ class Service:
     ``start`` builds the engine on the device worker's thread (see :class:`DeviceWorker`).
     """
 
-    def __init__(self, served: Served, batcher: Batcher, start: Callable[[], Any], timeout: float) -> None:
+    def __init__(self, served: Served, batcher: Batcher, start: Callable[[], Any], timeout: float,
+                 batching: str = "dynamic") -> None:  # fmt: skip
         self.served = served
         self.batcher = batcher
         self.timeout = timeout
@@ -57,8 +59,9 @@ class Service:
         self.fatal_status = 0
         self.engine: Any = None
         self.started = time.time()
-        self.worker = DeviceWorker(batcher, self.metrics, start, self._ready, self._failed, admission_wait=timeout)
-        # Where the files are encoded (:meth:`_encode_when_made`); as many threads as asyncio's own pool.
+        worker = ContinuousWorker if batching == "continuous" else DeviceWorker
+        self.worker = worker(batcher, self.metrics, start, self._ready, self._failed, admission_wait=timeout)
+        # Where the files are encoded (:meth:`encode_when_made`); as many threads as asyncio's own pool.
         self._encoder = concurrent.futures.ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4),
                                                               thread_name_prefix="bcg-serve-encode")  # fmt: skip
 
@@ -147,21 +150,8 @@ class Service:
         a client that left). ``receive`` is the ASGI receive of the request, its body read;
         ``arrived`` its ``time.monotonic()`` arrival. ``access``: the request's access-log fields,
         given its steps and, however it ends, its seconds in the queue, on the device and encoding."""
-        if self.phase != "ready":
-            raise self._unavailable()
-        plan = self.engine.plan(request)
-        work = Work(plan.key, request.n, plan, arrived=arrived)
-        if access is not None:
-            access["steps"] = plan.call.steps
-            access["work"] = work
-        try:
-            self.batcher.submit(work)
-        except QueueFull:
-            raise ServeError(429, f"the queue is full ({self.batcher.max_queue} requests waiting); retry later",
-                             code="queue_full", headers={"Retry-After": str(self.retry_after())}) from None  # fmt: skip
-        except Closed:
-            raise self._unavailable() from None
-        encoded = self._encode_when_made(work)
+        work = self.submit(request, arrived, access)
+        encoded = self.encode_when_made(work)
         result = asyncio.wrap_future(encoded)
         result.add_done_callback(_consume)
         gone = asyncio.ensure_future(_disconnected(receive))
@@ -178,18 +168,47 @@ class Service:
             except Closed:
                 raise self._unavailable() from None
         reason = "disconnected" if gone in done else "timeout"
-        work.gone = True  # before the cancel: a batch that takes it meanwhile makes nothing for it
-        if self.batcher.cancel(work):
-            self.metrics.dropped.labels(reason).inc()
-        else:
-            self.metrics.dropped.labels(f"{reason}_running").inc()
+        self.give_up(work, reason)
         encoded.cancel()  # its images, if its batch runs already, are not encoded
         if reason == "disconnected":
             raise ServeError(499, "the client closed the connection", code="client_closed")
         raise ServeError(504, f"not done within --timeout {self.timeout:g} s; the request was dropped",
                          code="timeout")  # fmt: skip
 
-    def _encode_when_made(self, work: Work) -> concurrent.futures.Future:
+    def submit(self, request: ImageRequest, arrived: float, access: dict[str, Any] | None = None,
+               partial: Callable[[int, Any], None] | None = None) -> Work:  # fmt: skip
+        """``request`` planned and queued (its previews to ``partial``, where it streams); ServeError
+        where it cannot be (400, 429, 503)."""
+        if self.phase != "ready":
+            raise self._unavailable()
+        plan = self.engine.plan(request)
+        work = Work(plan.key, request.n, plan, arrived=arrived, partial=partial)
+        if access is not None:
+            access["steps"] = plan.call.steps
+            access["work"] = work
+        try:
+            self.batcher.submit(work)
+        except QueueFull:
+            raise ServeError(429, f"the queue is full ({self.batcher.max_queue} requests waiting); retry later",
+                             code="queue_full", headers={"Retry-After": str(self.retry_after())}) from None  # fmt: skip
+        except Closed:
+            raise self._unavailable() from None
+        return work
+
+    def give_up(self, work: Work, reason: str) -> None:
+        """``work`` is no longer waited for (``reason``: disconnected, timeout): out of the queue
+        if it is still there, else nothing more is made for it."""
+        work.gone = True  # before the cancel: a batch that takes it meanwhile makes nothing for it
+        if self.batcher.cancel(work):
+            self.metrics.dropped.labels(reason).inc()
+        else:
+            self.metrics.dropped.labels(f"{reason}_running").inc()
+
+    def encode_later(self, made: Made) -> concurrent.futures.Future:
+        """``made``'s file, encoded on the service's encoding threads."""
+        return self._encoder.submit(made.encode)
+
+    def encode_when_made(self, work: Work) -> concurrent.futures.Future:
         """The files of ``work``'s images, or its failure: encoded on the service's encoding
         threads as soon as the device worker hands the images on.
 

@@ -99,6 +99,17 @@ def _image_inputs(engine: Engine, prepared: Any) -> None:
         logger.info("edits (POST /v1/images/edits) through %s", " and ".join(said))
 
 
+def _steps(pipe: Any) -> Any:
+    """The pipeline's loop by steps (:mod:`pipelines.stepwise`), or CLIError: why ``--batching
+    continuous`` cannot serve it."""
+    from pipelines.stepwise.family import StepError, steps_for
+
+    try:
+        return steps_for(pipe)
+    except StepError as e:
+        raise CLIError(f"--batching continuous: {e}; serve it with --batching dynamic") from None
+
+
 def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine]:
     """What the device worker runs first: returns the warm engine, its ``admission`` set and
     ``warm_sizes`` the sizes whose graphs the warm-up captured (None: every size is served)."""
@@ -120,6 +131,8 @@ def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine
             raise CLIError(f"--model {settings.model}: {type(prepared.pipe).__name__} makes videos and bcg-serve "
                            "serves images (OpenAI's images API): use bcg-generate for videos")  # fmt: skip
         engine = Engine(prepared, config.batch_sizes)
+        if config.batching == "continuous":
+            engine.steps = _steps(prepared.pipe)
         _image_inputs(engine, prepared)
         sizes = config.resolutions if config.settings.warmup is None else config.settings.warmup
         graphs = prepared.accelerated and settings.mode == "bcg" and bool(sizes)

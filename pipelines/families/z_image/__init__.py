@@ -5,4 +5,5 @@ models    ``FAMILY``: the built-in models ``z-image`` and ``z-image-omni`` and h
 recipe    :class:`~pipelines.families.z_image.recipe.ZImageRecipe` (caption padding, context-parallel plan)
 omni      the recipe's omni mode (``ZImageOmniPipeline``): its call, breaks and warm-up
 release   ``Z_IMAGE`` and ``Z_IMAGE_OMNI``, the released configs and tiny models of the same structure
+steps     the pipeline's loop one step at a time, for rows at their own steps (:mod:`pipelines.stepwise`)
 """
