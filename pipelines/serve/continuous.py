@@ -69,6 +69,7 @@ class ContinuousWorker(DeviceWorker):
         self._on_ready(engine)
         closed = False
         while not (closed and not self.tickets):
+            self._drop_gone()  # first: their rows' slots are free for the requests taken now
             if not closed:
                 room = self.batcher.max_batch - self.rows
                 taken = self.batcher.take(room, timeout=None if not self.tickets else 0.0)
@@ -76,7 +77,6 @@ class ContinuousWorker(DeviceWorker):
                     closed = True
                 else:
                     self._admit(taken)
-            self._drop_gone()
             self._round()
 
     # -- joining --------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ class ContinuousWorker(DeviceWorker):
             return
         batch = ticket.batch
         try:
-            (image,) = self._images(self.engine.steps.decode(preview.x0, batch.size))
+            (image,) = self._images(decode_padded(self.engine.steps, [preview.x0], batch.size, 1))
         except Exception as e:  # a preview is a courtesy: its failure fails nothing
             logger.warning("a preview at step %d could not be made: %s", preview.step + 1, one_line(e))
             return

@@ -5,7 +5,8 @@ bucket's whatever the number of rows: an empty slot is filled with a copy of the
 result nobody reads. Each row is then updated by its own scheduler and moves on one step; a row
 whose steps are done leaves its slot. Text is encoded and latents decoded at a batch size too
 (:func:`encode_padded`, :func:`decode_padded`): the text encoder's and the decoder's kernels are
-chosen by the batch's shape as the denoiser's are.
+chosen by the batch's shape as the denoiser's are. All of it runs without autograd, as a
+pipeline call does.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class RunningBatch:
         """``row`` out of its slot (a request gone); nothing if it is not here."""
         self.slots = [None if r is row else r for r in self.slots]
 
+    @torch.no_grad()
     def step(self) -> tuple[list[Preview], list[Row]]:
         """One step of every row; returns the previews made (where a row asked for one at this
         step) and the rows whose steps are done, out of their slots now."""
@@ -106,6 +108,7 @@ class RunningBatch:
         return previews, done
 
 
+@torch.no_grad()
 def encode_padded(family: Any, prompts: Sequence[str], negatives: Sequence[str] | None, cfg: bool,
                   batch: int) -> list[Any]:  # fmt: skip
     """The texts of ``prompts`` (and ``negatives``), encoded in calls of ``batch`` rows, the last
@@ -118,6 +121,7 @@ def encode_padded(family: Any, prompts: Sequence[str], negatives: Sequence[str] 
     return texts
 
 
+@torch.no_grad()
 def decode_padded(family: Any, latents: Sequence[torch.Tensor], size: tuple[int, int], batch: int) -> torch.Tensor:
     """The images of ``latents`` (rows of one size), decoded in calls of ``batch`` rows, the last
     padded with copies of its last row: ``(len(latents), 3, H, W)``."""

@@ -8,4 +8,5 @@ release   ``QWEN_IMAGE`` and ``QWEN_IMAGE_LAYERED``, the released configs and ti
 forms     rotary embeddings in real arithmetic (``compile=True``)
 modulation the blocks' modulation computed once per step for both guidance calls
 fused_norms the second modulated LayerNorm writes the feed-forward's float8 input (``compile=True``)
+steps     the pipeline's loop one step at a time, for rows at their own steps (:mod:`pipelines.stepwise`)
 """

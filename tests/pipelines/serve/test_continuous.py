@@ -22,6 +22,7 @@ from pipelines.serve.continuous import ContinuousWorker
 from pipelines.serve.engine import Engine
 from pipelines.serve.metrics import Metrics
 from pipelines.serve.schema import ImageRequest
+from pipelines.serve.worker import RequestGone
 from pipelines.stepwise.family import steps_for
 from tests.pipelines.serve.test_buckets import prompt_of_warm_length
 
@@ -47,15 +48,19 @@ def continuous_engine(model: str, buckets: tuple[int, ...], sizes: tuple[tuple[i
 class Running:
     """A continuous worker around ``engine``, its batcher and metrics; stopped at the end."""
 
-    def __init__(self, engine: Engine, max_batch: int) -> None:
+    def __init__(self, engine: Engine, max_batch: int, start: bool = True) -> None:
         self.batcher = Batcher(256, max_batch, 0.0)
         self.metrics = Metrics(max_batch, lambda: self.batcher.depth, engine.batch_sizes)
-        ready = threading.Event()
-        self.worker = ContinuousWorker(self.batcher, self.metrics, lambda: engine, lambda e: ready.set(),
+        self.ready = threading.Event()
+        self.worker = ContinuousWorker(self.batcher, self.metrics, lambda: engine, lambda e: self.ready.set(),
                                        lambda e: None)  # fmt: skip
-        self.worker.start()
-        assert ready.wait(10)
         self.engine = engine
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        self.worker.start()
+        assert self.ready.wait(10)
 
     def submit(self, request: ImageRequest) -> Work:
         plan = self.engine.plan(request)
@@ -64,6 +69,8 @@ class Running:
         return work
 
     def close(self) -> None:
+        if not self.worker.is_alive():
+            return
         self.batcher.close()
         self.worker.join(60)
         assert not self.worker.is_alive()
@@ -84,18 +91,19 @@ def pixels(made: list[Any]) -> list[np.ndarray]:
 def static(engine: Engine, request: ImageRequest, bucket: int) -> list[np.ndarray]:
     """``request``'s images in a pipeline call of ``bucket`` rows (copies of it as company)."""
     plan = engine.plan(request)
-    copies = -(-bucket // request.n) if bucket > request.n else 1
+    copies = max(1, bucket // request.n)
     made = engine.make([plan] * copies)
     assert engine.bucket(sum(len(p.seeds) for p in [plan] * copies)) == bucket
     return pixels(made[0])
 
 
+@pytest.mark.parametrize("model", ["z-image", "qwen-image"])
 def test_a_request_equals_itself_in_a_static_batch_of_its_bucket_whatever_joins_when(
-    emulated: pytest.MonkeyPatch, running: list[Running]
+    emulated: pytest.MonkeyPatch, running: list[Running], model: str
 ) -> None:
     seed = int(os.environ.get("SEED") or random.randrange(10**6))
     rng = random.Random(seed)
-    engine = continuous_engine("z-image", (1, 2, 4))
+    engine = continuous_engine(model, (1, 2, 4))
     recipe = next(iter(engine.pipe.accel.recipes.values()))
     prompts = {size: [prompt_of_warm_length(engine.pipe, recipe, rng, size) for _ in range(3)] for size in SIZES}
     run = Running(engine, 4)
@@ -105,7 +113,7 @@ def test_a_request_equals_itself_in_a_static_batch_of_its_bucket_whatever_joins_
     for _ in range(10):
         size = rng.choice(SIZES)
         r = ImageRequest(rng.choice(prompts[size]), rng.choice((1, 1, 2)), *size, seed=rng.randrange(10**6),
-                         steps=rng.choice((1, 2, 3, 4)), guidance=rng.choice((0.0, 0.0, 2.5, 4.0)))  # fmt: skip
+                         steps=rng.choice((2, 3, 4)), guidance=rng.choice((0.0, 0.0, 2.5, 4.0)))  # fmt: skip
         requests.append(r)
         works.append(run.submit(r))
         if rng.random() < 0.5:
@@ -117,3 +125,84 @@ def test_a_request_equals_itself_in_a_static_batch_of_its_bucket_whatever_joins_
         assert len(made) == r.n and [m.seed for m in made] == list(w.plan.seeds)
         mine, ref = pixels(made), static(engine, r, w.bucket)
         assert all(np.array_equal(a, b) for a, b in zip(mine, ref)), f"seed {seed}: {r} at bucket {w.bucket}"
+
+
+class Gate:
+    """Holds ``run``'s worker at each step boundary, before it takes what waits, until the test
+    lets it go on (:meth:`rounds`); records what each round's batches held: per batch, in slot
+    order, the step each row was at."""
+
+    def __init__(self, run: Running) -> None:
+        self.cond = threading.Condition()
+        self.allowed = self.arrived = 0
+        self.held: list[list[list[int]]] = []
+        worker, take, step = run.worker, run.batcher.take, run.worker._round
+
+        def gated_take(room: int, timeout: float | None = 0.0) -> Any:
+            with self.cond:
+                self.arrived += 1
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: self.allowed >= self.arrived)
+            return take(room, timeout)
+
+        def recorded() -> None:
+            self.held.append([[r.schedule.index for r in b.rows] for b in worker.batches if b.rows])
+            step()
+
+        run.batcher.take = gated_take  # type: ignore[method-assign]
+        worker._round = recorded  # type: ignore[method-assign]
+
+    def rounds(self, k: int) -> None:
+        """Let ``k`` boundaries and their rounds pass; returns with the worker at the next boundary."""
+        with self.cond:
+            self.allowed += k
+            self.cond.notify_all()
+            assert self.cond.wait_for(lambda: self.arrived > self.allowed, timeout=60)
+
+    def open(self) -> None:
+        with self.cond:
+            self.allowed = 10**9
+            self.cond.notify_all()
+
+
+def test_a_request_joins_a_batch_under_way_leaves_before_it_and_one_gone_frees_its_slot(
+    emulated: pytest.MonkeyPatch, running: list[Running]
+) -> None:
+    """Bucket 4 only: A (3 images, 4 steps) opens a batch with a free slot; B (1 image, 3 steps,
+    other guidance and seed) takes it at A's third step and leaves after A; C and D take A's
+    slots, D gives up after one step and E takes a slot. Each image equals its request in a
+    pipeline call of 4 rows, bit for bit."""
+    rng = random.Random(5)
+    engine = continuous_engine("z-image", (4,), sizes=((32, 32),))
+    recipe = engine.pipe.accel.recipes["transformer"]
+    prompt = [prompt_of_warm_length(engine.pipe, recipe, rng, (32, 32)) for _ in range(3)]
+    run = Running(engine, 4, start=False)
+    running.append(run)
+    gate = Gate(run)
+    run.start()
+    request = {
+        "a": ImageRequest(prompt[0], 3, 32, 32, seed=10, steps=4, guidance=3.0),
+        "b": ImageRequest(prompt[1], 1, 32, 32, seed=20, steps=3, guidance=1.5),
+        "c": ImageRequest(prompt[2], 1, 32, 32, seed=30, steps=3, guidance=5.0),
+        "d": ImageRequest(prompt[0], 1, 32, 32, seed=40, steps=3, guidance=2.0),
+        "e": ImageRequest(prompt[1], 1, 32, 32, seed=50, steps=2, guidance=2.0),
+    }
+    gate.rounds(0)  # the worker waits at its first boundary
+    work = {"a": run.submit(request["a"])}
+    gate.rounds(2)
+    work["b"] = run.submit(request["b"])
+    gate.rounds(2)  # B joins at A's third step; A's fourth is its last
+    assert work["a"].future.result(30) and not work["b"].future.done()
+    work["c"] = run.submit(request["c"])
+    work["d"] = run.submit(request["d"])
+    gate.rounds(1)  # B's last step, C's and D's first
+    work["d"].gone = True
+    work["e"] = run.submit(request["e"])
+    gate.open()
+    answers = {k: w.future.result(30) for k, w in work.items() if k != "d"}
+    with pytest.raises(RequestGone):
+        work["d"].future.result(30)
+    # D, given up at the boundary after its first step, leaves at the one after (its slot freed).
+    assert gate.held == [[[0, 0, 0]], [[1, 1, 1]], [[2, 2, 2, 0]], [[3, 3, 3, 1]], [[0, 0, 2]], [[1, 1, 0]], [[2, 1]]]
+    for k, made in answers.items():
+        assert all(np.array_equal(a, b) for a, b in zip(pixels(made), static(engine, request[k], 4))), k
