@@ -1,22 +1,27 @@
 """``--batching continuous``: the device worker that steps running batches, which requests join
 and leave at step boundaries.
 
-Between two rounds of steps (a step boundary) the worker takes the oldest waiting requests, as
-many images as the running batches have rows to spare (the largest bucket in all), and places
-each in a running batch of its lane (:mod:`.running`); their text is encoded there, in calls of
+At each step boundary the worker takes the oldest waiting requests, as many images as the running
+batches have rows to spare (the largest bucket in all), and places each in a running batch of its
+lane (:mod:`.running`): one with a free slot, where it rides along in a row that was padding, or a
+new one at the bucket of the requests joining with it. Its text is encoded there, in a call of
 that batch's bucket, and each image gets its own noise (its seed's generator) and schedule (its
-own steps). A round steps every running batch once, each inside the bracket of a pipeline call
-(the accelerator's checks, the adapter of its lane). Rows whose steps are done leave; their
-images are decoded in calls of their bucket (rows of several batches of one size and bucket
-together), made 8-bit on the device as the pipeline call's are, and handed on with their PNG text
-as :class:`~.engine.Made`, which the service encodes. A request whose client left or whose time
-ran out leaves its batch at the next boundary. An edit (its own input image) is one pipeline
-call, made between two rounds. A failure fails the requests of the batch (or call) it happened
-in, and the worker goes on.
+own steps). Then one batch takes one step, inside the bracket of a pipeline call (the
+accelerator's checks, the adapter of its lane): the batch holding the oldest request. Rows whose
+steps are done leave; their images are decoded in a call of their bucket, made 8-bit on the
+device as the pipeline call's are, and handed on with their PNG text as :class:`~.engine.Made`,
+which the service encodes. A request whose client left or whose time ran out leaves its batch at
+the next boundary. An edit (its own input image) is one pipeline call, made between two steps. A
+failure fails the requests of the batch (or call) it happened in, and the worker goes on.
 
-On a GPU the host runs at most one round ahead of the device (it waits for the round before the
-one it just queued), so a request that arrives joins at the next boundary, not behind a queue of
-rounds.
+Why one batch a step, oldest first, and not every batch at every step: a step's time grows about
+linearly with its batch at the sizes served (Z-Image 512x512 on an H100: about 26 ms at batch 1,
+184 ms at batch 8), so stepping every batch shares the device among all the requests in flight
+and each finishes late, while a request served first come first served finishes in its own
+steps' time; joining a batch's free slot is free. docs/serving.md compares the two.
+
+On a GPU the host runs at most one step ahead of the device (it waits for the step before the one
+it just queued), so a request that arrives joins at the next boundary, not behind a queue of steps.
 
 Previews (``stream`` with ``partial_images``) are the model's estimate of the clean latents
 (:meth:`pipelines.stepwise.schedule.Schedule.x0`) at evenly spaced steps, decoded alone (batch 1,
@@ -53,7 +58,7 @@ class ContinuousWorker(DeviceWorker):
         self.lanes: dict[int, Lane] = {}  # id(batch) -> its lane
         self.tickets: list[Ticket] = []
         self.rounds = 0
-        self._round_done: Any = None  # the device's event at the end of the last round queued
+        self._round_done: Any = None  # the device's event at the end of the last step queued
 
     @property
     def rows(self) -> int:
@@ -163,43 +168,50 @@ class ContinuousWorker(DeviceWorker):
 
     # -- a round of steps -------------------------------------------------------------------------
 
+    def _next(self) -> RunningBatch | None:
+        """The batch to step now: the one holding the oldest request (first come, first served)."""
+        if not self.tickets:
+            return None
+        return min(self.tickets, key=lambda t: t.work.arrived).batch
+
     def _round(self) -> None:
+        """One step of the batch whose turn it is (:meth:`_next`); its rows done leave."""
         engine, m = self.engine, self.metrics
-        leaving: list[Row] = []
-        for batch in list(self.batches):
-            mine = [t for t in self.tickets if t.batch is batch]
-            lane = self.lanes[id(batch)]
-            before = engine.denoiser_counts()
-            t0 = self.call_started = time.monotonic()
-            try:
-                engine.adapters.select(lane[0].lora)
-                with call_bracket(engine.pipe):
-                    previews, done = batch.step()
-            except Exception as e:
-                self._fail(mine, e, f"a step at batch size {batch.bucket}")
-                continue
-            finally:
-                self.call_started = None
-            took = time.monotonic() - t0
-            after = engine.denoiser_counts()
-            replays, eager = after[0] - before[0], after[1] - before[1]
-            m.denoiser_calls.labels("replay").inc(replays)
-            m.denoiser_calls.labels("eager").inc(eager)
-            m.batch_size.observe(batch.bucket)
-            m.padded.inc(batch.bucket - len(batch.rows) - len(done))
-            for t in mine:
-                t.work.device_seconds += took
-                t.replayed = t.replayed or replays > 0
-            for p in previews:
-                self._preview(p)
-            leaving += done
+        batch = self._next()
+        if batch is None:
+            return
+        mine = [t for t in self.tickets if t.batch is batch]
+        lane = self.lanes[id(batch)]
+        before = engine.denoiser_counts()
+        t0 = self.call_started = time.monotonic()
+        try:
+            engine.adapters.select(lane[0].lora)
+            with call_bracket(engine.pipe):
+                previews, done = batch.step()
+        except Exception as e:
+            self._fail(mine, e, f"a step at batch size {batch.bucket}")
+            return
+        finally:
+            self.call_started = None
+        took = time.monotonic() - t0
+        after = engine.denoiser_counts()
+        replays, eager = after[0] - before[0], after[1] - before[1]
+        m.denoiser_calls.labels("replay").inc(replays)
+        m.denoiser_calls.labels("eager").inc(eager)
+        m.batch_size.observe(batch.bucket)
+        m.padded.inc(batch.bucket - len(batch.rows) - len(done))
+        for t in mine:
+            t.work.device_seconds += took
+            t.replayed = t.replayed or replays > 0
+        for p in previews:
+            self._preview(p)
         self.rounds += 1
         self._pace()
-        if leaving:
-            self._leave(leaving)
+        if done:
+            self._leave(done)
 
     def _pace(self) -> None:
-        """Wait for the round before the one just queued (a GPU runs asynchronously)."""
+        """Wait for the step before the one just queued (a GPU runs asynchronously)."""
         if getattr(self.engine.device, "type", None) != "cuda":
             return
         import torch

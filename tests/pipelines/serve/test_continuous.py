@@ -206,3 +206,30 @@ def test_a_request_joins_a_batch_under_way_leaves_before_it_and_one_gone_frees_i
     assert gate.held == [[[0, 0, 0]], [[1, 1, 1]], [[2, 2, 2, 0]], [[3, 3, 3, 1]], [[0, 0, 2]], [[1, 1, 0]], [[2, 1]]]
     for k, made in answers.items():
         assert all(np.array_equal(a, b) for a, b in zip(pixels(made), static(engine, request[k], 4))), k
+
+
+def test_batches_take_their_steps_first_come_first_served(emulated: pytest.MonkeyPatch, running: list[Running]) -> None:
+    """A (1 image) runs alone at bucket 1; B, come after A's first step, opens a batch of its own
+    and waits: the device steps the batch holding the oldest request, so A finishes first (its
+    latency is its own steps, not shared), then B runs. Both equal their pipeline calls."""
+    rng = random.Random(6)
+    engine = continuous_engine("z-image", (1, 2), sizes=((32, 32),))
+    prompt = prompt_of_warm_length(engine.pipe, engine.pipe.accel.recipes["transformer"], rng, (32, 32))
+    run = Running(engine, 2, start=False)
+    running.append(run)
+    gate = Gate(run)
+    run.start()
+    gate.rounds(0)
+    request = {
+        "a": ImageRequest(prompt, 1, 32, 32, seed=1, steps=3),
+        "b": ImageRequest(prompt, 1, 32, 32, seed=2, steps=2),
+    }
+    work = {"a": run.submit(request["a"])}
+    gate.rounds(1)
+    work["b"] = run.submit(request["b"])
+    gate.open()
+    made = {k: w.future.result(30) for k, w in work.items()}
+    assert gate.held == [[[0]], [[1], [0]], [[2], [0]], [[0]], [[1]]]
+    assert work["a"].bucket == work["b"].bucket == 1
+    for k, m in made.items():
+        assert all(np.array_equal(a, b) for a, b in zip(pixels(m), static(engine, request[k], 1))), k
