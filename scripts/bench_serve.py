@@ -15,6 +15,14 @@ bcg-serve does (its warm-up time per bucket reported), then, on that pipeline:
   its share of ``--requests`` requests one after another over HTTP. Each such run also splits a
   request's mean latency, from the server's ``/metrics`` scraped before and after it: queue wait,
   device (its batch's pipeline call), encode (files and base64) and the rest (HTTP, JSON, client).
+* ``continuous``: the same server with ``--batching continuous`` (running batches that requests
+  join at step boundaries), over the same warm engine and graphs.
+* ``--arrival-rate R ...``: after the closed-loop runs, each of ``batched`` and ``continuous``
+  (those picked) also serves open-loop arrivals: requests sent at Poisson times of ``R`` a second
+  (at most ``--requests`` of them and ``--arrival-seconds`` of sending; loopback only), whatever
+  the answers, with p50/p95/p99 latency and images/s side by side. ``0.7x`` is 0.7 times the
+  images/s the ``batched`` server made at its largest ``--clients`` count in this process (its
+  measured maximum).
 
 ``--variants`` picks among them (default all). With ``--lora``, every request names the first
 adapter. Speed is measured, never asserted: only ratios within one run count (serve.md lists
@@ -49,7 +57,22 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from benchkit.settings import say  # noqa: E402
 
-VARIANTS = ("pipeline", "bucket", "loop", "batched", "unbatched")
+VARIANTS = ("pipeline", "bucket", "loop", "batched", "unbatched", "continuous")
+
+
+def arrival_rate(text: str) -> tuple[float, bool]:
+    """``R`` (requests a second) or ``Fx`` (a fraction of the batched server's measured maximum):
+    (the number, whether it is a fraction)."""
+    fraction = text.endswith("x")
+    try:
+        value = float(text[:-1] if fraction else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: requests a second (3.2) or a fraction of the batched maximum (0.7x)"
+        ) from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be above 0")
+    return value, fraction
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -62,6 +85,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--repeats", type=int, default=3, help="runs of each variant, interleaved; the median is kept")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                    help=f"what to run (default all: {' '.join(VARIANTS)})")  # fmt: skip
+    p.add_argument("--arrival-rate", type=arrival_rate, nargs="+", default=[], metavar="R",
+                   help="open-loop runs at Poisson arrivals of R requests a second, or Fx: F times the batched "
+                   "server's measured images/s at its largest --clients (batched and continuous, those picked)")  # fmt: skip
+    p.add_argument("--arrival-seconds", type=float, default=60.0,
+                   help="the most seconds an open-loop run sends for (default 60; --requests bounds it too)")  # fmt: skip
     p.add_argument("--out", type=Path, required=True, help="folder for serve.json and serve.md")
     return p.parse_known_args(argv)
 
@@ -79,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from benchkit.environment import collect_env
     from benchkit.serve_report import markdown, median_rows, ratios, warmup_rows
-    from benchkit.serve_runs import Settings, bucket_rates, loop, pipeline_rate, served
+    from benchkit.serve_runs import Load, Settings, bucket_rates, loop, pipeline_rate, served
 
     from pipelines.cli.images import quantized
     from pipelines.serve.startup import check, starter
@@ -141,12 +169,32 @@ def main(argv: list[str] | None = None) -> int:
                 r = runs[-1]
                 say(f"{variant:>9}  1 client   : {r['images_per_s']:.2f} images/s, p50 {r['p50_ms']:.0f} ms")
                 save()
-        for variant, max_batch in (("batched", config.max_batch), ("unbatched", 1)):
+        closed = Load(args.clients, args.requests)
+        for variant, max_batch, batching in (("batched", config.max_batch, "dynamic"), ("unbatched", 1, "dynamic"),
+                                             ("continuous", config.max_batch, "continuous")):  # fmt: skip
             if variant in args.variants:
-                runs += served(engine, s, max_batch, config.max_wait, args.clients, args.requests, variant, say)
+                runs += served(engine, s, max_batch, config.max_wait, closed, variant, say, batching)
                 save()
+        if args.arrival_rate:
+            rates = open_rates(args.arrival_rate, runs)
+            settings["arrival_rates"] = rates
+            for variant, batching in (("batched", "dynamic"), ("continuous", "continuous")):
+                if variant in args.variants:
+                    load = Load((), args.requests, rates, args.arrival_seconds)
+                    runs += served(engine, s, config.max_batch, config.max_wait, load, variant, say, batching)
+                    save()
     print(save())
     return 0
+
+
+def open_rates(asked: list[tuple[float, bool]], runs: list[dict[str, Any]]) -> list[float]:
+    """The open-loop rates, each fraction (``0.7x``) of the batched server's images/s at its
+    largest client count so far."""
+    closed = [r for r in runs if r["variant"] == "batched" and r.get("arrival_rate") is None]
+    if any(fraction for _, fraction in asked) and not closed:
+        raise SystemExit("bench_serve.py: error: --arrival-rate Fx needs the batched variant's closed-loop run")
+    top = max(closed, key=lambda r: (r["clients"], r["images_per_s"]))["images_per_s"] if closed else 0.0
+    return [round(value * top, 3) if fraction else value for value, fraction in asked]
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 (each within one run), and serve.md.
 
 The variant table adds, for the server runs, the split of a request's mean latency into queue
-wait, device, encoding and the rest (:func:`benchkit.serve_runs.split`). The ratios: the server's images/s over the pipeline's own single-call rate (``pipeline``), batched
-over unbatched at the same number of clients, and the one-client p50 over one pipeline call's
-p50. Speed is reported, never asserted.
+wait, device, encoding and the rest (:func:`benchkit.serve_runs.split`). The ratios: the server's
+images/s over the pipeline's own single-call rate (``pipeline``), batched over unbatched at the
+same number of clients, the one-client p50 over one pipeline call's p50, and continuous over
+batched: images/s at the same clients, and p50/p95/p99 and images/s at the same open-loop
+arrival rate. Speed is reported, never asserted.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (variant, clients, batch), the repeat with the median images/s, and every repeat's."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["variant"], r["clients"], r.get("batch")), []).append(r)
+        groups.setdefault((r["variant"], r["clients"], r.get("batch"), r.get("arrival_rate")), []).append(r)
     out = []
     for runs in groups.values():
         runs = sorted(runs, key=lambda r: r["images_per_s"])
@@ -38,8 +40,10 @@ def median_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _find(rows: Sequence[dict[str, Any]], variant: str, clients: int | None = None) -> dict[str, Any] | None:
-    return next((r for r in rows if r["variant"] == variant and (clients is None or r["clients"] == clients)), None)
+def _find(rows: Sequence[dict[str, Any]], variant: str, clients: int | None = None,
+          rate: float | None = None) -> dict[str, Any] | None:  # fmt: skip
+    return next((r for r in rows if r["variant"] == variant and (clients is None or r["clients"] == clients)
+                 and r.get("arrival_rate") == rate), None)  # fmt: skip
 
 
 def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -47,7 +51,23 @@ def ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
     pipe = _find(rows, "pipeline")
     for r in rows:
-        if r["variant"] not in ("batched", "unbatched"):
+        rate = r.get("arrival_rate")
+        if r["variant"] == "continuous":
+            batched = _find(rows, "batched", r["clients"], rate)
+            if batched is None:
+                continue
+            if rate is None:
+                out[f"continuous_over_batched_{r['clients']}_clients"] = round(
+                    r["images_per_s"] / batched["images_per_s"], 3
+                )
+            else:
+                for q in ("p50", "p95", "p99"):
+                    out[f"continuous_over_batched_{q}_at_{rate:g}_per_s"] = round(r[f"{q}_ms"] / batched[f"{q}_ms"], 3)
+                out[f"continuous_over_batched_images_per_s_at_{rate:g}_per_s"] = round(
+                    r["images_per_s"] / batched["images_per_s"], 3
+                )
+            continue
+        if r["variant"] not in ("batched", "unbatched") or rate is not None:
             continue
         c = r["clients"]
         if pipe is not None:
@@ -80,14 +100,18 @@ def markdown(rows: Sequence[dict[str, Any]], warm: Sequence[dict[str, Any]], res
                   f"{w['peak_mib']} |" for w in warm]  # fmt: skip
         lines.append("")
     lines += [
-        "| variant | clients | batch | images/s | p50 ms | p95 ms | requests a call | " + " | ".join(SPLIT) + " |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(SPLIT),
+        "| variant | clients | batch | images/s | p50 ms | p95 ms | p99 ms | requests a call | "
+        + " | ".join(SPLIT)
+        + " |",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(SPLIT),
     ]
     for r in rows:
         batch = r.get("batch") or r.get("max_batch") or ""
         split = " | ".join("" if r.get(k) is None else f"{r[k]:.1f}" for k in SPLIT.values())
-        lines.append(f"| {r['variant']} | {r['clients']} | {batch} | {r['images_per_s']:.2f} | {r['p50_ms']:.0f} | "
-                     f"{r['p95_ms']:.0f} | {r['requests_per_call'] or ''} | {split} |")  # fmt: skip
+        who = r["clients"] if r.get("arrival_rate") is None else f"open, {r['arrival_rate']:g}/s"
+        p99 = f"{r['p99_ms']:.0f}" if r.get("p99_ms") is not None else ""
+        lines.append(f"| {r['variant']} | {who} | {batch} | {r['images_per_s']:.2f} | {r['p50_ms']:.0f} | "
+                     f"{r['p95_ms']:.0f} | {p99} | {r['requests_per_call'] or ''} | {split} |")  # fmt: skip
     lines += ["", SPLIT_NOTE]
     calls = [f"{r['variant']} at {r['clients']} client(s): {' '.join(map(str, r['call_images']))}" for r in rows
              if r.get("call_images")]  # fmt: skip

@@ -5,8 +5,10 @@
 * :func:`bucket_rates`: one call of each batch-size bucket through the engine (PNGs included);
 * :func:`loop`: one request after another through the engine, no HTTP;
 * :func:`served`: a real server on a loopback port (uvicorn in a thread) over the same engine,
-  with clients sending their share of the requests one after another, from a process of their
-  own (:mod:`benchkit.serve_client`: in the server's process they would share its interpreter lock).
+  dynamic or continuous batching, with clients sending their share of the requests one after
+  another (closed loop), or requests sent at Poisson arrivals of a given rate (open loop), from a
+  process of their own (:mod:`benchkit.serve_client`: in the server's process they would share its
+  interpreter lock).
 
 Device work runs on a thread of its own, as the server's device worker: on a CPU, torch's OpenMP
 threads run differently from the main thread (on a loaded machine a call took 10x longer there).
@@ -30,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Settings", "bucket_rates", "loop", "pipeline_rate", "scrape", "served", "split"]
+__all__ = ["Load", "Settings", "bucket_rates", "loop", "pipeline_rate", "scrape", "served", "split"]
 
 PROMPT = "a red fox in the snow, take {i}"
 
@@ -70,7 +72,7 @@ def row(variant: str, clients: int, seconds: float, latencies: Sequence[float], 
     """One result row; ``latencies`` are seconds per request (or per call)."""
     return dict(variant=variant, clients=clients, requests=len(latencies), images=images, seconds=round(seconds, 4),
                 images_per_s=round(images / seconds, 3), p50_ms=round(1000 * percentile(latencies, 0.5), 2),
-                p95_ms=round(1000 * percentile(latencies, 0.95), 2),
+                p95_ms=round(1000 * percentile(latencies, 0.95), 2), p99_ms=round(1000 * percentile(latencies, 0.99), 2),
                 requests_per_call=round(len(latencies) / calls, 3) if calls else None, **extra)  # fmt: skip
 
 
@@ -102,14 +104,17 @@ def split(before: dict[str, float], after: dict[str, float], latencies: Sequence
     return {k: round(v, 2) for k, v in out.items()}
 
 
-def clients_process(port: int, clients: int, bodies: Sequence[dict[str, Any]]) -> tuple[float, list[float]]:
-    """``bodies`` sent to the server on ``port`` by ``clients`` concurrent clients in a process of
+def clients_process(port: int, clients: int, bodies: Sequence[dict[str, Any]], rate: float | None = None,
+                    seconds: float = 60.0, seed: int = 0) -> tuple[float, list[float]]:  # fmt: skip
+    """``bodies`` sent to the loopback server on ``port`` by ``clients`` concurrent clients, or at
+    Poisson arrivals of ``rate`` a second for at most ``seconds`` (open loop), from a process of
     their own (:mod:`benchkit.serve_client`): (seconds from the first request to the last answer,
     each request's latency in seconds). RuntimeError, in one line, for an answer that was not 200."""
     scripts = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (scripts, os.environ.get("PYTHONPATH")) if p))
     url = f"http://127.0.0.1:{port}"
-    done = subprocess.run([sys.executable, "-m", "benchkit.serve_client", url, str(clients)], input=json.dumps(bodies),
+    how = [str(clients)] if rate is None else ["--rate", str(rate), "--seconds", str(seconds), "--seed", str(seed)]
+    done = subprocess.run([sys.executable, "-m", "benchkit.serve_client", url, *how], input=json.dumps(bodies),
                           capture_output=True, text=True, env=env, check=False)  # fmt: skip
     lines = done.stdout.strip().splitlines()
     result = json.loads(lines[-1]) if done.returncode == 0 and lines else {"error": done.stderr.strip()[-300:]}
@@ -195,10 +200,23 @@ def loop(engine: Any, s: Settings, requests: int) -> dict[str, Any]:
     return on_thread(run)
 
 
-def served(engine: Any, s: Settings, max_batch: int, max_wait: float, clients: Sequence[int], requests: int,
-           variant: str, say: Callable[[str], None]) -> list[dict[str, Any]]:  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """The runs of one served variant: a closed-loop run per count of ``clients``, then an open-loop
+    run per rate of ``rates`` (requests a second, Poisson arrivals, at most ``seconds`` of sending),
+    each of ``requests`` requests."""
+
+    clients: Sequence[int]
+    requests: int
+    rates: Sequence[float] = ()
+    seconds: float = 60.0
+
+
+def served(engine: Any, s: Settings, max_batch: int, max_wait: float, load: Load, variant: str,
+           say: Callable[[str], None], batching: str = "dynamic") -> list[dict[str, Any]]:  # fmt: skip
     """A real server over ``engine`` on a free loopback port, calls of at most ``max_batch``
-    images, and a client run per count in ``clients``."""
+    images (``batching`` dynamic) or running batches of at most that many rows (continuous), and
+    the runs of ``load``."""
     import httpx
     import uvicorn
 
@@ -207,10 +225,15 @@ def served(engine: Any, s: Settings, max_batch: int, max_wait: float, clients: S
     from pipelines.serve.schema import Served
     from pipelines.serve.service import Service
 
+    if batching == "continuous" and engine.steps is None:
+        from pipelines.stepwise.family import steps_for
+
+        engine.steps = steps_for(engine.pipe)  # the same warm graphs serve both: the buckets' shapes
     loras = tuple(engine.adapters.names())
-    batcher = Batcher(max(64, 2 * max(clients)), max_batch, max_wait)
+    most = max([*load.clients, *(int(r * load.seconds) + 1 for r in load.rates)] or [1])
+    batcher = Batcher(max(64, 2 * most), max_batch, max_wait)
     service = Service(Served("bench", ((s.width, s.height),), max_batch, loras, batch_sizes=engine.batch_sizes or ()),
-                      batcher, lambda: engine, timeout=600)  # fmt: skip
+                      batcher, lambda: engine, timeout=600, batching=batching)  # fmt: skip
     server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=0, log_level="warning",
                                            access_log=False, lifespan="off"))  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)
@@ -231,20 +254,25 @@ def served(engine: Any, s: Settings, max_batch: int, max_wait: float, clients: S
         return make(plans, stop)
 
     engine.make = counted
+    runs = [(count, None) for count in load.clients] + [(0, rate) for rate in load.rates]
     try:
-        for count in clients:
+        for count, rate in runs:
             calls_before = service.worker.batches
             calls.clear()
             before = scrape(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text)
-            seconds, latencies = clients_process(port, count, [s.body(i) for i in range(requests)])
+            seconds, latencies = clients_process(port, count, [s.body(i) for i in range(load.requests)], rate,
+                                                 load.seconds)  # fmt: skip
             after = scrape(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text)
-            rows.append(row(variant, count, seconds, latencies, requests, service.worker.batches - calls_before,
-                            max_batch=max_batch, call_images=list(calls), **split(before, after, latencies)))  # fmt: skip
+            made = service.worker.batches - calls_before if batching == "dynamic" else None
+            extra = dict(arrival_rate=rate) if rate is not None else {}
+            rows.append(row(variant, count, seconds, latencies, len(latencies), made, max_batch=max_batch,
+                            call_images=list(calls), **extra, **split(before, after, latencies)))  # fmt: skip
             r = rows[-1]
-            say(f"{variant:>9} {count:>2} client(s): {r['images_per_s']:.2f} images/s, p50 {r['p50_ms']:.0f} ms, "
-                f"p95 {r['p95_ms']:.0f} ms, {r['requests_per_call']} requests a call; mean {r['mean_ms']:.0f} ms = "
-                f"queue {r['queue_ms']:.0f} + device {r['device_ms']:.0f} + encode {r['encode_ms']:.0f} + rest "
-                f"{r['rest_ms']:.0f}; images a call: {' '.join(map(str, calls))}")  # fmt: skip
+            who = f"{count:>2} client(s)" if rate is None else f"{rate:g}/s arrivals ({len(latencies)} requests)"
+            say(f"{variant:>10} {who}: {r['images_per_s']:.2f} images/s, p50 {r['p50_ms']:.0f} ms, p95 "
+                f"{r['p95_ms']:.0f} ms, p99 {r['p99_ms']:.0f} ms, {r['requests_per_call'] or '-'} requests a call; "
+                f"mean {r['mean_ms']:.0f} ms = queue {r['queue_ms']:.0f} + device {r['device_ms']:.0f} + encode "
+                f"{r['encode_ms']:.0f} + rest {r['rest_ms']:.0f}; images a call: {' '.join(map(str, calls)) or '-'}")  # fmt: skip
     finally:
         del engine.make  # the class's again
         service.stop()

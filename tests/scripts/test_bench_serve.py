@@ -26,15 +26,15 @@ def test_a_tiny_run_writes_every_variant(tmp_path: Path, few_threads: None) -> N
     result = json.loads((out / "serve.json").read_text())
     rows = {(r["variant"], r["clients"], r.get("batch")): r for r in result["rows"]}
     assert sorted(rows) == [("batched", 1, None), ("batched", 4, None), ("bucket", 1, 1), ("bucket", 1, 2),
-                            ("bucket", 1, 4), ("loop", 1, None), ("pipeline", 1, None), ("unbatched", 1, None),
-                            ("unbatched", 4, None)]  # fmt: skip
+                            ("bucket", 1, 4), ("continuous", 1, None), ("continuous", 4, None), ("loop", 1, None),
+                            ("pipeline", 1, None), ("unbatched", 1, None), ("unbatched", 4, None)]  # fmt: skip
     for (variant, _, batch), r in rows.items():
         assert r["images_per_s"] > 0 and 0 < r["p50_ms"] <= r["p95_ms"]
         expected = {"pipeline": 2, "bucket": batch}.get(variant, 8)
         assert r["images"] == expected, (variant, r)
     for key, r in rows.items():  # the server runs split a request's mean latency; the others have no split
         parts = [r.get(k) for k in ("queue_ms", "device_ms", "encode_ms", "rest_ms")]
-        if key[0] not in ("batched", "unbatched"):
+        if key[0] not in ("batched", "unbatched", "continuous"):
             assert parts == [None] * 4, (key, r)
             continue
         assert all(p >= 0 for p in parts) and r["device_ms"] > 0 and r["encode_ms"] > 0, (key, r)
@@ -97,3 +97,40 @@ def test_the_clients_process_tells_a_failure_in_one_line() -> None:
     with pytest.raises(RuntimeError, match=r"^the clients failed: ConnectError") as e:
         clients_process(port, 2, [{"prompt": "a"}, {"prompt": "b"}])
     assert "\n" not in str(e.value)
+
+
+def test_continuous_and_open_loop_arrivals_run_side_by_side(tmp_path: Path, few_threads: None) -> None:
+    """``continuous`` is the same warm engine behind ``--batching continuous``; ``--arrival-rate
+    0.5x`` sends Poisson arrivals at half the batched server's measured images/s, to both servers,
+    bounded by --requests; p99 and the continuous-over-batched ratios are written."""
+    out = tmp_path / "serve"
+    argv = ["--resolutions", "32x32", "--batch-sizes", "1", "2", "--steps", "1", "--requests", "6", "--clients", "2",
+            "--repeats", "1", "--variants", "batched", "continuous", "--arrival-rate", "0.5x", "40",
+            "--arrival-seconds", "30"]  # fmt: skip
+    assert bench_serve.main([*argv, "--out", str(out), "--device", "cpu"]) == 0
+    result = json.loads((out / "serve.json").read_text())
+    rows = {(r["variant"], r["clients"], r.get("arrival_rate")): r for r in result["rows"]}
+    batched = rows[("batched", 2, None)]
+    slow = round(0.5 * batched["images_per_s"], 3)
+    assert result["settings"]["arrival_rates"] == [slow, 40.0]
+    assert sorted(rows) == sorted([("batched", 2, None), ("continuous", 2, None), ("batched", 0, slow),
+                                   ("batched", 0, 40.0), ("continuous", 0, slow), ("continuous", 0, 40.0)])  # fmt: skip
+    for r in rows.values():
+        assert r["images"] == 6 and 0 < r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"], r
+    assert rows[("continuous", 2, None)]["requests_per_call"] is None  # no pipeline calls: steps
+    ratios = result["ratios"]
+    assert {"continuous_over_batched_2_clients", f"continuous_over_batched_p50_at_{slow:g}_per_s",
+            "continuous_over_batched_p99_at_40_per_s"} <= set(ratios)  # fmt: skip
+    assert "| continuous | open, 40/s |" in (out / "serve.md").read_text()
+
+
+def test_the_open_loop_client_sends_to_loopback_only() -> None:
+    import contextlib
+    import io
+
+    from benchkit.serve_client import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["http://example.com:80", "--rate", "1", "--seconds", "1", "--seed", "0"]) == 0
+    assert "loopback address only" in json.loads(printed.getvalue())["error"]
