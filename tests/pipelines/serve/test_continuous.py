@@ -39,9 +39,12 @@ def continuous_engine(model: str, buckets: tuple[int, ...], sizes: tuple[tuple[i
     # The shortest of the recipe's text lengths only (the prompts' here): the server's warm-up takes
     # all four, more graphs than a runner keeps (32) at two sizes and two buckets with and without guidance.
     shortest = min(engine.pipe.accel.recipes["transformer"].default_prompt_lengths())
-    report = engine.pipe.accel.warmup(list(sizes), batch_sizes=buckets, cfg=[True, False], prompt_lengths=[shortest],
-                                      progress=False)  # fmt: skip
-    assert report.total_captures > 0
+    for lora in (None, *engine.adapters.names()):  # one warm-up per adapter state, as the server's
+        engine.adapters.select(lora)
+        report = engine.pipe.accel.warmup(list(sizes), batch_sizes=buckets, cfg=[True, False],
+                                          prompt_lengths=[shortest], progress=False)  # fmt: skip
+        assert report.total_captures > 0
+    engine.adapters.select(None)
     return engine
 
 
