@@ -65,9 +65,9 @@ class Running:
         self.worker.start()
         assert self.ready.wait(10)
 
-    def submit(self, request: ImageRequest) -> Work:
+    def submit(self, request: ImageRequest, partial: Any = None) -> Work:
         plan = self.engine.plan(request)
-        work = Work(plan.key, request.n, plan)
+        work = Work(plan.key, request.n, plan, partial=partial)
         self.batcher.submit(work)
         return work
 
