@@ -85,7 +85,19 @@ def check_joins(engine: Engine, size: tuple[int, int], steps: int, what: str, gu
 def check_stream(engine: Engine, size: tuple[int, int], steps: int, what: str) -> None:
     """A streamed request: 2 previews at evenly spaced steps, and the image the same request gets
     without streaming, bit for bit."""
-    run = Running(engine, 4)
+    run = Running(engine, 4, start=False)
+    made = run.worker._preview
+    took: list[float] = []
+
+    def timed(preview: object) -> None:  # a preview's decode, conversion and hand-over, timed on the device
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        made(preview)
+        torch.cuda.synchronize()
+        took.append(time.perf_counter() - t0)
+
+    run.worker._preview = timed  # type: ignore[method-assign]
+    run.start()
     try:
         plain = ImageRequest(PROMPTS[0], 1, *size, seed=5, steps=steps)
         streamed = ImageRequest(PROMPTS[0], 1, *size, seed=5, steps=steps, stream=True, partial_images=2)
@@ -95,7 +107,9 @@ def check_stream(engine: Engine, size: tuple[int, int], steps: int, what: str) -
         again = pixels(run.submit(plain).future.result(600))
         assert [s for s, _ in previews] == [steps // 3, 2 * steps // 3], previews
         assert np.array_equal(got[0], again[0]), f"{what}: the streamed image against the same request unstreamed"
-        sys.stderr.write(f"{what}: 2 previews (after steps {[s + 1 for s, _ in previews]}), final bit for bit\n")
+        ms = ", ".join(f"{1000 * t:.1f}" for t in took)
+        sys.stderr.write(f"{what}: 2 previews (after steps {[s + 1 for s, _ in previews]}: {ms} ms each, decode and "
+                         "8-bit image on the device), final bit for bit\n")  # fmt: skip
     finally:
         run.close()
 
