@@ -35,7 +35,21 @@ def check(config: ServeConfig) -> tuple[Any, Any]:
 
     device, dtype = resolve_device_and_dtype(config.settings)
     check_model(config.settings, device, dtype, config.resolutions)
+    if config.batching == "continuous":
+        _check_steps(config.settings.model)
     return device, dtype
+
+
+def _check_steps(model: str) -> None:
+    """A built-in model whose pipeline has no loop by steps, refused before it is built (a folder
+    or hub model is found out once built: :func:`_steps`)."""
+    from pipelines.families.catalog import known_model
+    from pipelines.stepwise.family import known_pipelines
+
+    record = known_model(model)
+    if record is not None and record.pipeline not in known_pipelines():
+        raise CLIError(f"--batching continuous: {record.pipeline}'s loop is not run a step at a time (known: "
+                       f"{', '.join(known_pipelines())}); serve {record.name} with --batching dynamic")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

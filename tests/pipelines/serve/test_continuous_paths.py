@@ -98,3 +98,14 @@ def test_a_step_cache_is_refused_for_continuous_batching_in_one_line(cache: str)
         parse_args(["--batching", "continuous", "--cache", cache, *extra])
     assert f"--cache {cache} decides per pipeline call" in str(refused.value) and "\n" not in str(refused.value)
     assert parse_args(["--cache", cache, *extra]).settings.cache is not None  # dynamic batching keeps it
+
+
+def test_a_model_without_a_loop_by_steps_is_refused_before_it_is_built() -> None:
+    from pipelines.cli import CLIError
+    from pipelines.serve.startup import check
+
+    with pytest.raises(CLIError) as refused:
+        check(parse_args(["--model", "flux.1", "--device", "cpu", "--batching", "continuous"]))
+    assert "FluxPipeline's loop is not run a step at a time" in str(refused.value)
+    assert "--batching dynamic" in str(refused.value) and "\n" not in str(refused.value)
+    check(parse_args(["--model", "qwen-image", "--device", "cpu", "--batching", "continuous"]))
