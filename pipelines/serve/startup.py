@@ -124,9 +124,11 @@ def _steps(pipe: Any) -> Any:
         raise CLIError(f"--batching continuous: {e}; serve it with --batching dynamic") from None
 
 
-def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine]:
+def starter(config: ServeConfig, device: Any, dtype: Any,
+            setup: Callable[[Engine], None] | None = None) -> Callable[[], Engine]:  # fmt: skip
     """What the device worker runs first: returns the warm engine, its ``admission`` set and
-    ``warm_sizes`` the sizes whose graphs the warm-up captured (None: every size is served)."""
+    ``warm_sizes`` the sizes whose graphs the warm-up captured (None: every size is served).
+    ``setup``: called with the engine before the warm-up (a Ray replica puts its adapter slots in)."""
 
     def start() -> Engine:
         from pipelines.cli import DEFAULT_PROMPT, Workload, prepare_pipeline
@@ -148,6 +150,8 @@ def starter(config: ServeConfig, device: Any, dtype: Any) -> Callable[[], Engine
         if config.batching == "continuous":
             engine.steps = _steps(prepared.pipe)
         _image_inputs(engine, prepared)
+        if setup is not None:
+            setup(engine)
         sizes = config.resolutions if config.settings.warmup is None else config.settings.warmup
         graphs = prepared.accelerated and settings.mode == "bcg" and bool(sizes)
         admission = admission_for(config, prepared)
