@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "video": ("imageio", "imageio_ffmpeg"),
     "fp8": ("torchao",),
     "serve": ("fastapi", "uvicorn", "prometheus_client", "python_multipart"),
+    "ray": ("ray",),
 }
 
 

@@ -44,6 +44,7 @@ access      the access log: a line and an id for every request
 app         the routes, on FastAPI
 startup     checks before the socket is bound; build, adapters and warm-up on the worker
 lifecycle   socket, uvicorn, signals and exit status
+ray         the same app and routes as a Ray Serve application, one replica per GPU (``--ray``)
 """
 
 from __future__ import annotations
@@ -52,7 +53,15 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``bcg-serve``; returns the exit status (see :func:`pipelines.serve.lifecycle.main`)."""
+    """Run ``bcg-serve``; returns the exit status (see :func:`pipelines.serve.lifecycle.main`;
+    with ``--ray``, :func:`pipelines.serve.ray.main`)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if "--ray" in args:
+        from .ray import main as run_ray
+
+        return run_ray(args)
     from .lifecycle import main as run
 
     return run(argv)

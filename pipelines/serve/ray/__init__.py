@@ -11,8 +11,8 @@ its adapter as Ray's multiplexed model id, so it goes to a replica that holds th
 ``Generator`` is one replica per GPU (``num_gpus``): a whole bcg-serve engine (queue, memory
 admission, batching, the device worker), built and warmed up in its constructor, so Ray routes
 nothing to it before the warm-up is done. Ray Serve scales the replicas on their ongoing
-requests (``target_ongoing_requests``); a replica takes at most its queue and its largest bucket
-at once (``max_ongoing_requests``), and when every replica is full and the handle's own queue too
+requests (``target_ongoing_requests``); a replica takes at most ``--queue`` requests at once
+(``max_ongoing_requests``), and when every replica is full and the handle's own queue too
 (``max_queued_requests``), the frontend answers 429. Importing this package imports neither Ray
 nor torch.
 

@@ -57,7 +57,7 @@ def _lora_shapes(spec: LoraSpec) -> dict[str, list[int]]:
     from safetensors import safe_open
 
     with safe_open(str(spec.path), framework="numpy") as f:
-        return {k: list(f.get_slice(k).get_shape()) for k in f.keys() if "lora" in k.lower()}
+        return {k: list(f.get_slice(k).get_shape()) for k in f.keys() if "lora" in k.lower()}  # noqa: SIM118 (safe_open is no dict)
 
 
 def _is_down(key: str) -> bool:

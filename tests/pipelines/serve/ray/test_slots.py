@@ -100,11 +100,11 @@ def test_a_hot_swapped_adapter_replays_the_slot_graphs_and_equals_the_adapter_lo
 
 
 def test_a_released_slot_waits_for_its_requests(catalog: tuple[LoraSpec, ...]) -> None:
-    engine, slots = slotted(catalog[:2], 1, graphs=False)
+    _, slots = slotted(catalog[:2], 1, graphs=False)
     assert slots.load("ink", timeout=1) == ("slot0", True)
     slots.pin("ink")
     slots.release("ink")
-    with pytest.raises(NoSlot, match="no adapter slot of this replica came free within 0.2 s"):
+    with pytest.raises(NoSlot, match=r"no adapter slot of this replica came free within 0\.2 s"):
         slots.load("oil", timeout=0.2)
     # ink comes back to its own slot without a swap while its request still holds it.
     assert slots.load("ink", timeout=1) == ("slot0", False)

@@ -1,0 +1,220 @@
+"""The Frontend deployment: bcg-serve's routes (:func:`pipelines.serve.app.create_app`) as Ray
+Serve's FastAPI ingress, each generation request handed to a Generator replica.
+
+The routes are bcg-serve's: a request is read and checked here (its 400 costs no replica), then
+:class:`RemoteService` sends it through the Generator's deployment handle, its adapter named as
+Ray's multiplexed model id (so it goes to a replica that holds that adapter where one is free),
+and waits for its images, its client leaving (the replica is told and drops it) or the replica's
+own answer (429, 504 ...). What is not the request's fault is dealt with here:
+
+* every replica full and the handle's queue too (Ray's ``BackPressureError``): 429, with
+  Retry-After, saying so;
+* the replica died under it (killed, its node lost): sent again, to another replica, up to
+  ``--retries`` times, within the request's ``--timeout``; a request is never lost silently;
+* no replica yet (all still warming up): it waits in the handle's queue, as Ray does.
+
+``/ready`` is 200 once a replica has answered (the frontend learns the sizes warmed up and the
+model's defaults from it); ``/metrics`` is the frontend's own registry (requests by status,
+seconds to answer). The replicas' metrics are Ray's (:mod:`.mirror`). Each answer names the
+replica that made it (``X-Bcg-Replica``), for an adapter how often that replica has loaded it
+(``X-Bcg-Adapter-Loads``), and for a request sent again how many times it was sent
+(``X-Bcg-Tries``), as the access log does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import types
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from ..access import fields_of
+from ..errors import ServeError
+
+__all__ = ["RemoteService", "ReplicaHeaders", "frontend_class"]
+
+logger = logging.getLogger("bcg-serve")
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class RemoteService:
+    """What :func:`~pipelines.serve.app.create_app` asks of a service (``phase``, ``served``,
+    ``metrics``, ``engine``, ``started``, ``busy``, ``generate``), answered by Generator replicas
+    through ``handle``."""
+
+    def __init__(self, handle: Any, config: Any, retries: int) -> None:
+        from ..metrics import Metrics
+        from ..schema import Served
+
+        self.handle = handle
+        self.config = config
+        self.retries = retries
+        names = config.names or (config.settings.model,)
+        self.served = Served(model=names[0], aliases=names[1:], sizes=config.resolutions, max_n=config.max_batch,
+                             loras=tuple(s.name or "" for s in config.settings.loras),
+                             batch_sizes=config.batch_sizes, max_steps=config.max_steps)  # fmt: skip
+        self.metrics = Metrics(config.max_batch, lambda: 0, config.batch_sizes)
+        self.phase = "starting"
+        self.engine: Any = None
+        self.started = time.time()
+        self.replicas: set[str] = set()
+
+    async def learn(self) -> None:
+        """Wait for a replica (each one answers only once warm) and take what it serves."""
+        while True:
+            try:
+                d = await self.handle.describe.remote()
+                break
+            except Exception as e:  # a replica that failed its start: Ray starts another
+                logger.warning("waiting for a replica: %s", str(e).splitlines()[0][:200])
+                await asyncio.sleep(1)
+        self.served = d["served"]
+        self.engine = types.SimpleNamespace(defaults=types.SimpleNamespace(steps=d["steps"], guidance=d["guidance"]))
+        self.phase = "ready"
+        self.metrics.ready.set(1)
+        logger.info("ready: a replica serves %s at %s", self.served.model, ", ".join(self.served.size_names))
+
+    def busy(self) -> tuple[str, str] | None:
+        if self.phase != "ready":
+            return self.phase, "no replica has finished its warm-up yet" if self.phase == "starting" else self.phase
+        return None
+
+    def _full(self, error: Any) -> ServeError:
+        mean = self.metrics.mean_batch_seconds
+        wait = max(1, math.ceil(1.0 if math.isnan(mean) else mean))
+        queue = self.config.queue
+        return ServeError(429, f"every replica's queue is full ({queue} requests waiting at each, and "
+                          f"{getattr(error, 'max_queued_requests', '?')} more waiting for a replica); retry later",
+                          code="queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
+
+    async def generate(self, request: Any, receive: Receive, arrived: float,
+                       access: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip
+        """``request``'s images from a replica, or :class:`ServeError`, as
+        :meth:`pipelines.serve.service.Service.generate` answers."""
+        from ray.exceptions import ActorUnavailableError, RayActorError
+        from ray.serve.exceptions import BackPressureError
+
+        if self.phase != "ready":
+            raise ServeError(503, "the server is warming up (GET /ready says when it is done)", code="warming_up",
+                             headers={"Retry-After": "5"})  # fmt: skip
+        handle = self.handle if request.lora is None else self.handle.options(multiplexed_model_id=request.lora)
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            for attempt in range(self.retries + 1):
+                left = self.config.timeout - (time.monotonic() - arrived)
+                if left <= 0:
+                    break
+                response = handle.generate.remote(request, time.monotonic() - arrived)
+                answer = asyncio.ensure_future(_result(response))
+                # The replica answers its own timeout (504); this one is for a replica that cannot.
+                done, _ = await asyncio.wait({answer, gone}, timeout=left + 5, return_when=asyncio.FIRST_COMPLETED)
+                if answer not in done:
+                    response.cancel()
+                    answer.cancel()
+                    if gone in done:
+                        raise ServeError(499, "the client closed the connection", code="client_closed")
+                    break
+                try:
+                    result = answer.result()
+                except BackPressureError as e:
+                    raise self._full(e) from None
+                except (RayActorError, ActorUnavailableError) as e:
+                    logger.warning("a replica died under a request (try %d of %d): %s", attempt + 1,
+                                   self.retries + 1, str(e).splitlines()[0][:200])  # fmt: skip
+                    continue
+                if access is not None and attempt:
+                    access["tries"] = attempt + 1
+                return self._answered(result, access)
+        finally:
+            gone.cancel()
+        raise ServeError(504, f"not done within --timeout {self.config.timeout:g} s (its replica was lost "
+                         f"{self.retries + 1} time(s) or did not answer)", code="timeout")  # fmt: skip
+
+    def _answered(self, result: dict[str, Any], access: dict[str, Any] | None) -> list[Any]:
+        replica = result["replica"]
+        self.replicas.add(replica)
+        if access is not None:
+            access["replica"] = replica
+            access["adapter_loads"] = result.get("adapter_loads")
+        if "error" in result:
+            status, message, param, code, headers = result["error"]
+            raise ServeError(status, message, param=param, code=code, headers=headers)
+        if access is not None:
+            access["steps"] = result.get("steps")
+            times = result.get("times")
+            if times is not None:
+                queued, device, encode = times
+                # What the access line reads of a request's work, as the replica measured it.
+                access["work"] = types.SimpleNamespace(arrived=1.0, taken=1.0 + queued, device_seconds=device,
+                                                       encode_seconds=encode)  # fmt: skip
+        return result["images"]
+
+
+async def _result(response: Any) -> Any:
+    return await response
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class ReplicaHeaders:
+    """ASGI middleware: the replica that made an answer (``X-Bcg-Replica``), for an adapter how
+    often that replica has loaded it (``X-Bcg-Adapter-Loads``), and the times a request was sent
+    (``X-Bcg-Tries``, where more than once), read from the access-log fields the route set (the
+    access log's middleware is inside this one)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_named(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                fields = fields_of(scope)
+                extra = []
+                if fields.get("replica"):
+                    extra.append((b"x-bcg-replica", str(fields["replica"]).encode()))
+                if fields.get("adapter_loads"):
+                    extra.append((b"x-bcg-adapter-loads", str(fields["adapter_loads"]).encode()))
+                if fields.get("tries"):
+                    extra.append((b"x-bcg-tries", str(fields["tries"]).encode()))
+                # Ray's proxy gives the request its X-Request-Id (the client's, else a fresh one) and
+                # writes it on the answer itself: the access log's copy would be a second one.
+                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message["headers"] = [*kept, *extra]
+            await send(message)
+
+        await self.app(scope, receive, send_named)
+
+
+def frontend_class() -> type:
+    """The Frontend deployment's class (Ray Serve's FastAPI ingress, its app made per replica)."""
+    from ray import serve
+
+    @serve.ingress()
+    class Frontend:
+        """bcg-serve's routes, answered by the Generator replicas behind ``generator``."""
+
+        async def __init__(self, generator: Any, argv: list[str], retries: int) -> None:
+            from ..config import parse_args
+
+            self.service = RemoteService(generator, parse_args(argv), retries)
+            self._learning = asyncio.ensure_future(self.service.learn())
+
+        def __serve_build_asgi_app__(self) -> Any:
+            from ..app import create_app
+
+            app = create_app(self.service)
+            app.add_middleware(ReplicaHeaders)
+            return app
+
+    return Frontend
