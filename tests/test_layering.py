@@ -24,6 +24,11 @@ the records and each family's ``models`` module, :data:`TORCH_FREE`) imports the
 and :data:`TORCH_FREE` only. Each family folder has a ``models`` module and an ``__init__`` that
 names its modules.
 
+Ray is one front end's engine: only ``pipelines.serve.ray`` (bcg-serve's Ray Serve application)
+and the module ``serve run`` reads (``pipelines.serve.ray_app``) import ``ray``, and nothing else
+of ``pipelines`` imports them but the one line of ``bcg-serve`` that hands ``--ray`` on
+(:data:`RAY_FRONT_END`).
+
 ``scripts/`` (the benchmarks, their ``benchkit`` and the GPU machine's ``device/`` scripts) is
 above both: nothing in ``accel`` or ``pipelines`` imports it. Its files run with ``scripts/`` on
 ``sys.path``, so its modules are named from there (``benchkit.rows``, ``bench_breadth``); no two
@@ -109,6 +114,9 @@ SCRIPT_PACKAGES = ("benchkit", "scripts")
 MAX_SCRIPT_LINES = 400
 # Files of scripts/ still over the limit, each with why; the test skips them until they are split.
 SCRIPTS_OVER_THE_LIMIT: dict[str, str] = {}
+# The Ray front end, the modules that may import ray, and those of pipelines that may import it.
+RAY_FRONT_END = ("pipelines.serve.ray", "pipelines.serve.ray_app")
+RAY_FRONT_END_IMPORTED_BY = ("pipelines.serve",)
 
 
 def _module_name(path: Path, base: Path | None = None) -> str:
@@ -548,3 +556,17 @@ def test_each_family_folder_has_its_record_and_names_its_modules(family: Path) -
     modules = sorted(p.stem for p in family.glob("*.py") if p.name != "__init__.py")
     missing = [m for m in modules if not any(line.startswith(m + " ") for line in doc.splitlines())]
     assert not missing, f"pipelines/families/{family.name}/__init__.py names none of {missing} (one line each)"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "pipelines").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_the_ray_front_end_imports_ray(path: Path) -> None:
+    module = _module_name(path)
+    ours = any(_within(module, f) for f in RAY_FRONT_END)
+    for line, imported, names in _imports_of(path.read_text(), module, path.name == "__init__.py"):
+        if _within(imported, "ray"):
+            assert ours, f"{path.relative_to(ROOT)}:{line} imports {imported}: only {', '.join(RAY_FRONT_END)} may"
+        reached = [imported, *(f"{imported}.{n}" for n in names)]
+        if not ours and module not in RAY_FRONT_END_IMPORTED_BY:
+            assert not any(_within(r, f) for r in reached for f in RAY_FRONT_END), (
+                f"{path.relative_to(ROOT)}:{line} imports the Ray front end ({imported})"
+            )

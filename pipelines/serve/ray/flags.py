@@ -137,6 +137,7 @@ def parse_ray_args(argv: Sequence[str]) -> tuple[ServeConfig, RayConfig, list[st
                     max_queued_requests=args.max_queued_requests, max_models_per_replica=args.max_models_per_replica,
                     gpus_per_replica=gpus, cpus_per_replica=args.cpus_per_replica, frontends=args.frontends,
                     retries=args.retries)  # fmt: skip
+    autoscaling_config(config, ray)  # Ray's own checks, before anything starts
     return config, ray, rest
 
 
@@ -157,10 +158,15 @@ def autoscaling_config(config: ServeConfig, ray: RayConfig) -> dict[str, Any]:
     out.update(dict(ray.autoscaling))
     try:
         from ray.serve.config import AutoscalingConfig
-
-        AutoscalingConfig(**out)
     except ImportError:  # checked where the application is deployed
-        pass
+        return out
+    fields = getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__
+    unknown = sorted(set(out) - set(fields))
+    if unknown:  # Ray's class ignores them: a misspelt field would be a setting silently not made
+        raise UsageError(f"autoscaling_config: {unknown[0]} is not a field of Ray Serve's autoscaling_config "
+                         f"({', '.join(sorted(fields))})")  # fmt: skip
+    try:
+        AutoscalingConfig(**out)
     except Exception as e:  # pydantic's ValidationError: its first error, in one line
         errors = getattr(e, "errors", None)
         first = errors()[0] if callable(errors) else None

@@ -84,12 +84,14 @@ class RemoteService:
         return None
 
     def _full(self, error: Any) -> ServeError:
+        """The 429 of Ray's ``BackPressureError`` (its args: queued, most queued, status, Retry-After)."""
+        args = tuple(getattr(error, "args", ())) + (None,) * 4
+        most, retry_after = args[1], args[3]
         mean = self.metrics.mean_batch_seconds
-        wait = max(1, math.ceil(1.0 if math.isnan(mean) else mean))
-        queue = self.config.queue
-        return ServeError(429, f"every replica's queue is full ({queue} requests waiting at each, and "
-                          f"{getattr(error, 'max_queued_requests', '?')} more waiting for a replica); retry later",
-                          code="queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
+        wait = retry_after if retry_after is not None else (1.0 if math.isnan(mean) else mean)
+        return ServeError(429, f"every replica's queue is full ({self.config.queue} requests waiting at each, and "
+                          f"{most if most is not None else 'the most'} more waiting for a replica); retry later",
+                          code="queue_full", headers={"Retry-After": str(max(1, math.ceil(wait)))})  # fmt: skip
 
     async def generate(self, request: Any, receive: Receive, arrived: float,
                        access: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip

@@ -1,0 +1,77 @@
+"""``bcg-serve --ray``'s flags (pipelines/serve/ray/flags.py), with no Ray cluster: bcg-serve's
+flags read as bcg-serve reads them, the Ray flags mapped to Ray Serve's deployment options (its
+autoscaling config checked by Ray's own class), a bad value one line and exit status 2 before
+anything starts, and importing the front end imports neither Ray nor torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pipelines.serve import main
+from pipelines.serve.config import UsageError
+from pipelines.serve.ray.flags import deployment_options, help_text, parse_ray_args
+
+MODEL = ["--model", "z-image", "--resolutions", "64x64", "--batch-sizes", "1", "2", "4"]
+
+
+def test_the_flags_map_to_ray_serve_s_options() -> None:
+    config, ray, rest = parse_ray_args(["--ray", *MODEL, "--queue", "8", "--min-replicas", "2", "--max-replicas",
+                                        "6", "--upscale-delay", "5", "--autoscaling", "look_back_period_s=20",
+                                        "--max-models-per-replica", "2"])  # fmt: skip
+    assert rest == [*MODEL, "--queue", "8"]  # what each replica reads again
+    assert (config.queue, config.batch_sizes, ray.max_models_per_replica) == (8, (1, 2, 4), 2)
+    options = deployment_options(config, ray)
+    assert options["autoscaling_config"] == {
+        "min_replicas": 2,
+        "max_replicas": 6,
+        "target_ongoing_requests": 4.0,  # the largest bucket, full
+        "upscale_delay_s": 5.0,
+        "look_back_period_s": "20",
+    }
+    assert options["ray_actor_options"] == {"num_gpus": 1.0, "num_cpus": 1.0}
+    assert (options["max_ongoing_requests"], options["max_queued_requests"]) == (8, 8)
+    cpu = deployment_options(*parse_ray_args([*MODEL, "--device", "cpu"])[:2])
+    assert cpu["ray_actor_options"]["num_gpus"] == 0.0
+    assert cpu["autoscaling_config"]["max_replicas"] == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "told"),
+    [
+        (["--min-replicas", "3", "--max-replicas", "2"], "--max-replicas 2 is below --min-replicas 3"),
+        (["--device", "cuda:1"], "--device cuda:1: Ray gives each replica its GPUs"),
+        (["--device", "cpu", "--gpus-per-replica", "1"], "--gpus-per-replica 1 with --device cpu"),
+        (["--autoscaling", "upscale_delay"], "give KEY=VALUE"),
+        (["--autoscaling", "no_such_field=1"], "autoscaling_config: no_such_field"),
+        (["--max-models-per-replica", "0"], "must be at least 1, got 0"),
+        (["--queue", "0"], "--queue: must be at least 1"),
+    ],
+)
+def test_a_bad_flag_is_one_line(flags: list[str], told: str) -> None:
+    with pytest.raises(UsageError, match=None) as e:
+        parse_ray_args([*MODEL, *flags])
+    assert told in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bcg_serve_ray_refuses_bad_input_in_one_line_with_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--ray", *MODEL, "--min-replicas", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bcg-serve: error: argument --min-replicas: must be at least 0") and err.count("\n") == 1
+
+
+def test_the_help_names_the_ray_flags_beside_bcg_serve_s(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--ray", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out == help_text()
+    for flag in ("--max-models-per-replica", "--target-ongoing-requests", "--resolutions", "--lora"):
+        assert flag in out
+
+
+def test_importing_the_ray_front_end_imports_neither_ray_nor_torch() -> None:
+    code = ("import sys, pipelines.serve.ray, pipelines.serve.ray.flags, pipelines.serve.ray_app; "
+            "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
