@@ -55,7 +55,8 @@ work_floor      the floor from the work: products at the peaks or their bytes, a
 step_floors     both floors of a profiled variant and the bf16 step beside it
 profile_report  profile.md
 
-scripts/bench_restart.py: restart_child (one process's compile=True warm-up with a given cache folder).
+scripts/bench_ray_start.py: ray_start (a bcg-serve --ray replica's cold start, empty and warm compile
+cache). scripts/bench_restart.py: restart_child (one process's compile=True warm-up with a given cache folder).
 scripts/bench_serve.py: serve_runs (the timed runs on one warm engine: the pipeline's call, buckets,
 the loop, a real server), serve_report (serve.md and the ratios the bars are stated in).
 

@@ -54,6 +54,8 @@ class Replica:
         from ..startup import check, starter
         from .slots import slot_specs
 
+        self._t0 = time.monotonic()
+        self.start_seconds: float | None = None  # from the constructor to warm
         config = parse_args(argv)
         self.name = name or f"pid{os.getpid()}"
         self.catalog = tuple(config.settings.loras)
@@ -90,7 +92,9 @@ class Replica:
             time.sleep(poll)
         if self.service.phase != "ready":
             raise RuntimeError(f"bcg-serve replica could not start: {self.service.fatal}")
-        logger.info("replica %s ready", self.name)
+        self.start_seconds = time.monotonic() - self._t0
+        logger.info("replica %s ready in %.1f s (warm-up %.1f s)", self.name, self.start_seconds,
+                    self.service.engine.warmup_seconds)  # fmt: skip
 
     def check_health(self) -> None:
         """RuntimeError unless the replica would take a request (a full queue is healthy)."""
@@ -99,10 +103,14 @@ class Replica:
             raise RuntimeError(f"replica {self.name}: {busy[1]}")
 
     def describe(self) -> dict[str, Any]:
-        """What the frontend serves: the sizes warmed up, the adapters, the model's defaults."""
-        d = self.service.engine.defaults
+        """What the frontend serves (the sizes warmed up, the adapters, the model's defaults), and
+        this replica's start: its seconds from the constructor to warm, and its warm-up's."""
+        engine = self.service.engine
+        d = engine.defaults
         return {"served": self.service.served, "steps": d.steps, "guidance": d.guidance,
-                "started": self.service.started}  # fmt: skip
+                "started": self.service.started, "replica": self.name, "start_seconds": self.start_seconds,
+                "warmup_seconds": engine.warmup_seconds,
+                "warmup_buckets": {b: c.seconds for b, c in engine.warmup_costs.items()}}  # fmt: skip
 
     def load_adapter(self, name: str) -> tuple[str, bool]:
         """Adapter ``name`` in a slot (a hot-swap unless it is there already); blocks (a thread)."""
