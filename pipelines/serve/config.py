@@ -180,8 +180,8 @@ POST /v1/images/edits takes OpenAI's multipart form (image, prompt, mask, n, siz
   given up (timed out, or their clients left) stops at the end of its current step, so the
   requests behind it wait one step, not the whole call.
 
-One server owns one device: for several GPUs, start one server per GPU (--device cuda:N, --port)
-behind your load balancer. SIGTERM stops accepting, finishes the running batch, answers the
+One server owns one device: for several GPUs, --ray serves as a Ray Serve application, one
+replica per GPU (bcg-serve --ray --help; docs/serving-ray.md). SIGTERM stops accepting, finishes the running batch, answers the
 waiting requests 503 and exits 0. It serves images: a video model is refused at start.
 exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 interrupted.""",
     )
