@@ -1,0 +1,52 @@
+"""``bcg-serve --ray`` end to end: the command starts a Ray cluster on the machine, deploys the
+application, answers on ``--port`` once a replica has warmed up, and on SIGTERM deletes it, stops
+the cluster it started and exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.pipelines.serve.ray.test_ray_app import _free_port
+from tests.pipelines.serve.server import ROOT, bcg_serve, decode
+
+pytest.importorskip("ray", reason="the [ray] extra")
+
+
+def test_bcg_serve_ray_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    argv = ["--ray", "--model", "z-image", "--device", "cpu", "--resolutions", "32x32", "--batch-sizes", "1",
+            "--cpus-per-replica", "0", "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen([*bcg_serve(), *argv], cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            try:
+                if client.get("/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        r = client.post("/v1/images/generations", json={"prompt": "a fox", "size": "32x32", "steps": 1, "seed": 4})
+        assert r.status_code == 200, r.text
+        assert decode(r.json()["data"][0]["b64_json"]).text["seed"] == "4"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, log.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+    text = log.read_text(errors="replace")
+    assert f"listening on http://127.0.0.1:{port}" in text and "bcg-serve: stopped" in text
