@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    ray.init(include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(address="local", include_dashboard=False, logging_level=logging.WARNING)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for name in RUNS:

@@ -1,7 +1,7 @@
 """The Ray Serve application: bound from the flags, run on a Ray cluster, stopped on a signal.
 
-``bcg-serve --ray`` joins the cluster at ``--ray-address`` (else ``RAY_ADDRESS``, else starts one
-on this machine), starts Serve's HTTP proxy on ``--host``/``--port``, deploys the application
+``bcg-serve --ray`` joins the cluster at ``--ray-address`` (``auto``: the one ``ray start`` started
+here; else ``RAY_ADDRESS``; else it starts one on this machine), starts Serve's HTTP proxy on ``--host``/``--port``, deploys the application
 (:func:`build_app`) and returns once every replica has warmed up; SIGTERM or Ctrl-C deletes the
 application (Ray drains each replica's requests first) and exits 0 (130 after Ctrl-C). The same
 application is ``serve run pipelines.serve.ray_app:build argv='...'`` or a KubeRay ``RayService``'s
@@ -74,9 +74,11 @@ def main(argv: Sequence[str]) -> int:
     import ray
     from ray import serve
 
-    # A cluster joined keeps running, with its other applications; one started here goes.
+    # A cluster joined keeps running, with its other applications; one started here goes. Without
+    # an address Ray would join the cluster `ray start` last started here: "local" starts one.
     joined = ray_config.address is not None or bool(os.environ.get("RAY_ADDRESS"))
-    ray.init(address=ray_config.address, logging_level=logging.WARNING)
+    ray.init(address=None if joined and not ray_config.address else ray_config.address or "local",
+             logging_level=logging.WARNING)  # fmt: skip
     stop = threading.Event()
     interrupted = []
 

@@ -68,7 +68,8 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("ray (bcg-serve --ray: a Ray Serve application, one replica per GPU)")
     r.add_argument(RAY_FLAG, action="store_true", help="serve as a Ray Serve application (the [ray] extra)")
     r.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                   help="the Ray cluster to join (default: RAY_ADDRESS, else a cluster started on this machine)")  # fmt: skip
+                   help="the Ray cluster to join (auto: the one `ray start` started here; default: RAY_ADDRESS, else "
+                   "a new cluster on this machine)")  # fmt: skip
     r.add_argument("--app-name", default="bcg-serve", metavar="NAME", help="the Serve application's name")
     r.add_argument("--min-replicas", type=_number(0, int), default=1, metavar="N",
                    help="replicas at least (autoscaling_config.min_replicas; default 1)")  # fmt: skip

@@ -71,7 +71,7 @@ def url() -> Iterator[str]:
     os.environ.update(FAST)
     port = _free_port()
     METRICS_PORT[:] = [_free_port()]
-    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
              _metrics_export_port=METRICS_PORT[0])  # fmt: skip
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
