@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,14 +31,6 @@ logger = logging.getLogger("bcg-serve")
 
 # Seconds between pushes of the gauges into Ray's metrics.
 _GAUGE_PUSH_S = 5.0
-
-
-def _locked(make: Callable[..., Any], lock: threading.Lock) -> Callable[..., Any]:
-    def make_locked(*args: Any, **kwargs: Any) -> Any:
-        with lock:
-            return make(*args, **kwargs)
-
-    return make_locked
 
 
 class Replica:
@@ -69,8 +60,11 @@ class Replica:
                         max_steps=config.max_steps)  # fmt: skip
         self.config = config
         self.slots: Any = None
+        # --batching continuous runs here as in bcg-serve; its streams do not cross Ray yet (served
+        # stream stays False: a request with stream is a 400 at the frontend).
         self.service = Service(served, Batcher(config.queue, config.max_batch, config.max_wait),
-                               starter(built, device, dtype, setup=self._setup), config.timeout)  # fmt: skip
+                               starter(built, device, dtype, setup=self._setup), config.timeout,
+                               batching=config.batching)  # fmt: skip
         self.mirror: Any = None
         self.service.start()
 
@@ -80,9 +74,7 @@ class Replica:
             return
         from .slots import AdapterSlots, largest_rank
 
-        lock = threading.Lock()
-        engine.make = _locked(engine.make, lock)  # a hot-swap waits for the call under way
-        slots = AdapterSlots(engine.pipe, self.catalog, engine.prepared.loras, lock)
+        slots = AdapterSlots(engine.pipe, self.catalog, engine.prepared.loras)
         slots.prepare(largest_rank(self.catalog))
         engine.adapters = slots
         self.slots = slots
@@ -113,7 +105,8 @@ class Replica:
                 "warmup_buckets": {b: c.seconds for b, c in engine.warmup_costs.items()}}  # fmt: skip
 
     def load_adapter(self, name: str) -> tuple[str, bool]:
-        """Adapter ``name`` in a slot (a hot-swap unless it is there already); blocks (a thread)."""
+        """Adapter ``name`` in a slot (its hot-swap made by the device worker before its first call);
+        blocks (a thread) while no slot is free."""
         return self.slots.load(name, timeout=self.config.timeout)
 
     async def generate(self, request: Any, elapsed: float, gone: asyncio.Event) -> dict[str, Any]:

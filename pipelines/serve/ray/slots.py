@@ -24,8 +24,9 @@ A slot is taken by the adapter that Ray Serve's multiplexing loads (:meth:`Adapt
 given back when Ray evicts it (:meth:`AdapterSlots.release`), and pinned while requests for its
 adapter wait or run (:meth:`AdapterSlots.pin`): a released slot is reused only once no request
 needs it. The engine's interface is that of :class:`pipelines.serve.engine.Adapters`
-(``names``, ``specs``, ``select``); ``select`` runs on the device worker's thread, and a swap
-holds the engine's call lock, so a swap never overlaps a pipeline call.
+(``names``, ``specs``, ``select``). The swap itself is made by ``select``, on the device
+worker's thread, before the first call (or step) that runs the adapter: never during a pipeline
+call, whichever worker (batched or continuous) makes them.
 """
 
 from __future__ import annotations
@@ -111,27 +112,28 @@ def _scaled_swap(scale: float) -> Iterator[None]:
 @dataclasses.dataclass
 class Slot:
     """One peft adapter of the denoiser: the catalog adapter it holds (None: none yet), whether Ray's
-    multiplexing holds it (``held``), and the requests for it waiting or running (``pins``)."""
+    multiplexing holds it (``held``), the requests for it waiting or running (``pins``), and the
+    adapter to swap in before it next runs (``pending``)."""
 
     name: str
     holds: str | None = None
     held: bool = False
     pins: int = 0
+    pending: LoraSpec | None = None
 
 
 class AdapterSlots:
     """A replica's adapters: ``catalog`` (by name) swapped into the pipeline's slots.
 
     Made once the pipeline exists, its slots loaded (``slot_specs``) and before the warm-up; call
-    :meth:`prepare` first. ``lock``: the engine's call lock (a swap waits for the call under way).
+    :meth:`prepare` first.
     """
 
-    def __init__(self, pipe: Any, catalog: Sequence[LoraSpec], slots: Sequence[LoraSpec], lock: Any) -> None:
+    def __init__(self, pipe: Any, catalog: Sequence[LoraSpec], slots: Sequence[LoraSpec]) -> None:
         self.pipe = pipe
         self._catalog = {s.name: s for s in catalog}
         self._slots = [Slot(s.name or "") for s in slots]
         self._slot_specs = {s.name: s for s in slots}
-        self.lock = lock
         self.loads: dict[str, int] = {}  # hot-swaps per adapter since the start (the start's own not counted)
         self.swap_seconds: list[float] = []
         self._changed = threading.Condition()
@@ -183,8 +185,18 @@ class AdapterSlots:
         raise LoraError(f"adapter {name!r} is in no slot of this replica")
 
     def select(self, name: str | None) -> None:
-        """Run adapter ``name`` (a catalog name, or a slot's during the warm-up) alone; None: none."""
-        slot = None if name is None else self._slot_of(name).name
+        """Run adapter ``name`` (a catalog name, or a slot's during the warm-up) alone; None: none.
+        An adapter loaded into its slot since is swapped in first (on this, the device worker's, thread)."""
+        slot = None
+        if name is not None:
+            held = self._slot_of(name)
+            with self._changed:
+                spec, held.pending = held.pending, None
+            if spec is not None:
+                self._swap(held, spec)
+                with self._changed:
+                    self.loads[name] = self.loads.get(name, 0) + 1
+            slot = held.name
         if slot == self.active:
             return
         if slot is None:
@@ -201,8 +213,9 @@ class AdapterSlots:
 
     def load(self, name: str, timeout: float) -> tuple[str, bool]:
         """Put adapter ``name`` in a slot, held: a slot that holds it already, else a free one
-        (released by Ray and needed by no request), swapped. Returns (slot, whether it was swapped).
-        Blocks up to ``timeout`` seconds for a slot to come free (:class:`NoSlot`)."""
+        (released by Ray and needed by no request), its swap due at its first ``select``. Returns
+        (slot, whether a swap is due). Blocks up to ``timeout`` seconds for a slot to come free
+        (:class:`NoSlot`)."""
         spec = self._catalog[name]
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -214,25 +227,13 @@ class AdapterSlots:
                 free = [s for s in self._slots if not s.held and s.pins == 0]
                 if free:
                     slot = min(free, key=lambda s: s.holds is not None)  # an empty slot first
-                    slot.held, slot.holds = True, None
-                    break
+                    slot.held, slot.holds, slot.pending = True, name, spec
+                    return slot.name, True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise NoSlot(f"no adapter slot of this replica came free within {timeout:g} s "
                                  f"(--max-models-per-replica {len(self._slots)})")  # fmt: skip
                 self._changed.wait(left)
-        try:
-            with self.lock:  # not during a pipeline call
-                self._swap(slot, spec)
-        except BaseException:
-            with self._changed:
-                slot.held = False
-                self._changed.notify_all()
-            raise
-        with self._changed:
-            slot.holds = name
-            self.loads[name] = self.loads.get(name, 0) + 1
-        return slot.name, True
 
     def _swap(self, slot: Slot, spec: LoraSpec) -> None:
         t0 = time.perf_counter()

@@ -38,7 +38,7 @@ def _prepared(loras: tuple[LoraSpec, ...]) -> object:
 def slotted(catalog: tuple[LoraSpec, ...], k: int, graphs: bool = True) -> tuple[Engine, AdapterSlots]:
     prepared = _prepared(slot_specs(catalog, k))
     engine = Engine(prepared, BUCKETS)
-    slots = AdapterSlots(engine.pipe, catalog, prepared.loras, threading.Lock())
+    slots = AdapterSlots(engine.pipe, catalog, prepared.loras)
     slots.prepare(largest_rank(catalog))
     engine.adapters = slots
     assert warm_up(engine, [SIZE], BUCKETS).captured == graphs
