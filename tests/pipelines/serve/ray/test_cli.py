@@ -1,6 +1,7 @@
 """``bcg-serve --ray`` end to end: the command starts a Ray cluster on the machine, deploys the
-application, answers on ``--port`` once a replica has warmed up, and on SIGTERM deletes it, stops
-the cluster it started and exits 0."""
+application, answers on ``--port`` once a replica has warmed up (a bad request is the frontend's
+400, its ``/metrics`` counts the answers), and on SIGTERM deletes it, stops the cluster it started
+and exits 0."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def test_bcg_serve_ray_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         r = client.post("/v1/images/generations", json={"prompt": "a fox", "size": "32x32", "steps": 1, "seed": 4})
         assert r.status_code == 200, r.text
         assert decode(r.json()["data"][0]["b64_json"]).text["seed"] == "4"
+        # Checked at the frontend, as bcg-serve checks it: streams do not cross Ray yet.
+        bad = client.post("/v1/images/generations", json={"prompt": "a fox", "size": "32x32", "stream": True})
+        assert (bad.status_code, bad.json()["error"]["code"]) == (400, "unsupported_stream")
+        assert 'bcg_serve_requests_total{status="200"} 1.0' in client.get("/metrics").text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0, log.read_text(errors="replace")[-3000:]
     finally:
