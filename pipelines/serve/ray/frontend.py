@@ -98,7 +98,9 @@ class RemoteService:
         """``request``'s images from a replica, or :class:`ServeError`, as
         :meth:`pipelines.serve.service.Service.generate` answers."""
         from ray.exceptions import ActorUnavailableError, RayActorError
-        from ray.serve.exceptions import BackPressureError
+        from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+
+        lost = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 
         if self.phase != "ready":
             raise ServeError(503, "the server is warming up (GET /ready says when it is done)", code="warming_up",
@@ -124,7 +126,7 @@ class RemoteService:
                     result = answer.result()
                 except BackPressureError as e:
                     raise self._full(e) from None
-                except (RayActorError, ActorUnavailableError) as e:
+                except lost as e:
                     logger.warning("a replica died under a request (try %d of %d): %s", attempt + 1,
                                    self.retries + 1, str(e).splitlines()[0][:200])  # fmt: skip
                     continue

@@ -65,7 +65,6 @@ class Replica:
         self.service = Service(served, Batcher(config.queue, config.max_batch, config.max_wait),
                                starter(built, device, dtype, setup=self._setup), config.timeout,
                                batching=config.batching)  # fmt: skip
-        self.mirror: Any = None
         self.service.start()
 
     def _setup(self, engine: Any) -> None:
