@@ -75,3 +75,17 @@ def test_importing_the_ray_front_end_imports_neither_ray_nor_torch() -> None:
             "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_serve_run_builds_the_application_from_the_same_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve run pipelines.serve.ray_app:build argv=...`` and ``...:app`` with BCG_SERVE_ARGS (what a
+    RayService's import_path names): the application of bcg-serve --ray's flags, bad ones refused."""
+    serve = pytest.importorskip("ray.serve", reason="the [ray] extra")
+    from pipelines.serve import ray_app
+
+    flags = " ".join([*MODEL, "--device", "cpu", "--max-replicas", "3"])
+    assert isinstance(ray_app.build({"argv": flags}), serve.Application)
+    monkeypatch.setenv("BCG_SERVE_ARGS", flags)
+    assert isinstance(ray_app.app, serve.Application)
+    with pytest.raises(UsageError, match="--max-replicas 3 is below --min-replicas 4"):
+        ray_app.build({"argv": f"{flags} --min-replicas 4"})
