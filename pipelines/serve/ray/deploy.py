@@ -48,6 +48,26 @@ def build_app(argv: Sequence[str]) -> Any:
     return frontend.bind(generator.bind(serve_argv), serve_argv, ray.retries)
 
 
+_START_FAILED = "bcg-serve replica could not start: "
+
+
+def _why_not(app_name: str) -> str | None:
+    """The first replica's failure of ``app_name``'s deployments, in one line (a replica's start
+    says ``bcg-serve replica could not start: ...``), or None."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(app_name)
+    except Exception:  # the controller went away: Ray's own error is all there is
+        return None
+    for deployment in app.deployments.values() if app is not None else ():
+        # The traceback's last line is the error (its source line, above it, holds the words too).
+        told = [line for line in (deployment.message or "").splitlines() if "Error: " + _START_FAILED in line]
+        if told:
+            return told[-1].split(_START_FAILED, 1)[1].strip()[:300]
+    return None
+
+
 def _setup_logging(quiet: bool) -> None:
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")  # fmt: skip
@@ -93,8 +113,8 @@ def main(argv: Sequence[str]) -> int:
                     config.host, config.port)  # fmt: skip
         try:
             serve.run(app, name=ray_config.app_name, route_prefix="/", blocking=False)
-        except Exception as e:  # a replica that cannot start: Ray's error names it
-            logger.error("could not deploy: %s", str(e).strip().splitlines()[-1][:300])
+        except Exception as e:  # a replica that cannot start: its reason is in the deployment's status
+            logger.error("could not deploy: %s", _why_not(ray_config.app_name) or str(e).strip().splitlines()[-1][:300])
             return 1
         logger.info("ready: application %r, replicas %s", ray_config.app_name,
                     deployment_options(config, ray_config)["autoscaling_config"])  # fmt: skip
