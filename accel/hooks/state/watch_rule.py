@@ -52,6 +52,12 @@ which its code fixes.
 Process-wide, beside the dictionaries: diffusers' active attention backend, torch's global module
 hooks, and torch's settings that pick kernels (TF32, the SDPA kernel switches, autocast).
 
+An attribute of an object's own that holds the plain value its class gives (a class attribute
+along its MRO) is the same state as no attribute at all: reading it gives the same either way.
+diffusers' ``reset_attention_backend`` leaves every processor an ``_attention_backend = None`` of
+its own beside the class's ``None``; without this, switching a backend and back would be a third
+state, captured again, instead of the first one, replayed.
+
 Not watched, said plainly: class attributes and other module globals; the inside of objects held
 by identity (a RoPE table holder, a function's closure, a hook object's settings); a value
 replaced by a different object that compares equal to it (a number by a one-element tensor of the
@@ -403,9 +409,38 @@ def same_hooks(a: Any, b: Any) -> bool:
         return False
 
 
+_ABSENT = object()
+
+
+def class_value(obj: Any, key: str) -> Any:
+    """The plain value ``obj``'s class gives ``key`` where ``obj`` has no attribute of its own
+    (a class attribute found along the MRO), or ``_ABSENT`` (none, or not a plain value: a
+    method, a property)."""
+    for c in type(obj).__mro__:
+        if key in c.__dict__:
+            v = c.__dict__[key]
+            return v if kind(v) == PLAIN else _ABSENT
+    return _ABSENT
+
+
+def as_class_gives(obj: Any, key: str, v: Any) -> bool:
+    """Whether ``obj``'s own ``key`` holds the plain value its class gives anyway: reading the
+    attribute gives the same with or without it, so it is the same state as its absence
+    (diffusers' ``reset_attention_backend`` leaves ``processor._attention_backend = None``
+    where before there was only the class's ``None``)."""
+    if kind(v) != PLAIN:
+        return False
+    given = class_value(obj, key)
+    return given is not _ABSENT and same(v, given)
+
+
 def record(specs: list[Any], globals_seen: tuple[Any, ...]) -> Any:
-    """The Python state of a look, weights left out, comparable with ``==``."""
-    state = {s.path: (Same(s.obj), {k: _rec_entry(k, v) for k, v in s.seen.items()}) for s in specs}
+    """The Python state of a look, weights left out, comparable with ``==``: an attribute that
+    holds what its class gives is left out (:func:`as_class_gives`)."""
+    state = {
+        s.path: (Same(s.obj), {k: _rec_entry(k, v) for k, v in s.seen.items() if not as_class_gives(s.obj, k, v)})
+        for s in specs
+    }
     return (_rec(list(globals_seen)), state)
 
 
@@ -468,5 +503,7 @@ def differences(old_specs: list[Any], new_specs: list[Any]) -> list[str]:
                     continue
             elif a is not missing and b is not missing and same(a, b):
                 continue
+            elif (a is missing and as_class_gives(s.obj, key, b)) or (b is missing and as_class_gives(s.obj, key, a)):
+                continue  # an attribute of its own set to, or removed from, what its class gives
             out += _entry(s.path, key, a, b, missing)
     return out

@@ -248,7 +248,11 @@ def test_qwen_text_is_not_padded_while_a_backend_refuses_the_mask(padded, caplog
         assert "image: the stock pipeline's, bit for bit" in pipe.accel.report()
         for p in (pipe, stock):
             back(p)
+        # Back where the first call was: its graphs replayed, nothing captured again (diffusers'
+        # reset leaves each processor an instance `_attention_backend = None` beside the class's).
+        captures = pipe.accel.stats()["transformer"].captures
         assert torch.equal(_call(pipe), padded_call) and hook.recipe.padding_refused is None
+        assert pipe.accel.stats()["transformer"].captures == captures, change
     # diffusers' context manager sets the process-wide backend around the call: looked at per call.
     with attention_backend("_native_flash"):
         assert torch.equal(_call(pipe), _call(stock)) and hook.recipe.padding_refused is not None

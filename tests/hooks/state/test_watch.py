@@ -332,6 +332,51 @@ def test_undoing_a_change_gives_the_first_state_back() -> None:
     assert back == first and seen
 
 
+class BackendProcessor(Processor):
+    """A processor whose attention backend is a class attribute until one is set, as diffusers' are."""
+
+    _attention_backend = None
+
+
+def test_an_attribute_of_its_own_holding_what_its_class_gives_is_the_same_state() -> None:
+    """diffusers' set_attention_backend then reset_attention_backend leave each processor an
+    ``_attention_backend = None`` of its own where there was only the class's: the state it had."""
+    m = _model()
+    for block in m:
+        block.attn.processor = BackendProcessor()
+    w = Watch(m)
+    keys = StateKeys(limit=4)
+    first, _ = keys.number(w.look().record)
+    for block in m:
+        block.attn.processor._attention_backend = "_native_flash"
+    assert not w.unchanged()
+    look = w.look()
+    assert any("0.attn.processor._attention_backend set ('_native_flash')" in c for c in look.changes), look.changes
+    flash, seen = keys.number(look.record)
+    assert flash != first and not seen
+    for block in m:
+        block.attn.processor._attention_backend = None  # reset: an attribute of its own now
+    assert not w.unchanged()  # the dictionaries changed: looked at again
+    look = w.look()
+    assert any("_attention_backend changed ('_native_flash' -> None)" in c for c in look.changes)
+    assert keys.number(look.record) == (first, True)
+    # Set to what the class gives, from nothing: no change to name, the same state.
+    fresh = _model()
+    fresh[0].attn.processor = BackendProcessor()
+    w = Watch(fresh)
+    before = w.look().record
+    fresh[0].attn.processor._attention_backend = None
+    look = w.look()
+    assert look.changes == [] and look.record == before
+    # Not so a value the class does not give, nor an attribute shadowing a method or a property.
+    fresh[0].attn.processor._attention_backend = "native"
+    assert w.look().record != before
+    fresh[0].attn.processor._attention_backend = None
+    fresh[0].attn.processor.__call__ = None
+    look = w.look()
+    assert look.record != before and any("processor.__call__ set (None)" in c for c in look.changes)
+
+
 def test_state_numbers_are_never_reused_for_another_state() -> None:
     keys = StateKeys(limit=2)
     numbers = [keys.number(("state", i))[0] for i in range(4)]
