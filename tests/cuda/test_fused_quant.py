@@ -1,7 +1,15 @@
 """The modulated LayerNorm writing float8 rows (accel/hooks/fp8/norm_quant.py) on a GPU: its Triton
 kernel against the reference (the modules' arithmetic, then the row quantization's tensor ops) at
-Qwen-Image's shapes: every value within one float8 step, few of them off at all, the scales the
-same but where the norm's sums round another way; a plain CUDA graph replays it bit for bit."""
+Qwen-Image's shapes: few values off at all and the scales the same but where the norm's sums round
+another way (ATen's LayerNorm sums in Welford's order), each value within one float8 step of the
+reference plus what one bf16 unit of the norm moves it; a plain CUDA graph replays it bit for bit.
+
+On the H100 (samples/gpu-run-2026-12-06e/9-kern.log) 4% of the values and 22% of the scales
+differed: LLVM had contracted the modulation's product and shift into one bf16 FMA, where the
+modules round twice. The kernel is launched without contraction since; the CPU shows the cause and
+the fix in its PTX for sm_90 and runs it under Triton's interpreter
+(tests/hooks/fp8/test_norm_quant_kernel.py). Until this file passes on a GPU the fused path stays
+off by default (``QwenImageRecipe.fused_norm_fp8``)."""
 
 from __future__ import annotations
 
@@ -36,8 +44,15 @@ def test_the_one_pass_kernel_is_within_a_float8_step_of_the_reference(shape: tup
     differ = (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean().item()
     same_scale = (s == want_s).float().mean().item()
     print(f"\n{shape}: {differ:.2e} of the values differ, scales equal in {same_scale:.4f} of the rows")
-    assert ((a - b).abs() <= b.abs() / 8 + want_s * 2**-9 + s * 2**-9).all()
-    assert differ < 1e-2 and same_scale > 0.99
+    # A norm value one bf16 unit off moves the product by up to 2**-7 of it, and where the shift
+    # cancels the product that is far more than a float8 step of the small sum: bounded by the
+    # product, not by the result.
+    norm = torch.nn.functional.layer_norm(x, (k,), eps=1e-6)
+    product = (norm.float() * (1 + scale.unsqueeze(1)).float()).abs().reshape(-1, k)
+    bound = b.abs() / 8 + product * 2**-6 + want_s * 2**-9 + s * 2**-9
+    assert ((a - b).abs() <= bound).all(), f"{((a - b).abs() > bound).sum().item()} values beyond the bound"
+    # One rounding of the product and the shift (the contracted kernel) gave 4e-2 and 0.78 here.
+    assert differ < 1e-3 and same_scale > 0.99
 
 
 @torch.no_grad()

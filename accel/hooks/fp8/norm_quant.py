@@ -11,14 +11,20 @@ it once and writes only the float8 values and the row's scale
 (:mod:`accel.hooks.fp8.norm_quant_kernel`); elsewhere (and for rows too long for registers) it is
 :func:`modulated_norm_rows_reference`, the modules' own operations followed by the tensor ops of
 the row quantization, bit for bit what the unfused path computes eagerly. The kernel rounds each
-step to the input's dtype as the modules do; its sums run in another order than ATen's LayerNorm,
-so a few values land one float8 step away (tests/cuda/test_fused_quant.py bounds how far and how
-often). Used by a recipe's compiled form only (Qwen-Image:
+step to the input's dtype as the modules do (launched without LLVM's contraction, which on an H100
+had merged the modulation's product and shift into one rounding: 4% of the values off); its sums
+run in another order than ATen's LayerNorm, so a few values land one float8 step away
+(tests/cuda/test_fused_quant.py bounds how far and how often; on the CPU
+tests/hooks/fp8/test_norm_quant_kernel.py reads its PTX for sm_90 and runs it under Triton's
+interpreter). Used by a recipe's compiled form only, opted in and unverified on a GPU until that
+CUDA test passes (Qwen-Image: ``QwenImageRecipe.fused_norm_fp8``,
 ``pipelines/families/qwen_image/fused_norms.py``), under ``compile=True``, whose rule is graphs
 equal to the same compiled model without graphs.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +61,21 @@ def modulated_norm_rows_e4m3(
         )
     if not _one_pass(x) or shift.dtype != x.dtype or scale.dtype != x.dtype:
         return modulated_norm_rows_reference(x, shift, scale, eps)
+    from .norm_quant_kernel import modulated_norm_rows_kernel
+
+    with torch.cuda.device(x.device):
+        return launch(modulated_norm_rows_kernel, x, shift, scale, eps)
+
+
+def launch(
+    kernel: Any, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``kernel`` (:func:`~accel.hooks.fp8.norm_quant_kernel.modulated_norm_rows_kernel`, or
+    the same function under Triton's interpreter) over the rows of ``x`` as the op does: one
+    program per row, with :data:`~accel.hooks.fp8.norm_quant_kernel.LAUNCH_OPTIONS`."""
     import triton
 
-    from .norm_quant_kernel import modulated_norm_rows_kernel
+    from .norm_quant_kernel import LAUNCH_OPTIONS
 
     batch, tokens, k = x.shape
     rows = batch * tokens
@@ -66,24 +84,24 @@ def modulated_norm_rows_e4m3(
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(k)
-        with torch.cuda.device(x.device):
-            modulated_norm_rows_kernel[(rows,)](
-                x,
-                shift,
-                scale,
-                q,
-                s,
-                k,
-                tokens,
-                k,
-                k,
-                EPS=float(eps),
-                FLOOR=row_floor(x.dtype),
-                QMAX=E4M3_MAX,
-                INV_QMAX=_INV_QMAX,
-                BLOCK=block,
-                num_warps=4 if block <= 4096 else 8,
-            )
+        kernel[(rows,)](
+            x,
+            shift,
+            scale,
+            q,
+            s,
+            k,
+            tokens,
+            k,
+            k,
+            EPS=float(eps),
+            FLOOR=row_floor(x.dtype),
+            QMAX=E4M3_MAX,
+            INV_QMAX=_INV_QMAX,
+            BLOCK=block,
+            num_warps=4 if block <= 4096 else 8,
+            **LAUNCH_OPTIONS,
+        )
     return q, s
 
 

@@ -6,7 +6,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["modulated_norm_rows_kernel"]
+__all__ = ["LAUNCH_OPTIONS", "modulated_norm_rows_kernel"]
+
+# Triton lets LLVM contract a product and the sum after it into one FMA unless told not to. Here
+# that merged the modulation's product and its shift, both narrowed to bf16 arithmetic
+# (``fma.rn.bf16x2`` on sm_90), into one rounding where the modules round twice: on an H100 4% of
+# the float8 values differed from the reference and 22% of the rows' scales
+# (samples/gpu-run-2026-12-06e/9-kern.log), as the same arithmetic rounded once does on the CPU
+# (tests/hooks/fp8/test_norm_quant_kernel.py). The Newton correction's FMAs are written out, so
+# nothing else here wants contraction.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -28,18 +37,22 @@ def modulated_norm_rows_kernel(
 ):
     """One program per row, the whole row in registers: its LayerNorm (no affine), the sample's
     modulation ``norm * (1 + scale) + shift``, each step rounded to the input's dtype as the
-    modules compute it eagerly, then its float8 values and scale as the row kernel of
+    modules compute it eagerly (launched with :data:`LAUNCH_OPTIONS`, which keep those roundings
+    apart), then its float8 values and scale as the row kernel of
     :mod:`accel.hooks.fp8.row_quant_kernel` computes them. The row is read once; the modulated
-    activation is never written out."""
+    activation is never written out. Only the norm's statistics differ from ATen's LayerNorm
+    (another order of the sums, Welford's there), which moves a bf16 norm value by one unit in a
+    few in 100,000."""
     row = tl.program_id(0).to(tl.int64)
     sample = row // ROWS_PER_SAMPLE
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     raw = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     x = raw.to(tl.float32)
-    mean = tl.sum(x, axis=0) / K
+    # Correctly rounded divisions (Triton's ``/`` is the approximate one): two per row.
+    mean = tl.math.div_rn(tl.sum(x, axis=0), tl.cast(K, tl.float32))
     centered = tl.where(mask, x - mean, 0.0)
-    var = tl.sum(centered * centered, axis=0) / K
+    var = tl.math.div_rn(tl.sum(centered * centered, axis=0), tl.cast(K, tl.float32))
     norm = (centered * tl.math.rsqrt(var + EPS)).to(raw.dtype).to(tl.float32)
     shift = tl.load(shift_ptr + sample * stride_mod + offs, mask=mask, other=0.0).to(tl.float32)
     scale_mod = tl.load(scale_ptr + sample * stride_mod + offs, mask=mask, other=0.0).to(tl.float32)

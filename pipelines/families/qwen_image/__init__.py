@@ -7,6 +7,6 @@ layered   what ``QwenImageLayeredPipeline``'s call needs (image and resolution, 
 release   ``QWEN_IMAGE`` and ``QWEN_IMAGE_LAYERED``, the released configs and tiny models of the same structure
 forms     rotary embeddings in real arithmetic (``compile=True``)
 modulation the blocks' modulation computed once per step for both guidance calls
-fused_norms the second modulated LayerNorm writes the feed-forward's float8 input (``compile=True``)
+fused_norms the second modulated LayerNorm writes the feed-forward's float8 input (``compile=True``, opted in: ``QwenImageRecipe.fused_norm_fp8``)
 steps     the pipeline's loop one step at a time, for rows at their own steps (:mod:`pipelines.stepwise`)
 """

@@ -129,6 +129,13 @@ class QwenImageRecipe(Recipe):
     # Z-Image keeps torchao's: there inductor fuses the quantization into the SiLU-gated product
     # and the RMS norm, 0.728 s against 0.748.
     fp8_layers = "scaled-mm"
+    # Unverified on a GPU, so off: with compile=True and the library's float8 layers, the second
+    # modulated LayerNorm writing its feed-forward's float8 input in one Triton pass
+    # (fused_norms.py). Its kernel failed its tolerance on an H100 (samples/gpu-run-2026-12-06e/
+    # 9-kern.log: the modulation's product and shift contracted into one rounding, since launched
+    # without contraction); on only once tests/cuda/test_fused_quant.py passes on a GPU. Set it on
+    # the class (``QwenImageRecipe.fused_norm_fp8 = True``) before accelerate_pipeline to try it.
+    fused_norm_fp8 = False
 
     pads_text = True
     # The processors build the joint attention mask from it (QwenDoubleStreamAttnProcessor2_0).
@@ -171,10 +178,12 @@ class QwenImageRecipe(Recipe):
 
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
         # The complex rotary product is an ATen kernel inductor cannot fuse (pipelines/families/qwen_image/forms.py);
-        # the second modulated LayerNorm writes the feed-forward's float8 input itself (fused_norms.py).
+        # opted in (fused_norm_fp8), the second modulated LayerNorm writes the feed-forward's float8 input itself.
         if type(module).__module__ != QWEN_MODULE:
             return lambda: None
-        undo = [qwen_rope_in_real_arithmetic(), fuse_norm_quantization(module)]
+        undo = [qwen_rope_in_real_arithmetic()]
+        if self.fused_norm_fp8:
+            undo.append(fuse_norm_quantization(module))
         return lambda: [u() for u in reversed(undo)] and None
 
     def inexact(self) -> tuple[str, str] | None:

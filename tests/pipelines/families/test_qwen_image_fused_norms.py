@@ -140,3 +140,30 @@ def test_layers_measured_through_their_forward_take_the_unfused_path(monkeypatch
     monkeypatch.setattr(accel, "modulated_norm_rows_e4m3", lambda *a: calls.append(1))
     block(**args)
     assert seen and not calls
+
+
+@torch.no_grad()
+def test_the_recipe_fuses_only_when_opted_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unverified on a GPU (tests/cuda/test_fused_quant.py), the fused form is off by default: the
+    recipe's compiled forms leave the norms diffusers', and put the form in when opted in."""
+    from pipelines.families.qwen_image.recipe import QwenImageRecipe
+
+    t, args = _blocks(monkeypatch)
+    fuse_gelu_epilogues(t)
+    calls = []
+    op = norm_quant.modulated_norm_rows_e4m3
+    monkeypatch.setattr(accel, "modulated_norm_rows_e4m3", lambda *a: calls.append(1) or op(*a))
+    assert QwenImageRecipe.fused_norm_fp8 is False
+    undo = QwenImageRecipe().compiled_forms(t)
+    block = t.transformer_blocks[0]
+    assert "_modulate" not in vars(block) and "forward" not in vars(block.img_norm2)
+    want = block(**args)
+    assert not calls
+    undo()
+    monkeypatch.setattr(QwenImageRecipe, "fused_norm_fp8", True)
+    undo = QwenImageRecipe().compiled_forms(t)
+    assert "_modulate" in vars(block) and "forward" in vars(block.img_norm2)
+    got = block(**args)
+    assert calls == [1] and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    undo()
+    assert "_modulate" not in vars(block)
