@@ -17,7 +17,10 @@ Per model (Qwen-Image at 1328x1328, 1024x1024 and 512x512 with true CFG; Z-Image
   back): their peak reserved memory against eager's (``x eager``, the bar: at most 1.05), and the
   warm-up's own peak beside it. The warm-up table (graph MiB added and the eager peak it replaces
   per size; the VAE decoder's replay and eager times and whether its graphs were kept) and
-  ``report()`` are kept in results.json.
+  ``report()`` are kept in results.json, and results.md has the peak after each call beside the
+  decoder's trial at that size (its verdict, its graphs' pool, a replay's copies out, the eager
+  decode's transient): a peak that rises at a size whose decode ran eagerly beside kept graphs
+  shows there.
 * ``graphs-compiled``: the same with ``compile=True``, inductor's cache in a fresh folder (cold)
   unless ``--compile-cache`` names one.
 

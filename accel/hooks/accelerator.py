@@ -26,7 +26,7 @@ from .compiled.compile import compile_options
 from .components import DENOISER_NAMES, VAE_DECODER, module_device
 from .fp8.quantize import Quantization
 from .graph_hook import HOOK_NAME, GraphHook
-from .images.decoder_trial import SLOWER
+from .images.decoder_trial import NOT_KEPT
 from .install import Installation, ParallelSession, register_parallel_session
 from .options import MODES, RESOLUTION_MULTIPLE, AcceleratorOptions, with_overrides
 from .plan import InstallPlan, plan_install
@@ -289,13 +289,14 @@ class PipelineAccelerator:
                 negative_prompt=negative_prompt,
                 components=components,
                 decoder=(VAE_DECODER, decoder.runner) if decoder is not None and decoder.active else None,
+                decided=[r.decoder for w in installed.warmups for r in w.rows if r.decoder is not None],
             )
         installed.warmups.append(result)
         for hook in hooks.values():
             hook.follow_weights()
         for name, hook in hooks.items():
             for reason in set(hook.runner.blocked.values()):
-                if not reason.startswith(SLOWER):
+                if not reason.startswith(NOT_KEPT):
                     logger.warning("%s: a warm-up capture failed and runs eagerly: %s", name, reason)
         logger.info("warmup done:\n%s", result)
         return result

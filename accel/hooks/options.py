@@ -178,9 +178,10 @@ class AcceleratorOptions:
             (they hold no collectives). Default on.
         vae: graphs for the VAE's decoder, one per latent shape, captured by the warm-up in the
             same memory pool as the denoiser's graphs, so the decode's activations reuse the
-            pool instead of adding to it; kept only at the sizes where, timed at warm-up, they
-            replay at least as fast as the eager decode (the others decode eagerly; see
-            :mod:`accel.hooks.images.decoder_trial`). With ``parallel`` every rank decodes with
+            pool instead of adding to it; kept only at the sizes where, measured at warm-up, they
+            pay: faster than the eager decode beyond noise without raising the peak memory, or
+            no slower and lowering it (the others decode eagerly; see
+            :mod:`accel.hooks.images.decoder_verdict`). With ``parallel`` every rank decodes with
             its own. Default on.
         cfg_batch: where a pipeline calls the denoiser once per guidance branch (Qwen-Image's
             true CFG) and the recipe finds it pays (Qwen-Image: up to 768x768 on one GPU, where

@@ -13,7 +13,7 @@ from ..graphs import patches
 from .attention.backends import FA3
 from .components import component, module_device
 from .graph_hook import GraphHook
-from .images.decoder_trial import SLOWER
+from .images.decoder_trial import NOT_KEPT
 from .install import Installation
 from .recipes.mask_backends import backends_in_use
 
@@ -78,9 +78,9 @@ def _module_lines(installed: Installation, name: str, h: GraphHook, why_no_graph
     events = h.follower.events
     lines.append(f"    guard, last call: {'; '.join(events) if events else 'nothing changed'}")
     reasons = sorted(set(h.runner.blocked.values()))
-    lines += [f"    capture failed: {reason}" for reason in reasons if not reason.startswith(SLOWER)]
+    lines += [f"    capture failed: {reason}" for reason in reasons if not reason.startswith(NOT_KEPT)]
     lines += [
-        f"    decoded eagerly: {reason[len(SLOWER) :].lstrip()}" for reason in reasons if reason.startswith(SLOWER)
+        f"    decoded eagerly: {reason[len(NOT_KEPT) :].lstrip()}" for reason in reasons if reason.startswith(NOT_KEPT)
     ]
     lines += [f"    capture broke at: {site}" for site in h.runner.found_breaks]
     if h.caches is not None and h.caches.active:
@@ -110,7 +110,8 @@ def _memory_lines(installed: Installation) -> list[str]:
     decoded = [r.decoder for r in warmed.rows if r.decoder is not None]
     if decoded:
         said = ", ".join(
-            f"{t.label} {'graphs' if t.kept else 'eager'} ({t.graph_ms:.1f} ms graphs, {t.eager_ms:.1f} eager)"
+            f"{t.label} {'graphs' if t.kept else 'eager'} ({t.graph_ms:.1f} ms graphs, {t.eager_ms:.1f} eager; "
+            f"{(t.graph_bytes + t.held_bytes) / 2**20:.0f} MiB graphs, {t.eager_bytes / 2**20:.0f} MiB eager decode)"
             for t in decoded
         )
         lines.append(f"    VAE decoder, timed at that warm-up: {said}")

@@ -6,8 +6,9 @@ resolution cost (:class:`WarmupReport`). With compiled blocks, one uncaptured ca
 compiles first, so compile seconds are reported apart from capture seconds. Components (text
 encoders, the VAE decoder) are captured last, by real pipeline calls with text prompts that decode
 an image: one per resolution (the VAE's latent shapes) and one per further prompt (the text
-encoder's token lengths). The decoder keeps graphs only at the sizes where they replay at least as
-fast as it decodes eagerly (:mod:`accel.hooks.images.decoder_trial`).
+encoder's token lengths). The decoder keeps graphs only at the sizes where they pay, in time or in
+the peak memory they leave (:mod:`accel.hooks.images.decoder_trial`,
+:mod:`accel.hooks.images.decoder_verdict`).
 
 Memory, per resolution: the graph memory it added (the pool's growth, static inputs, boundary
 buffers) beside the eager peak it replaces (the most a capture's eager warm-up runs allocated
@@ -49,8 +50,8 @@ class WarmupRow:
     time; ``compile_seconds`` the first compiled call's (0 without compile); ``frames`` None
     for images. ``resident_bytes``: the graph memory it added (pool growth, static inputs,
     boundary buffers); ``eager_peak_bytes``: the largest eager transient its captures replace (0
-    where nothing was captured); ``decoder``: the VAE decoder's timings at this size (replay and
-    eager ms, whether its graphs were kept), None where it was not tried."""
+    where nothing was captured); ``decoder``: the VAE decoder's trial at this size (replay and
+    eager times and memory, whether its graphs were kept and why not), None where it was not tried."""
 
     width: int
     height: int
@@ -115,7 +116,7 @@ class WarmupReport:
         decoder = any(r.decoder is not None for r in self.rows)
         head = f"{'resolution':>12}" + (f" {'frames':>6}" if video else "")
         head += f" {'capture s':>9} {'graphs':>6} {'graph MiB':>10} {'eager peak MiB':>14}"
-        head += f" {'decode ms graph/eager':>29}" if decoder else ""
+        head += f" {'decode ms graph/eager':>31}" if decoder else ""
         lines = [head + (f" {'compile s':>9}" if compiled else "")]
         for r in self.rows:
             line = f"{r.width:>5}x{r.height:<6}"
@@ -126,15 +127,20 @@ class WarmupReport:
             )
             if decoder:
                 d = r.decoder
-                line += f" {'-':>29}" if d is None else f" {_decode(d):>29}"
+                line += f" {'-':>31}" if d is None else f" {_decode(d):>31}"
             lines.append(line + (f" {r.compile_seconds:9.2f}" if compiled else ""))
         total = f"{'total':>12}" + (" " * 7 if video else "")
         total += f" {self.total_seconds:9.2f} {self.total_captures:6d} {self.total_resident_bytes / 2**20:10.1f}"
-        total += f" {self.largest_eager_peak_bytes / 2**20:14.1f}" + (" " * 30 if decoder else "")
+        total += f" {self.largest_eager_peak_bytes / 2**20:14.1f}" + (" " * 32 if decoder else "")
         lines.append(total + (f" {self.total_compile_seconds:9.2f}" if compiled else ""))
         lines.append(
             "(eager peak: the most a resolution's eager calls allocate above the weights, which its graphs replace)"
         )
+        if decoder:
+            lines.append(
+                "(decode: the VAE decoder's graphs kept where faster than eager beyond noise without raising the "
+                "peak memory, or no slower and lowering it ('peak'))"
+            )
         if compiled:
             lines.append(f"inductor compiled {self.compiled_graphs} graph(s)")
         if self.capture_passes > 1:
@@ -146,7 +152,7 @@ class WarmupReport:
 
 
 def _decode(t: Timing) -> str:
-    return f"{t.graph_ms:.1f} / {t.eager_ms:.1f} {'graphs' if t.kept else 'eager'}"
+    return f"{t.graph_ms:.1f} / {t.eager_ms:.1f} {t.verdict}"
 
 
 @contextlib.contextmanager
@@ -265,13 +271,15 @@ def run_warmup(
     negative_prompt: str | None = None,
     components: Sequence[GraphRunner] = (),
     decoder: tuple[str, GraphRunner] | None = None,
+    decided: Sequence[Timing] = (),
 ) -> WarmupReport:
     """Run ``plan``'s warm-up calls through ``pipe`` with ``runners`` capturing; then, when
     ``components`` (runners among ``runners``) are given, the calls that capture them. With
     ``compiled``, every call runs uncaptured first, the components' too, so nothing is captured
     over kernels a later shape recompiles.
     ``decoder``: the VAE decoder's name and runner (one of ``components``), whose graphs are
-    kept only where they pay (:class:`~accel.hooks.images.decoder_trial.DecoderTrial`)."""
+    kept only where they pay (:class:`~accel.hooks.images.decoder_trial.DecoderTrial`);
+    ``decided``: its sizes earlier warm-ups decided, weighed in as they are."""
     pool = runners[0].pool
     assert pool is not None
     rows: dict[tuple[int, int, int | None], WarmupRow] = {}
@@ -338,7 +346,7 @@ def run_warmup(
                     break
                 logger.info("warmup: inductor compiled again during capture; capturing every case once more")
             if components:
-                _capture_components(pipe, device, rows, runners, pool, component_calls(), decoder, progress)
+                _capture_components(pipe, device, rows, runners, pool, component_calls(), decoder, decided, progress)
     finally:
         pool.give_back_before_capture = False
         pipe._progress_bar_config = progress_config
@@ -359,11 +367,12 @@ def _capture_components(
     pool: GraphPool,
     calls: list[tuple[tuple[int, int, int | None], dict[str, Any]]],
     decoder: tuple[str, GraphRunner] | None,
+    decided: Sequence[Timing],
     progress: bool,
 ) -> None:
     """The component calls (see :func:`_component_calls`), the decoder on trial where given."""
     trying = decoder is not None and decoder[1].enabled and decoder_trial.timed_on(pool.device)
-    trial = DecoderTrial(decoder[1], decoder[0]) if trying else None
+    trial = DecoderTrial(decoder[1], decoder[0], decided) if trying else None
     bar = _progress(len(calls), progress, "capturing text encoder and VAE")
     for size, kwargs in calls:
         row = rows[size]
@@ -374,7 +383,7 @@ def _capture_components(
             t0 = time.perf_counter()
             for timing in trial.after_call(size):
                 row.captures -= 1  # the trial's graph: counted where it is captured again, if kept
-                row.decoder = timing
+                row.decoder = timing  # its verdict comes at trial.finish
             row.seconds += time.perf_counter() - t0
         bar.update()
     bar.close()

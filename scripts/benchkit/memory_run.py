@@ -166,9 +166,7 @@ class MemoryBench:
                 "resolution": r.size,
                 "graph_mib": round(r.resident_bytes / 2**20, 1),
                 "eager_peak_mib": round(r.eager_peak_bytes / 2**20, 1),
-                "decoder": None
-                if r.decoder is None
-                else {"graph_ms": r.decoder.graph_ms, "eager_ms": r.decoder.eager_ms, "kept": r.decoder.kept},
+                "decoder": None if r.decoder is None else _decoder(r.decoder),
             }
             for r in report.rows
         ]
@@ -179,6 +177,44 @@ class MemoryBench:
             )
         out["report"] = self.pipe.accel.report()
         return out
+
+
+def _decoder(t: Any) -> dict[str, Any]:
+    """The decoder trial's measurements at one size and its verdict (accel/hooks/images/decoder_verdict.py)."""
+    return {
+        "graph_ms": t.graph_ms,
+        "eager_ms": t.eager_ms,
+        "noise_ms": t.noise_ms,
+        "kept": t.kept,
+        "verdict": t.verdict,
+        "why": t.why,
+        "graph_pool_mib": round(t.graph_bytes / 2**20, 1),
+        "held_mib": round(t.held_bytes / 2**20, 1),
+        "replay_copies_mib": round(t.replay_bytes / 2**20, 1),
+        "eager_decode_mib": round(t.eager_bytes / 2**20, 1),
+    }
+
+
+def _per_call(rows: list[dict[str, Any]]) -> list[str]:
+    """Peak reserved after each call, and the decoder's trial per size: where a peak rises, and why."""
+    lines = [
+        "",
+        "Peak reserved (GiB) after each call, in order; per size the decoder's verdict, its graphs' pool, "
+        "a replay's copies out and the eager decode's transient (MiB):",
+        "",
+        "| model | variant | size | peak after the call | decoder | graphs pool | replay copies | eager decode |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        decoders = {d["resolution"]: d.get("decoder") for d in r.get("rows", [])}
+        for c in r.get("calls", []):
+            d = decoders.get(c["resolution"]) or {}
+            lines.append(
+                f"| {r['model']} | {r['variant']} | {c['resolution']} | {c.get('peak_reserved_gib', '')} | "
+                f"{d.get('verdict', '')} | {d.get('graph_pool_mib', '')} | {d.get('replay_copies_mib', '')} | "
+                f"{d.get('eager_decode_mib', '')} |"
+            )
+    return lines
 
 
 def markdown(env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -199,6 +235,7 @@ def markdown(env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{r.get('warmup_vs_eager', '')} | {r.get('graph_mib', '')} | {r.get('setup_s', '')} | "
             f"{r['status']} {r.get('reason', '')} |"
         )
+    lines += _per_call(rows)
     for r in rows:
         if r.get("warmup"):
             lines += ["", f"{r['model']} {r['variant']}, warm-up:", "", "```", r["warmup"], "```"]

@@ -29,3 +29,22 @@ def test_the_memory_bench_runs_eager_first_then_graphs_and_writes_its_tables(tmp
     assert "bcg-diffusers: ZImagePipeline" in graphs["report"]
     md = (out / "results.md").read_text()
     assert "| z-image | eager | 64x64 32x32 |" in md and "| z-image | graphs |" in md
+    # Per call, in order: where the peak rose, beside the decoder's verdict at that size.
+    assert "Peak reserved (GiB) after each call" in md and "| z-image | graphs | 64x64 |" in md
+
+    from benchkit.memory_run import _decoder
+
+    from accel.hooks.images.decoder_verdict import Timing, choose
+
+    t = Timing(
+        (64, 64, None), "k", 10.0, 5.0, noise_ms=0.2, graph_bytes=3 << 20, replay_bytes=1 << 20, eager_bytes=4 << 20
+    )
+    choose([t], [], 0)
+    said = _decoder(t)
+    assert said["verdict"] == "eager: slower" and said["why"] == "the replay was slower than the eager decode"
+    assert (said["graph_pool_mib"], said["replay_copies_mib"], said["eager_decode_mib"], said["noise_ms"]) == (
+        3,
+        1,
+        4,
+        0.2,
+    )

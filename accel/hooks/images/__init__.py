@@ -7,8 +7,9 @@ bit for bit, with the float work on the tensor's device and one uint8 copy to th
 :func:`~accel.hooks.images.convert.check_pixels` (finite and in [0, 1], one sync), and the
 reversible wrapper an installation puts on a pipeline's ``image_processor.postprocess``
 (:mod:`accel.hooks.images.postprocess`), which leaves any processor it cannot reproduce alone;
-and the decoder's trial at warm-up (:mod:`accel.hooks.images.decoder_trial`: its graphs kept only
-at the sizes where they replay at least as fast as it decodes eagerly).
+and the decoder's trial at warm-up (:mod:`accel.hooks.images.decoder_trial`, measuring each size;
+:mod:`accel.hooks.images.decoder_verdict`, the rule: its graphs kept only at the sizes where they
+pay, faster than the eager decode beyond noise or lowering the peak memory the process reaches).
 
 May import: :mod:`accel.graphs` (its reversible patches, the runner and pool the trial times) and
 diffusers; nothing of this layer outside the package.
