@@ -96,7 +96,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, serve_flags = parse(argv)
-    from pipelines.cli import CLIError
+    from pipelines.generation.errors import GenerationError
     from pipelines.serve.config import UsageError, parse_args
 
     try:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchkit.serve_report import markdown, median_rows, ratios, warmup_rows
     from benchkit.serve_runs import Load, Settings, bucket_rates, loop, pipeline_rate, served
 
-    from pipelines.cli.images import quantized
+    from pipelines.generation.record import quantized
     from pipelines.serve.startup import check, starter
 
     w, h = config.resolutions[0]
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         engine = starter(config, *check(config))()
-    except CLIError as e:  # a bad flag (2) or a failed build or warm-up (1), as bcg-serve says them
+    except GenerationError as e:  # a bad flag (2) or a failed build or warm-up (1), as bcg-serve says them
         sys.stderr.write(f"bench_serve.py: error: {e}\n")
         return e.status
     start_seconds = time.perf_counter() - t0

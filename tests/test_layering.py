@@ -22,7 +22,9 @@ below the front ends: they import only the shared helpers of :data:`FAMILIES_MAY
 the builders, the CLI or the server that read them; what is read before torch loads (the catalog,
 the records and each family's ``models`` module, :data:`TORCH_FREE`) imports the standard library
 and :data:`TORCH_FREE` only. Each family folder has a ``models`` module and an ``__init__`` that
-names its modules.
+names its modules. The front ends (:data:`FRONT_ENDS`: ``bcg-generate`` and ``bcg-serve``) are
+siblings over the generation core (:data:`GENERATION`): neither imports the other, and the core
+imports neither.
 
 Ray is one front end's engine: only ``pipelines.serve.ray`` (bcg-serve's Ray Serve application)
 and the module ``serve run`` reads (``pipelines.serve.ray_app``) import ``ray``, and nothing else
@@ -59,7 +61,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
 FORBIDDEN: dict[str, tuple[str, ...]] = {"accel.graphs": ("diffusers", "transformers", "accelerate")}
 # Modules of accel that pipelines may import besides accel's public names, and why.
 PUBLIC_MODULES = {
-    "accel.hooks.options": "standard library only: the CLI reads its constants and checks before torch is imported",
+    "accel.hooks.options": "standard library only: the front ends read its constants and checks before torch is imported",
 }
 OURS = ("accel", "pipelines")
 # The model families: one folder each (pipelines/families/<family>/), and what they may import of
@@ -75,6 +77,9 @@ FAMILIES_MAY_IMPORT = (
     "pipelines.tokenizers_t5_clip",
     "pipelines.zoo.names",
 )
+# The front ends, siblings over the generation core: none imports another, the core none of them.
+GENERATION = "pipelines.generation"
+FRONT_ENDS = ("pipelines.cli", "pipelines.serve")
 # Read before torch loads (the CLI checks its flags against the catalog): the standard library and
 # these only. A name ending in ".*" is one module of every family folder.
 TORCH_FREE = (
@@ -172,6 +177,7 @@ def _violations(path: Path) -> list[str]:
     bad: list[str] = []
     if _within(module, "pipelines"):
         bad += _families_violations(module, where, imports)
+        bad += _front_end_violations(module, where, imports)
         public = _public_names()
         for line, target, names in imports:
             if not _within(target, "accel"):
@@ -225,6 +231,18 @@ def _families_violations(module: str, where: str, imports: list[tuple[int, str, 
         ):
             bad.append(f"{where}:{line}: imports {target}; a family imports only {', '.join(FAMILIES_MAY_IMPORT)}")
     return bad
+
+
+def _front_end_violations(module: str, where: str, imports: list[tuple[int, str, tuple[str, ...]]]) -> list[str]:
+    """Imports of ``module`` (of pipelines) from a front end it is not part of (:data:`FRONT_ENDS`)."""
+    own = next((f for f in FRONT_ENDS if _within(module, f)), None)
+    return [
+        f"{where}:{line}: imports {target}; a front end is imported only by itself (they are siblings over "
+        f"{GENERATION})"
+        for line, target, _names in imports
+        for front in FRONT_ENDS
+        if front != own and _within(target, front)
+    ]
 
 
 def _all_modules() -> frozenset[str]:
@@ -364,6 +382,27 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path: Path, monkeypatch: p
         "imports GraphRunner from accel, not in accel.__all__",
         "imports accel.graphs.bcg, not accel's public API",
     ]
+
+
+def test_the_checker_keeps_the_front_ends_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    (tmp_path / "accel").mkdir()
+    (tmp_path / "accel" / "__init__.py").write_text("__all__ = []\n")
+    for package in ("cli", "serve", "generation"):
+        (tmp_path / "pipelines" / package).mkdir(parents=True)
+    (tmp_path / "pipelines" / "serve" / "engine.py").write_text(
+        "from pipelines.cli.calls import x\nfrom pipelines.generation import y\nfrom . import batcher\n"
+    )
+    (tmp_path / "pipelines" / "generation" / "prepare.py").write_text("from ..serve import z\n")
+    (tmp_path / "pipelines" / "cli" / "run.py").write_text("from ..generation.calls import x\n")
+    assert [v.split(": ", 1)[1] for v in _violations(tmp_path / "pipelines" / "serve" / "engine.py")] == [
+        "imports pipelines.cli.calls; a front end is imported only by itself (they are siblings over "
+        "pipelines.generation)"
+    ]
+    assert [v.split(": ", 1)[1] for v in _violations(tmp_path / "pipelines" / "generation" / "prepare.py")] == [
+        "imports pipelines.serve; a front end is imported only by itself (they are siblings over pipelines.generation)"
+    ]
+    assert _violations(tmp_path / "pipelines" / "cli" / "run.py") == []
 
 
 def test_the_circle_checker_finds_a_circle_and_names_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -544,7 +583,8 @@ def test_the_families_checker_finds_each_kind_of_violation(tmp_path: Path, monke
         "imports pipelines.families.made_up.release; pipelines.families.made_up.models is read before torch loads",
     ]
     assert [v.split(": ", 1)[1] for v in _violations(family / "release.py")] == [
-        f"imports pipelines.cli; a family imports only {', '.join(FAMILIES_MAY_IMPORT)}"
+        f"imports pipelines.cli; a family imports only {', '.join(FAMILIES_MAY_IMPORT)}",
+        "imports pipelines.cli; a front end is imported only by itself (they are siblings over pipelines.generation)",
     ]
 
 

@@ -1,6 +1,6 @@
 """The ``bcg-generate`` parser: the model flags, what to generate, where the images go.
 
-Each value is checked as it is read (:mod:`pipelines.cli.values`), and nothing here imports
+Each value is checked as it is read (:mod:`pipelines.generation.values`), and nothing here imports
 torch, diffusers or accel's package: ``--help`` and a mistyped option answer at once.
 """
 
@@ -11,16 +11,25 @@ from pathlib import Path
 from typing import Any
 
 from ..families.catalog import video_model_names
-from . import values
-from .constants import DEFAULT_PROMPT, MAX_GUIDANCE, MAX_STEPS, MEMORY_MARGIN, PROG, accel_options, package_version
-from .errors import CLIError
-from .formats import FORMATS
-from .model_flags import add_model_arguments, model_epilog
+from ..generation import values
+from ..generation.constants import (
+    DEFAULT_PROMPT,
+    MAX_GUIDANCE,
+    MAX_STEPS,
+    MEMORY_MARGIN,
+    accel_options,
+    package_version,
+)
+from ..generation.errors import InputError
+from ..generation.formats import FORMATS
+from ..generation.model_flags import add_model_arguments, model_epilog
+
+PROG = "bcg-generate"
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line instead of usage + error
-        raise CLIError(f"{message} (see {PROG} --help)")
+        raise InputError(f"{message} (see {PROG} --help)")
 
     def _parse_optional(self, arg_string: str) -> Any:
         # The only short option is -h, so "-5x5" after --resolution or "-fox" after --prompt is a
@@ -66,7 +75,7 @@ files: an image that already exists is never replaced unless --overwrite is give
   and again); a file that appears while the run generates (another run writing to the same place)
   is kept too. Each file's record (prompt, seed, steps, model, the mode that ran ...) is in PNG
   text chunks, or a JPEG's or WebP's EXIF, and as A1111's "parameters" that image browsers read
-  (pipelines.cli.formats.read_image_text reads it back).
+  (pipelines.generation.formats.read_image_text reads it back).
 
 input images: --image FILE gives an edit model (Qwen-Image-Edit, FLUX.1 Kontext ...) its image;
   any other model is run as the image-to-image pipeline diffusers makes from it (z-image,

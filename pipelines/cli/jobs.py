@@ -1,35 +1,40 @@
-"""Jobs: what to generate, and which process generates it."""
+"""Jobs: what to generate (the prompts file read), and which process generates it."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import unicodedata
 from collections.abc import Sequence
+from pathlib import Path
+
+from ..generation.calls import Job
+from ..generation.errors import InputError, one_line
 
 
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """One pipeline call: ``len(indices)`` images of one prompt at one resolution.
-
-    ``indices`` are global image indices of the run and ``seeds[k] == seed + indices[k]``.
-    """
-
-    prompt: str
-    width: int
-    height: int
-    indices: tuple[int, ...]
-    seeds: tuple[int, ...]
-
-    @property
-    def filenames(self) -> list[str]:
-        """The PNG file name of each image."""
-        return self.file_names()
-
-    def file_names(self, suffix: str = ".png") -> list[str]:
-        """The file name of each image (or video), ending in ``suffix``."""
-        return [image_filename(i, self.prompt, self.width, self.height, s, suffix)
-                for i, s in zip(self.indices, self.seeds)]  # fmt: skip
+def read_prompts_file(path: Path) -> list[str]:
+    """The prompts of a file: one a line, blank lines and ``#`` comments skipped."""
+    if str(path) == "-":
+        raise InputError("--prompts-file -: prompts are not read from stdin; name a file (or pass --prompt)")
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not part of a prompt
+    except FileNotFoundError:
+        raise InputError(f"--prompts-file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise InputError(f"--prompts-file {str(path)!r} is a folder, not a text file") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"--prompts-file {str(path)!r} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise InputError(f"cannot read --prompts-file {str(path)!r}: {e.strerror or one_line(e)}") from None
+    prompts = [line.strip() for line in text.splitlines()]
+    prompts = [p for p in prompts if p and not p.startswith("#")]
+    if not prompts:
+        raise InputError(f"--prompts-file {str(path)!r} holds no prompts (blank lines and # comments are skipped)")
+    for number, line in enumerate(text.splitlines(), 1):
+        if "\0" in line:  # a PNG text chunk ends at a NUL byte: the prompt could not be recorded
+            raise InputError(
+                f"--prompts-file {str(path)!r} line {number} holds a NUL byte (UTF-16 text? save it as UTF-8)"
+            )
+    return prompts
 
 
 def plan_jobs(prompts: Sequence[str], resolutions: Sequence[tuple[int, int]], batch_size: int, seed: int,
@@ -93,3 +98,8 @@ def slug(text: str) -> str:
 
 def image_filename(index: int, prompt: str, width: int, height: int, seed: int, suffix: str = ".png") -> str:
     return f"{index:04d}-{slug(prompt)[:40].rstrip('-')}-{width}x{height}-s{seed}{suffix}"
+
+
+def file_names(job: Job, suffix: str = ".png") -> list[str]:
+    """The file name of each image (or video) of ``job``, ending in ``suffix``."""
+    return [image_filename(i, job.prompt, job.width, job.height, s, suffix) for i, s in zip(job.indices, job.seeds)]

@@ -7,7 +7,7 @@ returns would pile a bar's redraws and the log lines into one line. There it is 
 then (at most every ``interval`` seconds) and one at the end of every call, each a line of its own
 in the same stream as the other logs.
 
-The steps come from the pipeline's ``callback_on_step_end`` (:class:`~pipelines.cli.steps.StepWatch`):
+The steps come from the pipeline's ``callback_on_step_end`` (:class:`~pipelines.generation.steps.StepWatch`):
 the host's view, so on a GPU a step counts once launched (the images are made whole at the call's
 end). A pipeline without the callback advances by whole calls.
 """

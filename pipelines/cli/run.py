@@ -19,23 +19,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .arguments import build_parser
-from .calls import nan_hint
-from .checks import _check_host_floor, check_frames_by_name, check_out, largest_first, read_prompts_file
-from .constants import DEFAULT_PROMPT, PROG
-from .defaults import default_resolution, is_video_model
-from .errors import CLIError, RunError
-from .formats import format_of
-from .image_input import read_inputs
-from .images import image_texts, save_image, sweep_stale_parts
-from .jobs import plan_jobs, shard
-from .model_flags import model_settings
-from .outputs import ImageOutput, Renames, plan_image_output, run_resolutions
-from .prepare import Workload, check_model, prepare_pipeline, resolve_device_and_dtype, warn_unused_warmup
+from ..generation.calls import nan_hint
+from ..generation.checks import check_frames_by_name, check_host_floor, largest_first
+from ..generation.constants import DEFAULT_PROMPT
+from ..generation.defaults import default_resolution, is_video_model
+from ..generation.errors import GenerationError, InputError, RunError
+from ..generation.formats import format_of
+from ..generation.image_input import read_inputs
+from ..generation.model_flags import model_settings
+from ..generation.prepare import Workload, check_model, prepare_pipeline, resolve_device_and_dtype, warn_unused_warmup
+from ..generation.prompts import TruncationWarnings
+from ..generation.record import image_texts
+from ..generation.steps import StepWatch
+from .arguments import PROG, build_parser
+from .files import save_image, sweep_stale_parts
+from .jobs import file_names, plan_jobs, read_prompts_file, shard
+from .outputs import ImageOutput, Renames, check_out, plan_image_output, run_resolutions
 from .processes import Processes, detect_processes
 from .progress import Progress
-from .prompts import TruncationWarnings
-from .steps import StepWatch
 from .summary import shown, summary_json, summary_line, where_written
 from .terminal import bars_and_logs
 from .video import VideoOutput, plan_video_output, resolve_fps, save_video, settle_video_output, video_text
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     with _sigterm_raises():
         try:
             return _run(build_parser().parse_args(argv))
-        except CLIError as e:
+        except GenerationError as e:
             sys.stderr.write(f"{PROG}: error: {e}\n")
             return e.status
         except SystemExit as e:  # --help, --version
@@ -137,10 +138,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         limits.check_seeds(args.seed, n_images)
     except limits.LimitError as e:
-        raise CLIError(str(e)) from None
+        raise InputError(str(e)) from None
     check_model(settings, device, dtype, resolutions, args.frames)
     batch = min(args.batch_size, count)
-    _check_host_floor(largest_first([*resolutions, *(settings.warmup or [])])[0], batch, args.frames)
+    check_host_floor(largest_first([*resolutions, *(settings.warmup or [])])[0], batch, args.frames)
 
     procs = detect_processes(cpu=device.type != "cuda")
     bars = not args.quiet and sys.stderr.isatty()
@@ -152,7 +153,7 @@ def _run(args: argparse.Namespace) -> int:
         device = procs.device  # each process on its own GPU
     jobs = plan_jobs(prompts, resolutions, args.batch_size, args.seed, count)
     if args.parallel is not None and procs.count < 2:
-        raise CLIError(
+        raise InputError(
             f"--parallel {args.parallel} computes each image on several processes: start this with accelerate launch "
             "--num_processes 2 (or torchrun --nproc_per_node 2)"
         )
@@ -165,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
         if not args.overwrite and writes:
             # Each process looks at the files of its own jobs only: another's may already be appearing.
             suffix = _suffix(media, files)
-            renames.plan(folder, single, (name for job in mine for name in job.file_names(suffix)))
+            renames.plan(folder, single, (name for job in mine for name in file_names(job, suffix)))
 
     check_names(media)
     # Said before the build, so a prompts file far longer than meant is noticed at once.
@@ -217,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
                                "write them with --out x.png or a folder of PNGs")  # fmt: skip
             items = result.videos if every_frame and result.videos is not None else result.images
             _record_size(items[0] if not every_frame else items[0][0], job, texts)
-            for item, text, name, seed in zip(items, texts, job.file_names(_suffix(media, files)), job.seeds):
+            for item, text, name, seed in zip(items, texts, file_names(job, _suffix(media, files)), job.seeds):
                 path = renames.target(folder, single, name)
                 made += 1
                 if writes:

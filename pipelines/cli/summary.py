@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .prepare import PreparedPipeline
+from ..generation.prepare import PreparedPipeline
 
 
 def shown(path: Path) -> str:

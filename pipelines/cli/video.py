@@ -32,13 +32,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .constants import IMAGE_SUFFIXES, VIDEO_SUFFIXES
-from .errors import CLIError, RunError, _one_line
-from .extras import install_command, missing
-from .images import write_whole
+from ..generation.errors import InputError, RunError, one_line
+from ..generation.extras import install_command, missing
+from ..generation.formats import IMAGE_SUFFIXES
+from .files import write_whole
 
 logger = logging.getLogger("bcg-generate")
 
+# The files a video model's every frame goes into, by --out's suffix.
+VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
 DEFAULT_SUFFIX = ".webp"
 EXTRA = install_command("video")
 EXIF_IMAGE_DESCRIPTION = 0x010E
@@ -61,36 +63,36 @@ class VideoOutput:
 
 
 def check_mp4_extra() -> None:
-    """CLIError unless imageio and imageio-ffmpeg (with its ffmpeg) are installed."""
+    """InputError unless imageio and imageio-ffmpeg (with its ffmpeg) are installed."""
     absent = missing("video")
     if absent:
-        raise CLIError(f"--out .mp4 writes H.264 through imageio and imageio-ffmpeg, which are not installed "
+        raise InputError(f"--out .mp4 writes H.264 through imageio and imageio-ffmpeg, which are not installed "
                        f"({', '.join(absent)}): {EXTRA}, or write .webp")  # fmt: skip
     import imageio_ffmpeg
 
     try:
         imageio_ffmpeg.get_ffmpeg_exe()
     except Exception as e:  # an imageio-ffmpeg without its binary and no ffmpeg on PATH
-        raise CLIError(f"--out .mp4: imageio-ffmpeg finds no ffmpeg ({_one_line(e)[:160]}): {EXTRA}") from None
+        raise InputError(f"--out .mp4: imageio-ffmpeg finds no ffmpeg ({one_line(e)[:160]}): {EXTRA}") from None
 
 
 def plan_video_output(single: Path | None, video: bool | None, fps: float | None, model: str) -> VideoOutput | None:
     """What a run writes for ``model`` (``video``: it makes videos; None: not known before it is
-    built), ``--out`` naming ``single`` (None: a folder); None where it writes images. CLIError
+    built), ``--out`` naming ``single`` (None: a folder); None where it writes images. InputError
     for ``--fps`` that has nothing to set or is beyond what the container stores, or ``.mp4``
     without the extra."""
     if video is False:
         if fps is not None:
-            raise CLIError(f"--fps {fps:g} sets a video's frame rate, but {model} makes images")
+            raise InputError(f"--fps {fps:g} sets a video's frame rate, but {model} makes images")
         return None
     suffix = single.suffix.lower() if single is not None else DEFAULT_SUFFIX
     if suffix not in VIDEO_SUFFIXES and fps is not None:
-        raise CLIError(f"--fps {fps:g}: --out {str(single)!r} writes each video's first frame only; "
+        raise InputError(f"--fps {fps:g}: --out {str(single)!r} writes each video's first frame only; "
                        "name a .webp, .gif or .mp4 file (or a folder) for the whole video")  # fmt: skip
     unit = UNIT_MS.get(suffix)
     if unit is not None and fps is not None and fps > 1000 / unit:
         name, what = ("WebP", "milliseconds") if unit == 1 else ("GIF", "hundredths of a second")
-        raise CLIError(f"--fps {fps:g}: {name} stores frame times in whole {what}, so at most "
+        raise InputError(f"--fps {fps:g}: {name} stores frame times in whole {what}, so at most "
                        f"{1000 // unit} fps; use .mp4")  # fmt: skip
     if suffix == ".mp4":
         check_mp4_extra()
@@ -101,15 +103,15 @@ def settle_video_output(plan: VideoOutput | None, pipe: Any, single: Path | None
                         fps: float | None) -> VideoOutput | None:  # fmt: skip
     """The plan of a run whose model was not known to make videos before it was built
     (:func:`plan_video_output` with ``video`` None), now that ``pipe`` is: kept for a video
-    pipeline; None (image files) for an image pipeline, or CLIError where ``--out`` or ``--fps`` asked for a video."""
+    pipeline; None (image files) for an image pipeline, or InputError where ``--out`` or ``--fps`` asked for a video."""
     if takes_frames(type(pipe)):
         return plan
     name = type(pipe).__name__
     if single is not None and single.suffix.lower() in VIDEO_SUFFIXES and single.suffix.lower() not in IMAGE_SUFFIXES:
-        raise CLIError(f"--out {str(single)!r}: {name} makes images, written as PNG, JPEG or WebP; "
+        raise InputError(f"--out {str(single)!r}: {name} makes images, written as PNG, JPEG or WebP; "
                        f"use {str(single.with_suffix('.png'))!r} (or a folder)")  # fmt: skip
     if fps is not None:
-        raise CLIError(f"--fps {fps:g} sets a video's frame rate, but {name} makes images")
+        raise InputError(f"--fps {fps:g} sets a video's frame rate, but {name} makes images")
     return None
 
 
@@ -144,7 +146,7 @@ def default_fps(pipe_class: type) -> tuple[float, str]:
 
 
 def video_text(text: Mapping[str, str], frames: int, fps: float) -> dict[str, str]:
-    """The text of a video file: an image's (:func:`pipelines.cli.images.image_texts`) with its
+    """The text of a video file: an image's (:func:`pipelines.generation.record.image_texts`) with its
     frame count and rate."""
     return {**text, "frames": str(frames), "fps": f"{fps:g}"}
 
@@ -203,7 +205,7 @@ _WRITERS = {".webp": _write_webp, ".gif": _write_gif, ".mp4": _write_mp4}
 
 def save_video(frames: Sequence[Any], path: Path, text: Mapping[str, str], fps: float, overwrite: bool = False) -> Path:
     """Write the PIL ``frames`` of one video to ``path``, the container from its suffix, ``text``
-    in its metadata; returns the path written. As :func:`pipelines.cli.images.save_png`: the file
+    in its metadata; returns the path written. As :func:`pipelines.cli.files.save_png`: the file
     appears whole (a hidden ``.part`` file renamed), an existing one is replaced only with
     ``overwrite``, and a name taken meanwhile is kept, the video going to ``{stem}-N``."""
     suffix = path.suffix.lower()
@@ -214,7 +216,7 @@ def save_video(frames: Sequence[Any], path: Path, text: Mapping[str, str], fps: 
     except RunError:
         raise
     except Exception as e:  # ffmpeg's or Pillow's encoder failing: one line
-        raise RunError(f"cannot write {str(path)!r}: {type(e).__name__}: {_one_line(e)[:300]}") from None
+        raise RunError(f"cannot write {str(path)!r}: {type(e).__name__}: {one_line(e)[:300]}") from None
 
 
 def read_video_text(path: str | Path) -> dict[str, str]:

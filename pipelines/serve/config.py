@@ -1,4 +1,4 @@
-"""``bcg-serve``'s flags: the model flags ``bcg-generate`` takes (from :mod:`pipelines.cli`) and
+"""``bcg-serve``'s flags: the model flags ``bcg-generate`` takes (:mod:`pipelines.generation.model_flags`) and
 the server's own.
 
 Each value is checked as it is read; a bad one is one line and exit status 2, before anything is
@@ -12,11 +12,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from pipelines.cli import CLIError, ModelSettings, add_model_arguments, model_settings
-from pipelines.cli.constants import MAX_STEPS
-from pipelines.cli.model_flags import model_epilog
-from pipelines.cli.values import resolution
 from pipelines.families.catalog import known_model
+from pipelines.generation import InputError, ModelSettings, add_model_arguments, model_settings
+from pipelines.generation.constants import MAX_STEPS
+from pipelines.generation.model_flags import model_epilog
+from pipelines.generation.values import resolution
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
@@ -239,7 +239,7 @@ exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    """The parsed flags: the model's (:class:`pipelines.cli.ModelSettings`) and the server's."""
+    """The parsed flags: the model's (:class:`pipelines.generation.ModelSettings`) and the server's."""
 
     settings: ModelSettings
     resolutions: tuple[tuple[int, int], ...]
@@ -267,7 +267,7 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     args = build_parser().parse_args(argv)
     try:
         settings = model_settings(args)
-    except CLIError as e:
+    except InputError as e:
         raise UsageError(str(e)) from None
     known = known_model(settings.model)
     if known is not None and known.video:

@@ -9,7 +9,7 @@ for generations); this server's extensions ``seed``, ``steps``, ``guidance``, ``
 image-to-image pipeline's). Form values are text: each is read as its field's type, and a value
 that is not one is a 400 naming the field, as a JSON request's would be.
 
-Which pipeline takes the image is the model's business (:mod:`pipelines.cli.image_input`): its own
+Which pipeline takes the image is the model's business (:mod:`pipelines.generation.image_input`): its own
 (an edit model) or the image-to-image or inpainting pipeline diffusers makes from it.
 """
 

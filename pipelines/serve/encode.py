@@ -1,19 +1,19 @@
 """A call's images in the file format each request asked for (OpenAI's ``output_format``).
 
-The CLI's files (:func:`pipelines.cli.formats.encode_image`): PNG is the same bytes ``bcg-generate``
-writes, with its text chunks (prompt, seed, mode, model, A1111's ``parameters`` ...); JPEG and WebP
+The generation core's files (:func:`pipelines.generation.encode_image`): PNG is the same bytes
+``bcg-generate`` writes, with its text chunks (prompt, seed, mode, model, A1111's ``parameters`` ...); JPEG and WebP
 carry the same record in their EXIF, and are encoded at ``output_compression`` (OpenAI's 0-100,
 100 the default and the best quality).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from pipelines.cli.formats import encode_image
+from pipelines.generation.formats import encode_image
 
-__all__ = ["FORMATS", "MEDIA_TYPES", "encode", "encode_all"]
+__all__ = ["FORMATS", "MEDIA_TYPES", "encode"]
 
 FORMATS = ("png", "jpeg", "webp")
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
@@ -28,10 +28,3 @@ def encode(image: Any, text: Mapping[str, str], fmt: str = "png", compression: i
         return encode_image(image, text, "png")
     # Pillow's quality runs from 1; OpenAI's output_compression from 0.
     return encode_image(image, text, fmt, max(1, DEFAULT_COMPRESSION if compression is None else compression))
-
-
-def encode_all(
-    images: Sequence[Any], texts: Sequence[Mapping[str, str]], fmt: str, compression: int | None
-) -> list[bytes]:
-    """:func:`encode` for each image with its text."""
-    return [encode(image, text, fmt, compression) for image, text in zip(images, texts)]

@@ -1,12 +1,13 @@
 """The pipeline side of the server: a request planned against the model's defaults, and a
 batch of planned requests made into PNGs by one pipeline call.
 
-The model's knowledge is the CLI's (:mod:`pipelines.cli`): a request's steps, guidance and
-negative prompt are resolved by :func:`~pipelines.cli.call_settings`, the call's arguments by
-its :class:`~pipelines.cli.CallSettings`, the call itself (errors in one line, non-finite pixels
-refused) by the CLI's call, and each image's text by :func:`~pipelines.cli.images.image_texts`, so a
-served image records what ``bcg-generate``'s would. What the server adds: several requests in one
-call, each image with its own generator (diffusers takes a list), so an image's noise depends on
+The model's knowledge is the generation core's (:mod:`pipelines.generation`), as ``bcg-generate``'s
+is: a request's steps, guidance and negative prompt are resolved by
+:func:`~pipelines.generation.call_settings`, the call's arguments by its
+:class:`~pipelines.generation.CallSettings`, the call itself (errors in one line, non-finite pixels
+refused) by :meth:`~pipelines.generation.PreparedPipeline.generate`, and each image's text by
+:func:`~pipelines.generation.image_texts`, so a served image records what ``bcg-generate``'s
+would. What the server adds: several requests in one call, each image with its own generator (diffusers takes a list), so an image's noise depends on
 its own seed only, whichever requests share its call; and batch-size buckets: a call of k images
 runs at the smallest bucket of at least k (``batch_sizes``), the rows added repeating the last
 image (its prompt, negative prompt and seed, so its text length and batch key), then dropped. The
@@ -21,20 +22,19 @@ Only the device worker's thread calls :meth:`Engine.make` and :meth:`Engine.run`
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
 import dataclasses
 import itertools
 import logging
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipelines.cli import CallSettings, Job, PreparedPipeline, RunError, StepWatch, call_settings, run_text
-from pipelines.cli.calls import generate_images, graph_replays, mode_ran, nan_hint
-from pipelines.cli.image_input import EDIT, ImageInput, fitted, flatten, mask_from
-from pipelines.cli.images import image_texts, quantized
-from pipelines.cli.prompts import TokenCount, count_tokens
+from pipelines.generation import CallSettings, Job, PreparedPipeline, RunError, StepWatch, call_settings, run_text
+from pipelines.generation.calls import nan_hint
+from pipelines.generation.image_input import EDIT, ImageInput, fitted, flatten, mask_from
+from pipelines.generation.prompts import TokenCount, count_tokens
+from pipelines.generation.record import image_texts, quantized
 from pipelines.lora import LoraSpec, activate
 
 from .admission import OutOfMemory
@@ -152,23 +152,6 @@ class _OwnTokenizers:
         return getattr(self._pipe, name)
 
 
-class _Quiet(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
-
-
-@contextlib.contextmanager
-def _cli_advice_held() -> Iterator[None]:
-    # call_settings advises the CLI's user on flags it drops ("--negative-prompt is ignored"):
-    # per request that is noise naming flags a client never gave; what ran is in the PNG text.
-    cli, quiet = logging.getLogger("bcg-generate"), _Quiet()
-    cli.addFilter(quiet)
-    try:
-        yield
-    finally:
-        cli.removeFilter(quiet)
-
-
 class Adapters:
     """The LoRA adapters the pipeline loaded (``--lora NAME=FILE[:SCALE]``), and which runs.
 
@@ -197,7 +180,7 @@ class Adapters:
 
 
 class Engine:
-    """A prepared pipeline (:func:`pipelines.cli.prepare_pipeline`) and what its calls need."""
+    """A prepared pipeline (:func:`pipelines.generation.prepare_pipeline`) and what its calls need."""
 
     def __init__(self, prepared: PreparedPipeline, batch_sizes: Sequence[int] | None = None) -> None:
         self.prepared = prepared
@@ -213,7 +196,7 @@ class Engine:
         self.adapters = Adapters(self.pipe, prepared.loras)
         self._text_cases = TextCases(self.pipe)
         self._scheduler_config = getattr(getattr(self.pipe, "scheduler", None), "config", None)
-        # Set by the start: the pipelines that take an input image (:mod:`pipelines.cli.image_input`),
+        # Set by the start: the pipelines that take an input image (:mod:`pipelines.generation.image_input`),
         # by whether a mask comes with it (absent: the model takes none so), and whether the model
         # makes images only from one (an edit model whose pipeline makes none from text alone).
         self.image_inputs: dict[bool, ImageInput] = {}
@@ -252,9 +235,9 @@ class Engine:
             raise ServeError(400, f"{type(self.pipe).__name__} edits images: POST /v1/images/edits with the image",
                              param="image", code="image_required")  # fmt: skip
         taking = self._taking(request) if request.image is not None else None
-        with _cli_advice_held():
-            call = call_settings(self.pipe if taking is None else taking.pipe, p.settings.model, p.settings.size,
-                                 request.steps, request.guidance, request.negative_prompt, p.call.frames)  # fmt: skip
+        # What the call drops (its notes) is no news to a client: the image's record says what ran.
+        call = call_settings(self.pipe if taking is None else taking.pipe, p.settings.model, p.settings.size,
+                             request.steps, request.guidance, request.negative_prompt, p.call.frames)  # fmt: skip
         if taking is not None:
             strength = f", strength {request.strength:g}" if request.strength is not None else ""
             call = dataclasses.replace(call, image_note=f"{request.image_note}, {taking.kind}{strength}")
@@ -300,7 +283,7 @@ class Engine:
         """One pipeline call for ``plans`` (one :class:`BatchKey`), at their bucket; per plan, its
         images, not yet encoded (the worker leaves that to the service's encoding threads).
         ``stop``: asked at the end of every denoising step; once true, the call ends there
-        (:class:`~pipelines.cli.CallStopped`), where the pipeline takes a step callback."""
+        (:class:`~pipelines.generation.CallStopped`), where the pipeline takes a step callback."""
         import torch
 
         first, p = plans[0], self.prepared
@@ -318,33 +301,28 @@ class Engine:
             negatives + negatives[-1:] * pad,
         )
         job = Job(r.prompt, r.width, r.height, tuple(range(len(seeds))), tuple(seeds))
-        kwargs = first.call.kwargs(job, self.device)  # a generator per seed, the model's arguments
-        pipe = self.pipe
+        pipe, arguments = None, {}  # over the model's own arguments: a generator per seed, its defaults
         if r.image is not None:  # an edit (alone in its call): one prompt and one image, its rows counted
             taking = self._taking(r)
             pipe = taking.pipe
             given = taking.kwargs(flatten(r.image), mask_from(r.mask) if r.mask is not None else None, r.strength)
-            kwargs.update(given if taking.kind == EDIT else fitted(given, (r.width, r.height)))
+            arguments = given if taking.kind == EDIT else fitted(given, (r.width, r.height))
         else:
-            kwargs["prompt"] = prompts  # one prompt per image, a fresh list: the pipeline edits it
-            kwargs[first.call.count_kwarg] = 1
+            arguments = {"prompt": prompts, first.call.count_kwarg: 1}  # one prompt per image, a fresh list
             if first.call.negative_prompt is not None:
-                kwargs["negative_prompt"] = negatives
+                arguments["negative_prompt"] = negatives
         self.adapters.select(key.lora)
-        before = graph_replays(self.pipe) if p.accelerated else None
         try:
             hint = nan_hint(p.settings.dtype, r.guidance, "guidance")
             watch = StepWatch(stop=stop) if stop is not None else None
-            images = generate_images(pipe, kwargs, job, hint, p.cache, watch)
-        except RunError as e:  # the CLI's out-of-memory line keeps the error it replaced as its context
+            made = p.generate(job, hint, first.call, watch, pipe=pipe, arguments=arguments)
+        except RunError as e:  # the core's out-of-memory line keeps the error it replaced as its context
             if isinstance(e.__context__, torch.OutOfMemoryError):
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()  # the failed call's blocks, for the smaller calls that follow
                 raise OutOfMemory(len(seeds) - pad, len(seeds), (r.width, r.height)) from None
             raise
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        ran = mode_ran(self.pipe, p.settings.mode, before)
+        images, ran = made.images, made.mode
         out: list[list[Made]] = []
         start = 0
         for q in plans:

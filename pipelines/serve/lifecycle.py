@@ -132,8 +132,8 @@ def _setup_logging(quiet: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run ``bcg-serve``; returns the exit status (0 stopped, 1 failed to start, 2 bad input,
     130 interrupted)."""
-    from pipelines.cli import CLIError
-    from pipelines.cli.extras import require
+    from pipelines.generation.errors import GenerationError
+    from pipelines.generation.extras import require
 
     try:
         config = parse_args(argv)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
         sock = _bind(config.host, config.port)  # first: a port in use is said before torch is imported
         device, dtype = check(config)
-    except (UsageError, CLIError) as e:
+    except (UsageError, GenerationError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return BAD_INPUT
     except SystemExit as e:  # --help

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 # The CLI's limits: torch.Generator.manual_seed's range (image i of a request uses seed + i), and
 # the built-in schedulers' num_train_timesteps (the engine checks the model's own).
-from pipelines.cli.constants import MAX_GUIDANCE, MAX_SEED, MAX_STEPS
+from pipelines.generation.constants import MAX_GUIDANCE, MAX_SEED, MAX_STEPS
 
 from .errors import ServeError
 

@@ -2,7 +2,7 @@
 before the server answers), then, on the device worker's thread, the pipeline built, its
 adapters loaded, accelerated, and everything warmed up.
 
-Both are the CLI's steps (:mod:`pipelines.cli.prepare`): the same checks, the same pipeline, the
+Both are the generation core's steps (:mod:`pipelines.generation.prepare`), as ``bcg-generate``'s: the same checks, the same pipeline, the
 adapters loaded by :func:`pipelines.lora.load_loras` before the accelerator. The server warms up
 itself (:mod:`.warmup`): every served size at every batch-size bucket, with and without guidance,
 for every adapter state, after the memory admission (:mod:`.admission`) has checked that the
@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.cli import CLIError, ModelSettings
+from pipelines.generation import GenerationError, InputError, ModelSettings
 
 from .admission import Admission
 from .config import ServeConfig
@@ -29,9 +29,9 @@ logger = logging.getLogger("bcg-serve")
 
 
 def check(config: ServeConfig) -> tuple[Any, Any]:
-    """The checks that need no model built (CLIError): device, dtype, a built-in model's limits
+    """The checks that need no model built (InputError): device, dtype, a built-in model's limits
     at the served sizes. Returns the torch device and dtype."""
-    from pipelines.cli.prepare import check_model, resolve_device_and_dtype
+    from pipelines.generation.prepare import check_model, resolve_device_and_dtype
 
     device, dtype = resolve_device_and_dtype(config.settings)
     check_model(config.settings, device, dtype, config.resolutions)
@@ -48,7 +48,7 @@ def _check_steps(model: str) -> None:
 
     record = known_model(model)
     if record is not None and record.pipeline not in known_pipelines():
-        raise CLIError(f"--batching continuous: {record.pipeline}'s loop is not run a step at a time (known: "
+        raise InputError(f"--batching continuous: {record.pipeline}'s loop is not run a step at a time (known: "
                        f"{', '.join(known_pipelines())}); serve {record.name} with --batching dynamic")  # fmt: skip
 
 
@@ -94,8 +94,8 @@ def _image_inputs(engine: Engine, prepared: Any) -> None:
     """The pipelines ``/v1/images/edits`` goes to, accelerated as the model's own (their
     denoisers' graphs are the same): an edit model's own, or the image-to-image and inpainting
     pipelines diffusers makes from it, each where there is one; said in one line."""
-    from pipelines.cli.image_input import image_pipeline, needs_image
-    from pipelines.cli.prepare import accelerate_alike
+    from pipelines.generation.image_input import image_pipeline, needs_image
+    from pipelines.generation.prepare import accelerate_alike
 
     engine.needs_image = needs_image(type(prepared.pipe))
     said = []
@@ -104,7 +104,7 @@ def _image_inputs(engine: Engine, prepared: Any) -> None:
             taking = image_pipeline(prepared.pipe, mask=masked)
             if taking.pipe is not prepared.pipe:
                 accelerate_alike(taking.pipe, prepared)
-        except CLIError as e:
+        except GenerationError as e:
             logger.info("edits%s: not served (%s)", " with a mask" if masked else "", e)
             continue
         engine.image_inputs[masked] = taking
@@ -114,14 +114,14 @@ def _image_inputs(engine: Engine, prepared: Any) -> None:
 
 
 def _steps(pipe: Any) -> Any:
-    """The pipeline's loop by steps (:mod:`pipelines.stepwise`), or CLIError: why ``--batching
+    """The pipeline's loop by steps (:mod:`pipelines.stepwise`), or InputError: why ``--batching
     continuous`` cannot serve it."""
     from pipelines.stepwise.family import StepError, steps_for
 
     try:
         return steps_for(pipe)
     except StepError as e:
-        raise CLIError(f"--batching continuous: {e}; serve it with --batching dynamic") from None
+        raise InputError(f"--batching continuous: {e}; serve it with --batching dynamic") from None
 
 
 def starter(config: ServeConfig, device: Any, dtype: Any,
@@ -131,7 +131,7 @@ def starter(config: ServeConfig, device: Any, dtype: Any,
     ``setup``: called with the engine before the warm-up (a Ray replica puts its adapter slots in)."""
 
     def start() -> Engine:
-        from pipelines.cli import DEFAULT_PROMPT, Workload, prepare_pipeline
+        from pipelines.generation import DEFAULT_PROMPT, Workload, prepare_pipeline
 
         from .warmup import warm_up
 
@@ -144,7 +144,7 @@ def starter(config: ServeConfig, device: Any, dtype: Any,
         workload = Workload(resolutions=config.resolutions, batch_size=1, prompts=(DEFAULT_PROMPT,), edits=True)
         prepared = prepare_pipeline(settings, workload, device, dtype, progress=False)
         if prepared.call.video:  # a folder or hub model, known to make videos only now
-            raise CLIError(f"--model {settings.model}: {type(prepared.pipe).__name__} makes videos and bcg-serve "
+            raise InputError(f"--model {settings.model}: {type(prepared.pipe).__name__} makes videos and bcg-serve "
                            "serves images (OpenAI's images API): use bcg-generate for videos")  # fmt: skip
         engine = Engine(prepared, config.batch_sizes)
         if config.batching == "continuous":

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from pipelines.cli import RunError
+from pipelines.generation import RunError
 from pipelines.memory_estimate import format_bytes
 
 __all__ = ["BucketCost", "CallClock", "WarmUp", "compiled_graphs", "warm_up"]
@@ -153,7 +153,7 @@ class CallClock:
 
 
 def _cfg_above(pipe: Any) -> float:
-    from pipelines.cli import generation_defaults
+    from pipelines.generation import generation_defaults
 
     return generation_defaults(pipe).cfg_above
 

@@ -14,7 +14,7 @@ per scheduler anyway.
 
 A request that gives up while its batch runs (its ``--timeout`` passed, its client left) is marked
 ``gone``: nothing more is made for it, and a call whose requests are all gone stops at the end of
-its current denoising step (diffusers' ``callback_on_step_end``; :class:`~pipelines.cli.StepWatch`),
+its current denoising step (diffusers' ``callback_on_step_end``; :class:`~pipelines.generation.StepWatch`),
 so the device is free for the requests behind it within one step, not one whole call.
 """
 
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipelines.cli import CallStopped
+from pipelines.generation import CallStopped
 
 from .admission import OutOfMemory, split
 from .batcher import Batcher, Work

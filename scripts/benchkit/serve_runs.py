@@ -151,7 +151,7 @@ def _sync(engine: Any) -> None:
 
 def pipeline_rate(engine: Any, s: Settings, calls: int) -> dict[str, Any]:
     """``calls`` calls of the pipeline itself, one image each, with the request's settings."""
-    from pipelines.cli import Job
+    from pipelines.generation import Job
 
     def run() -> dict[str, Any]:
         engine.adapters.select(s.lora)

@@ -54,7 +54,7 @@ def test_a_call_stopped_at_a_step_leaves_the_graphs_to_replay_the_next_bit_for_b
     """A server stops a call whose requests all gave up at a step's end (diffusers'
     callback_on_step_end raises out of the call): on real graphs the next calls replay and give
     the images they gave before the stop, bit for bit."""
-    from pipelines.cli import CallStopped
+    from pipelines.generation import CallStopped
 
     request = ImageRequest("a lighthouse at night", 1, 512, 512, seed=21, steps=8)
     before = made(engine, [request])

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pipelines.cli.defaults import generation_defaults
+from pipelines.generation.defaults import generation_defaults
 
 
 def guidance_kwarg(pipe: Any) -> str:

@@ -337,12 +337,12 @@ def test_cli_wan_writes_the_first_frame(tmp_path: Path):
     ],
 )  # fmt: skip
 def test_cli_refuses_bad_frames_before_building(argv, expected, tmp_path, capsys, monkeypatch):
-    from pipelines.cli import prepare as cli_prepare
+    from pipelines.generation import prepare as generation_prepare
 
     def no_build(*args, **kwargs):
         raise AssertionError("this bad input must be refused before a model is built")
 
-    monkeypatch.setattr(cli_prepare, "build_model", no_build)
+    monkeypatch.setattr(generation_prepare, "build_model", no_build)
     assert main([*argv, "--out", str(tmp_path / "out"), "--device", "cpu", *FAST_CLI]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
@@ -350,7 +350,7 @@ def test_cli_refuses_bad_frames_before_building(argv, expected, tmp_path, capsys
 
 
 def test_cli_default_sizes_per_model():
-    from pipelines.cli.defaults import default_resolution
+    from pipelines.generation.defaults import default_resolution
 
     assert default_resolution("wan", "full") == (832, 480)  # Wan2.1's 480p
     assert default_resolution("wan-1.3b", "tiny") == (256, 256)

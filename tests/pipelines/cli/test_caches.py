@@ -18,9 +18,10 @@ import torch
 from PIL import Image
 
 from pipelines.builders import build_transformer
-from pipelines.cli import build_parser, main
-from pipelines.cli import caches as cli_caches
-from pipelines.cli import prepare as cli_prepare
+from pipelines.cli import main
+from pipelines.cli.arguments import build_parser
+from pipelines.generation import caches as generation_caches
+from pipelines.generation import prepare as generation_prepare
 
 FAST = ["--model", "qwen-image", "--resolution", "64x64", "--quiet"]
 HAS_CACHE_DIT = importlib.util.find_spec("cache_dit") is not None
@@ -43,8 +44,8 @@ class _Calls:
         self.attention = 0
         self.order: list[str] = []
         real_build, real_apply, real_accelerate = (
-            cli_prepare.build_model,
-            cli_prepare.apply_cache,
+            generation_prepare.build_model,
+            generation_prepare.apply_cache,
             accel.accelerate_pipeline,
         )
 
@@ -64,8 +65,8 @@ class _Calls:
             self.order.append("accelerate")
             return real_accelerate(*args, **kwargs)
 
-        monkeypatch.setattr(cli_prepare, "build_model", build)
-        monkeypatch.setattr(cli_prepare, "apply_cache", apply)
+        monkeypatch.setattr(generation_prepare, "build_model", build)
+        monkeypatch.setattr(generation_prepare, "apply_cache", apply)
         monkeypatch.setattr(accel, "accelerate_pipeline", accelerate)
 
     def _count(self, *args: Any) -> None:
@@ -108,9 +109,11 @@ def test_taylorseer_patterns_for_z_image_style_transformers() -> None:
     """Z-Image names its attention layers.N.attention, which TaylorSeer's defaults do not match."""
     z = build_transformer("z-image", "tiny", device="meta")
     q = build_transformer("qwen-image", "tiny", device="meta")
-    assert cli_caches.taylorseer_identifiers(z) == [cli_caches.LAYERS_ATTENTION]
+    assert generation_caches.taylorseer_identifiers(z) == [generation_caches.LAYERS_ATTENTION]
     assert any(name == "layers.1.attention" for name, _ in z.named_modules())
-    assert cli_caches.taylorseer_identifiers(q) is None  # diffusers' own patterns match transformer_blocks.N.attn
+    assert (
+        generation_caches.taylorseer_identifiers(q) is None
+    )  # diffusers' own patterns match transformer_blocks.N.attn
 
 
 def test_a_cache_mixin_model_without_attention_is_refused() -> None:
@@ -122,13 +125,13 @@ def test_a_cache_mixin_model_without_attention_is_refused() -> None:
             super().__init__()
             self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
 
-    request = cli_caches.cache_request("taylorseer", None, None, None)
+    request = generation_caches.cache_request("taylorseer", None, None, None)
     assert request is not None
-    with pytest.raises(cli_caches.CLIError, match="finds no attention module of NoAttention"):
-        cli_caches.check_supported(request, NoAttention(), "SomePipeline")
-    fbc = cli_caches.cache_request("fbc", None, None, None)
+    with pytest.raises(generation_caches.InputError, match="finds no attention module of NoAttention"):
+        generation_caches.check_supported(request, NoAttention(), "SomePipeline")
+    fbc = generation_caches.cache_request("fbc", None, None, None)
     assert fbc is not None
-    cli_caches.check_supported(fbc, NoAttention(), "SomePipeline")  # a CacheMixin: fbc may try
+    generation_caches.check_supported(fbc, NoAttention(), "SomePipeline")  # a CacheMixin: fbc may try
 
 
 def test_dbcache_without_cache_dit_names_the_extra(
@@ -140,7 +143,7 @@ def test_dbcache_without_cache_dit_names_the_extra(
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("refused before a model is built")
 
-    monkeypatch.setattr(cli_prepare, "build_model", no_build)
+    monkeypatch.setattr(generation_prepare, "build_model", no_build)
     assert main(["--cache", "dbcache", "--out", str(tmp_path / "out"), *FAST]) == 2
     err = capsys.readouterr().err.strip()
     assert err == 'bcg-generate: error: --cache dbcache uses cache-dit, which is not installed: pip install ' \

@@ -17,9 +17,9 @@ import pytest
 
 from accel.hooks.fp8 import quantizers  # imported here: diffusers may warn of torchao once, as it loads
 from pipelines.cli import main
-from pipelines.cli import prepare as cli_prepare
-from pipelines.cli.errors import CLIError
-from pipelines.cli.extras import EXTRAS, install_command, missing, require
+from pipelines.generation import prepare as generation_prepare
+from pipelines.generation.errors import InputError
+from pipelines.generation.extras import EXTRAS, install_command, missing, require
 
 ROOT = Path(__file__).resolve().parents[3]
 FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
@@ -56,7 +56,7 @@ def test_a_missing_module_is_named_by_its_package(monkeypatch: pytest.MonkeyPatc
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "prometheus_client" else real(n, *a))
     assert missing("serve") == ["prometheus-client"]
-    with pytest.raises(CLIError) as e:
+    with pytest.raises(InputError) as e:
         require("serve", "bcg-serve")
     assert str(e.value) == (
         'bcg-serve needs the [serve] extra; prometheus-client is not installed: pip install "bcg-diffusers[serve]"'
@@ -91,7 +91,7 @@ def test_bcg_serve_with_dbcache_without_cache_dit_is_one_line(
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "cache_dit" else real(n, *a))
-    monkeypatch.setattr(cli_prepare, "build_model", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(generation_prepare, "build_model", lambda *a, **k: pytest.fail("built"))
     assert serve(["--cache", "dbcache", "--resolutions", "64x64", "--port", "0"]) == 2
     assert capsys.readouterr().err == (
         f"bcg-serve: error: --cache dbcache uses cache-dit, which is not installed: {install_command('cache-dit')}\n"
@@ -105,7 +105,7 @@ def test_quantize_without_torchao_names_the_fp8_extra(
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "torchao" else real(n, *a))
     monkeypatch.setattr(quantizers, "check_fp8_device", lambda device, what="the denoiser": None)
-    monkeypatch.setattr(cli_prepare, "build_model", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(generation_prepare, "build_model", lambda *a, **k: pytest.fail("built"))
     assert main(["--quantize", "fp8", "--dtype", "bf16", *FAST, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("bcg-generate: error: --quantize fp8 needs torchao: "), err

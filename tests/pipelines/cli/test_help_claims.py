@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from pipelines.builders import build_transformer
-from pipelines.cli import build_parser
-from pipelines.cli.caches import KNOBS, NOT_ON, CacheRequest, check_supported, support_text
-from pipelines.cli.errors import CLIError
-from pipelines.cli.extras import install_command
+from pipelines.cli.arguments import build_parser
 from pipelines.families.catalog import MODELS, video_model_names
+from pipelines.generation.caches import KNOBS, NOT_ON, CacheRequest, check_supported, support_text
+from pipelines.generation.errors import InputError
+from pipelines.generation.extras import install_command
 from pipelines.releases import MODEL_NAMES, pipeline_class
 from pipelines.serve.config import UsageError
 from pipelines.serve.config import build_parser as serve_parser
@@ -38,7 +38,7 @@ def _refused(method: str, model: str) -> bool:
     request = CacheRequest(method, ratios=(1.0,) if method == "magcache" else None)
     try:
         check_supported(request, build_transformer(model, "tiny", device="meta"), pipeline_class(model).__name__)
-    except CLIError:
+    except InputError:
         return True
     return False
 

@@ -1,4 +1,4 @@
-"""Input images (``--image``, ``--mask``, ``--strength``; :mod:`pipelines.cli.image_input`) on the
+"""Input images (``--image``, ``--mask``, ``--strength``; :mod:`pipelines.generation.image_input`) on the
 CPU: a text-to-image model takes one through the image-to-image (or inpainting) pipeline diffusers
 makes of its components, an edit model (a pipeline folder of FLUX.1 Kontext, tiny) through its own
 call, and each image's record says which; which models need an image, from diffusers' own lists."""
@@ -21,9 +21,9 @@ from PIL import Image
 
 from pipelines.builders import build_pipeline
 from pipelines.cli import main
-from pipelines.cli.errors import CLIError
-from pipelines.cli.formats import read_image_text
-from pipelines.cli.image_input import IMG2IMG, INPAINT, fitted, image_pipeline, mask_from, needs_image
+from pipelines.generation.errors import InputError
+from pipelines.generation.formats import read_image_text
+from pipelines.generation.image_input import IMG2IMG, INPAINT, fitted, image_pipeline, mask_from, needs_image
 
 FAST = ["--steps", "4", "--quiet"]
 
@@ -52,7 +52,7 @@ def test_a_text_to_image_model_takes_an_image_through_diffusers_image_to_image_p
     assert isinstance(taking.pipe, ZImageImg2ImgPipeline) and taking.kind == IMG2IMG and taking.strength
     assert taking.pipe.transformer is pipe.transformer  # the same modules: the same weights and graphs
     assert image_pipeline(pipe, mask=True).kind == INPAINT
-    with pytest.raises(CLIError, match="WanPipeline takes no input image, and diffusers makes no img2img pipeline"):
+    with pytest.raises(InputError, match="WanPipeline takes no input image, and diffusers makes no img2img pipeline"):
         image_pipeline(build_pipeline("wan", "tiny"))
 
 

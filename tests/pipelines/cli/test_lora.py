@@ -18,9 +18,11 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from pipelines.builders import build_pipeline
-from pipelines.cli import Workload, add_model_arguments, call_settings, load_pipeline, main, model_settings, plan_jobs
-from pipelines.cli import calls as cli_calls
-from pipelines.cli import prepare as cli_prepare
+from pipelines.cli import main
+from pipelines.cli.jobs import plan_jobs
+from pipelines.generation import Workload, add_model_arguments, call_settings, load_pipeline, model_settings
+from pipelines.generation import calls as generation_calls
+from pipelines.generation import prepare as generation_prepare
 from pipelines.lora import LoraSpec, activate
 from tests.helpers.lora_files import make_lora_file
 
@@ -73,7 +75,7 @@ def test_adapters_are_loaded_before_the_step_cache_and_the_accelerator(
 ) -> None:
     lora = make_lora_file("qwen-image", tmp_path / "a.safetensors")
     seen: dict[str, Any] = {}
-    real_cache, real_accelerate = cli_prepare.apply_cache, cli_prepare._accelerate
+    real_cache, real_accelerate = generation_prepare.apply_cache, generation_prepare._accelerate
 
     def cache(pipe: Any, *args: Any, **kwargs: Any) -> Any:
         seen["cache"] = pipe.get_active_adapters()
@@ -83,8 +85,8 @@ def test_adapters_are_loaded_before_the_step_cache_and_the_accelerator(
         seen["accelerate"] = pipe.get_active_adapters()
         real_accelerate(pipe, *args, **kwargs)
 
-    monkeypatch.setattr(cli_prepare, "apply_cache", cache)
-    monkeypatch.setattr(cli_prepare, "_accelerate", accelerate)
+    monkeypatch.setattr(generation_prepare, "apply_cache", cache)
+    monkeypatch.setattr(generation_prepare, "_accelerate", accelerate)
     out = tmp_path / "a.png"
     assert main(["--model", "qwen-image", "--cache", "fbc", "--lora", str(lora), "--out", str(out), *FAST]) == 0
     assert seen == {"cache": ["a"], "accelerate": ["a"]}
@@ -115,7 +117,7 @@ def test_a_lora_for_another_model_is_one_line_after_the_build_before_any_image(
 ) -> None:
     files = _another_models(tmp_path)
     built: list[bool] = []
-    real_build = cli_prepare.build_model
+    real_build = generation_prepare.build_model
 
     def build(*args: Any, **kwargs: Any) -> Any:
         built.append(True)
@@ -124,9 +126,9 @@ def test_a_lora_for_another_model_is_one_line_after_the_build_before_any_image(
     def no_generation(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a LoRA the model cannot take must be refused before anything is generated")
 
-    monkeypatch.setattr(cli_prepare, "build_model", build)
-    monkeypatch.setattr(cli_prepare, "generate_frames", no_generation)
-    monkeypatch.setattr(cli_calls, "generate_frames", no_generation)
+    monkeypatch.setattr(generation_prepare, "build_model", build)
+    monkeypatch.setattr(generation_prepare, "generate_frames", no_generation)
+    monkeypatch.setattr(generation_calls, "generate_frames", no_generation)
     out = tmp_path / "out"
     rc = main(["--lora", str(tmp_path / "z.safetensors"), "--lora", str(files[which]), "--out", str(out), *FAST])
     err = capsys.readouterr().err
@@ -165,7 +167,7 @@ def test_a_scale_far_outside_the_usual_range_is_one_warning_before_the_build(
     def stop(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_prepare, "build_model", stop)
+    monkeypatch.setattr(generation_prepare, "build_model", stop)
     with caplog.at_level(logging.WARNING, logger="bcg-generate"):
         assert main(["--lora", f"{lora}:{scale}", "--out", str(tmp_path / "o"), *FAST]) == 130
     said = [r.getMessage() for r in caplog.records if "--lora" in r.getMessage()]

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from pipelines.builders import build_pipeline
 from pipelines.cli import main
-from pipelines.cli.formats import read_image_text
+from pipelines.generation.formats import read_image_text
 
 FAST = ["--resolution", "32x32", "--steps", "2", "--seed", "4", "--quiet"]
 

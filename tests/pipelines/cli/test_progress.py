@@ -1,5 +1,5 @@
 """The run's progress (:mod:`pipelines.cli.progress`) through each denoising step's callback
-(:mod:`pipelines.cli.steps`): on a terminal one tqdm bar counts the steps of every call and the
+(:mod:`pipelines.generation.steps`): on a terminal one tqdm bar counts the steps of every call and the
 images made; elsewhere (a file, a CI log) no bar is drawn, only log lines of their own; --quiet
 silences the libraries' bars too (transformers' weight loading); a step callback leaves the image
 as it was."""
@@ -17,7 +17,7 @@ import torch
 from pipelines.builders import build_pipeline
 from pipelines.cli import main
 from pipelines.cli import progress as cli_progress
-from pipelines.cli.steps import CallStopped, StepWatch
+from pipelines.generation.steps import CallStopped, StepWatch
 
 FAST = ["--resolution", "32x32", "--steps", "3", "--num-images", "2", "--seed", "1"]
 
@@ -88,7 +88,7 @@ def test_graphs_stay_valid_after_a_call_stopped_at_a_step(name: str, monkeypatch
     from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 
     from accel import accelerate_pipeline
-    from pipelines.cli.steps import end_stopped_call
+    from pipelines.generation.steps import end_stopped_call
     from tests.helpers.emulator import emulate_pipelines
 
     emulate_pipelines(monkeypatch)

@@ -12,8 +12,8 @@ from PIL import Image
 
 from pipelines.builders import build_pipeline
 from pipelines.cli import main
-from pipelines.cli import prepare as cli_prepare
-from pipelines.cli.prompts import count_tokens
+from pipelines.generation import prepare as generation_prepare
+from pipelines.generation.prompts import count_tokens
 
 FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
 LONG = " ".join(f"word{i}" for i in range(2000))
@@ -80,7 +80,7 @@ def test_the_size_of_the_run_is_said_before_the_build(
     def stop(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_prepare, "build_model", stop)
+    monkeypatch.setattr(generation_prepare, "build_model", stop)
     with caplog.at_level(logging.INFO, logger="bcg-generate"):
         argv = ["--prompts-file", str(prompts), "--resolution", "64x64", "32x32", "--out", str(tmp_path / "o")]
         assert main(argv) == 130

@@ -14,14 +14,14 @@ from PIL import Image
 from accel import accelerate_pipeline
 from pipelines.builders import build_pipeline
 from pipelines.cli import main
-from pipelines.cli import prepare as cli_prepare
-from pipelines.cli.images import quantized
+from pipelines.generation import prepare as generation_prepare
+from pipelines.generation.record import quantized
 from tests.helpers.fake_quant import use_grid
 
 FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
 
 
-def _one_line(err: str) -> str:
+def one_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("bcg-generate: error: ") and "Traceback" not in err, err
     return lines[0]
@@ -59,9 +59,9 @@ def test_quantize_that_cannot_run_is_one_line_before_building(case, tmp_path: Pa
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("this bad input must be refused before a model is built")
 
-    monkeypatch.setattr(cli_prepare, "build_model", no_build)
+    monkeypatch.setattr(generation_prepare, "build_model", no_build)
     assert main([*argv, *FAST, "--out", str(tmp_path / "out")]) == 2
-    assert expected in _one_line(capsys.readouterr().err)
+    assert expected in one_line(capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
 
 
@@ -69,9 +69,9 @@ def test_a_dtype_other_than_bf16_is_refused_before_building(tmp_path: Path, caps
     import accel
 
     monkeypatch.setattr(accel, "check_quantize", lambda value, device: None)  # as on a GPU that runs float8
-    monkeypatch.setattr(cli_prepare, "build_model", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(generation_prepare, "build_model", lambda *a, **k: pytest.fail("built"))
     assert main(["--quantize", "fp8", "--dtype", "float32", *FAST, "--out", str(tmp_path / "out")]) == 2
-    assert _one_line(capsys.readouterr().err).endswith(
+    assert one_line(capsys.readouterr().err).endswith(
         "--quantize fp8 makes its float8 weights from bfloat16 ones: use --dtype bfloat16, not float32"
     )
 

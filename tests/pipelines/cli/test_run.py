@@ -22,10 +22,13 @@ from PIL import Image
 
 from accel.hooks.options import default_compile_cache_dir
 from pipelines import limits
-from pipelines.cli import DEFAULT_PROMPT, Job, build_parser, main, plan_jobs, read_prompts_file, shard, slug
-from pipelines.cli import calls as cli_calls
-from pipelines.cli import loading as cli_loading
-from pipelines.cli import prepare as cli_prepare
+from pipelines.cli import main
+from pipelines.cli.arguments import build_parser
+from pipelines.cli.jobs import file_names, plan_jobs, read_prompts_file, shard, slug
+from pipelines.generation import DEFAULT_PROMPT, Job
+from pipelines.generation import calls as generation_calls
+from pipelines.generation import loading as generation_loading
+from pipelines.generation import prepare as generation_prepare
 from tests.helpers.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -361,7 +364,7 @@ def test_bad_input_is_one_line_before_building(
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("this bad input must be refused before a model is built")
 
-    monkeypatch.setattr(cli_prepare, "build_model", no_build)
+    monkeypatch.setattr(generation_prepare, "build_model", no_build)
     before = sorted(tmp_path.rglob("*"))
     rc, line = _run_bad(tmp_path, [a.replace("{tmp}", str(tmp_path)) for a in argv], capsys)
     assert expected.replace("{tmp}", str(tmp_path)) in line
@@ -412,7 +415,7 @@ def test_load_errors_name_their_cause(cause: str, env: str, expected: str, monke
         except _FakeHubError as e:
             raise OSError("Cannot load model org/name: the model is not fully cached locally (...)") from e
     except OSError as e:
-        message = cli_loading._load_error_message("org/name", e)
+        message = generation_loading._load_error_message("org/name", e)
     assert message == f"could not load model 'org/name': {message.split(': ', 1)[1]}"
     assert expected in message
 
@@ -495,7 +498,7 @@ def test_ctrl_c_while_loading(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_prepare, "build_model", interrupted)
+    monkeypatch.setattr(generation_prepare, "build_model", interrupted)
     assert main(["--out", str(tmp_path / "out"), *FAST]) == 130
     assert capsys.readouterr().err.strip() == "bcg-generate: interrupted"
     assert not (tmp_path / "out").exists()
@@ -582,8 +585,8 @@ def test_warmup_passes_the_runs_prompts_frames_and_guidance() -> None:
     pipe = types.SimpleNamespace(accel=types.SimpleNamespace(warmup=lambda res, **kw: calls.append((res, kw))))
     jobs = plan_jobs(["a red fox", "a blue bird", "a red fox"], [(64, 64)], 2, 0)
     prompts = [j.prompt for j in jobs]
-    cli_prepare._warmup(pipe, [(64, 64)], prompts, "blurry", True, 2, 9, False)
-    cli_prepare._warmup(pipe, [(64, 64)], prompts, None, False, 1, None, False)
+    generation_prepare._warmup(pipe, [(64, 64)], prompts, "blurry", True, 2, 9, False)
+    generation_prepare._warmup(pipe, [(64, 64)], prompts, None, False, 1, None, False)
     (res, video), (_, image) = calls
     assert res == [(64, 64)] and video["prompts"] == ["a red fox", "a blue bird"]
     assert (video["num_frames"], video["cfg"], video["negative_prompt"], video["batch_sizes"]) == (
@@ -613,7 +616,7 @@ def test_the_warmups_guidance_is_what_the_runs_calls_do(pipeline, kwarg, above, 
     import diffusers
 
     params = inspect.signature(getattr(diffusers, pipeline).__call__).parameters
-    assert cli_calls.runs_cfg(guidance, kwarg, above, params, negative) is runs
+    assert generation_calls.runs_cfg(guidance, kwarg, above, params, negative) is runs
 
 
 def test_prompts_starting_with_a_dash_and_unicode(tmp_path: Path) -> None:
@@ -724,7 +727,7 @@ def test_a_compile_cache_variable_naming_a_file_is_refused_with_compile(
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("this bad input must be refused before a model is built")
 
-    monkeypatch.setattr(cli_prepare, "build_model", no_build)
+    monkeypatch.setattr(generation_prepare, "build_model", no_build)
     rc, line = _run_bad(tmp_path, ["--compile"], capsys)
     assert rc == 2 and f"$BCG_COMPILE_CACHE {str(cache)!r} is an existing file, not a folder" in line
     assert "$BCG_COMPILE_CACHE names a file, not a folder: --compile refuses it" in build_parser().format_help()
@@ -800,7 +803,7 @@ def test_memory_estimate_covers_the_measured_peak(model: str, measured_mib: floa
 # Splitting work across processes
 # --------------------------------------------------------------------------------------------
 def _names(jobs: list[Job]) -> list[str]:
-    return [name for job in jobs for name in job.filenames]
+    return [name for job in jobs for name in file_names(job)]
 
 
 @pytest.mark.parametrize("n_prompts,n_res,batch,procs", [(2, 1, 1, 2), (3, 2, 2, 2), (5, 1, 1, 3), (1, 1, 4, 2)])

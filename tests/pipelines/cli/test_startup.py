@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pipelines.cli import main
-from pipelines.cli import prepare as cli_prepare
+from pipelines.generation import prepare as generation_prepare
 
 ROOT = Path(__file__).resolve().parents[3]
 FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
@@ -107,7 +107,7 @@ def test_sigterm_while_building_is_one_line(
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("SIGTERM should have ended the run")
 
-    monkeypatch.setattr(cli_prepare, "build_model", terminated)
+    monkeypatch.setattr(generation_prepare, "build_model", terminated)
     assert main(["--out", str(tmp_path / "out"), *FAST]) == 143
     assert capsys.readouterr().err.strip() == "bcg-generate: terminated"
     assert not (tmp_path / "out").exists()
@@ -136,7 +136,7 @@ def test_sigterm_while_writing_leaves_no_file(
 def test_the_parsers_constants_equal_what_they_mirror() -> None:
     import accel.hooks.options
     from pipelines import limits
-    from pipelines.cli import constants
+    from pipelines.generation import constants
 
     assert (constants.MAX_SEED, constants.MAX_STEPS, constants.MEMORY_MARGIN, constants.MAX_GUIDANCE) == (
         limits.MAX_SEED, limits.DEFAULT_MAX_STEPS, limits.MEMORY_MARGIN, limits.MAX_GUIDANCE)  # fmt: skip
@@ -160,7 +160,7 @@ def test_held_library_warnings_are_said_once(caplog: pytest.LogCaptureFixture) -
     """diffusers warns of float16 on a CPU once for each component it moves: three times."""
     import logging
 
-    from pipelines.cli import loading
+    from pipelines.generation import loading
 
     def load() -> str:
         for _ in range(3):

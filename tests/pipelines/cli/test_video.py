@@ -19,11 +19,9 @@ import torch
 from PIL import Image
 
 from pipelines.builders import build_pipeline
-from pipelines.cli import call_settings, main, plan_jobs
-from pipelines.cli import prepare as cli_prepare
+from pipelines.cli import main
 from pipelines.cli import video as cli_video
-from pipelines.cli.defaults import is_video_model
-from pipelines.cli.errors import CLIError
+from pipelines.cli.jobs import plan_jobs
 from pipelines.cli.video import (
     VideoOutput,
     default_fps,
@@ -31,6 +29,10 @@ from pipelines.cli.video import (
     read_video_text,
     settle_video_output,
 )
+from pipelines.generation import call_settings
+from pipelines.generation import prepare as generation_prepare
+from pipelines.generation.defaults import is_video_model
+from pipelines.generation.errors import InputError
 
 PROMPT, SEED, FRAMES = "a boat on a lake", 3, 9
 FAST = ["--model", "wan", "--resolution", "64x64", "--steps", "2", "--quiet"]
@@ -189,7 +191,7 @@ def test_bad_input_is_one_line_before_building(
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("this bad input must be refused before a model is built")
 
-    monkeypatch.setattr(cli_prepare, "build_model", no_build)
+    monkeypatch.setattr(generation_prepare, "build_model", no_build)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     base = [*FAST[FAST.index("--resolution") :], *([] if "--out" in argv else ["--out", str(tmp_path / "out")])]
     model = [] if "--model" in argv else ["--model", "wan"]
@@ -206,7 +208,7 @@ def test_mp4_without_the_extra_names_it(
 ) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "imageio_ffmpeg" else real(n, *a))
-    monkeypatch.setattr(cli_prepare, "build_model", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(generation_prepare, "build_model", lambda *a, **k: pytest.fail("built"))
     assert main([*RUN, "--out", str(tmp_path / "a.mp4")]) == 2
     line = capsys.readouterr().err.strip()
     assert line == (
@@ -256,10 +258,10 @@ def test_a_model_known_only_once_built(tmp_path: Path) -> None:
     plan = VideoOutput(".webp")
     assert settle_video_output(plan, VideoPipe(), None, None) is plan
     assert settle_video_output(plan, ImagePipe(), None, None) is None
-    with pytest.raises(CLIError, match="ImagePipe makes images, written as PNG, JPEG or WebP"):
+    with pytest.raises(InputError, match="ImagePipe makes images, written as PNG, JPEG or WebP"):
         settle_video_output(plan, ImagePipe(), tmp_path / "a.gif", None)
     assert settle_video_output(plan, ImagePipe(), tmp_path / "a.webp", None) is None  # a WebP image
-    with pytest.raises(CLIError, match="--fps 8 sets a video's frame rate, but ImagePipe makes images"):
+    with pytest.raises(InputError, match="--fps 8 sets a video's frame rate, but ImagePipe makes images"):
         settle_video_output(plan, ImagePipe(), None, 8.0)
 
 
@@ -298,7 +300,7 @@ def test_fps_reaches_a_model_conditioned_on_its_frame_rate(monkeypatch: pytest.M
             warmed.update(kw)
 
     monkeypatch.setattr(pipe, "accel", Accel(), raising=False)
-    cli_prepare._warmup(pipe, [(64, 64)], [PROMPT], None, False, 1, FRAMES, False, call.conditioning())
+    generation_prepare._warmup(pipe, [(64, 64)], [PROMPT], None, False, 1, FRAMES, False, call.conditioning())
     assert warmed["call_kwargs"] == {"frame_rate": 24} and warmed["num_frames"] == FRAMES
 
     frames = np.asarray(pipe(**kwargs).frames)[0]

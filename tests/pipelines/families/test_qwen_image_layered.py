@@ -124,7 +124,7 @@ def test_the_layered_denoiser_and_pipeline_are_told_apart() -> None:
 def test_the_cli_hands_the_layered_pipeline_an_rgba_image() -> None:
     """Its VAE reads four channels: ``bcg-generate --image`` keeps an input image's alpha for it
     (an RGB file gets an opaque one) where other pipelines get the image flattened to RGB."""
-    from pipelines.cli.image_input import flatten
+    from pipelines.generation.image_input import flatten
 
     rgba, rgb = _image((64, 48), 0), _image((64, 48), 1).convert("RGB")
     pipe, other = _pipe(), build_pipeline("qwen-image", "tiny")

@@ -200,7 +200,7 @@ def test_front_ends_run_omni_at_its_own_defaults(tmp_path) -> None:
     """Z-Image Omni runs as its release does (50 steps, guidance 5), not as the Turbo the family's
     recipe speaks for; ``bcg-generate --model z-image-omni`` writes its image."""
     from pipelines.cli import main
-    from pipelines.cli.defaults import generation_defaults
+    from pipelines.generation.defaults import generation_defaults
 
     own = generation_defaults(_pipe())
     assert (own.steps, own.guidance, own.guidance_kwarg, own.cfg_above) == (50, 5.0, "guidance_scale", 0.0)

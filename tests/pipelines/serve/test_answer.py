@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from starlette.responses import JSONResponse
 
-from pipelines.cli.prompts import TokenCount
+from pipelines.generation.prompts import TokenCount
 from pipelines.serve import service as service_module
 from pipelines.serve.app import _answer
 from pipelines.serve.batcher import Batcher

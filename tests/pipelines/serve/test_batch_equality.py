@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipelines.cli import ModelSettings, Workload, load_pipeline
+from pipelines.generation import ModelSettings, Workload, load_pipeline
 from pipelines.serve.engine import Engine
 from pipelines.serve.schema import ImageRequest
 from tests.pipelines.serve.server import decode

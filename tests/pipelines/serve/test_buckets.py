@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.cli import CLIError, ModelSettings, Workload, prepare_pipeline
-from pipelines.cli.caches import cache_request
-from pipelines.cli.prepare import resolve_device_and_dtype
+from pipelines.generation import InputError, ModelSettings, Workload, prepare_pipeline
+from pipelines.generation.caches import cache_request
+from pipelines.generation.prepare import resolve_device_and_dtype
 from pipelines.lora import LoraSpec
 from pipelines.serve.config import parse_args
 from pipelines.serve.engine import Engine
@@ -260,6 +260,6 @@ def test_fp8_reaches_the_accelerator_and_a_cpu_is_refused_in_one_line() -> None:
     fields = {f.name: getattr(config.settings, f.name) for f in dataclasses.fields(ModelSettings)}
     options = ServeSettings(**fields, capture_on_miss=True).accelerate_options()
     assert (options["quantize"], options["compile"], options["capture_on_miss"]) == ("fp8", True, True)
-    with pytest.raises(CLIError) as refused:
+    with pytest.raises(InputError) as refused:
         check(config)
     assert "--quantize fp8" in str(refused.value) and "\n" not in str(refused.value)

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pipelines.cli import ModelSettings, Workload, prepare_pipeline
-from pipelines.cli.prepare import resolve_device_and_dtype
+from pipelines.generation import ModelSettings, Workload, prepare_pipeline
+from pipelines.generation.prepare import resolve_device_and_dtype
 from pipelines.serve.batcher import Batcher, Work
 from pipelines.serve.continuous import ContinuousWorker
 from pipelines.serve.engine import Engine

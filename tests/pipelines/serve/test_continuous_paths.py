@@ -101,10 +101,10 @@ def test_a_step_cache_is_refused_for_continuous_batching_in_one_line(cache: str)
 
 
 def test_a_model_without_a_loop_by_steps_is_refused_before_it_is_built() -> None:
-    from pipelines.cli import CLIError
+    from pipelines.generation import InputError
     from pipelines.serve.startup import check
 
-    with pytest.raises(CLIError) as refused:
+    with pytest.raises(InputError) as refused:
         check(parse_args(["--model", "flux.1", "--device", "cpu", "--batching", "continuous"]))
     assert "FluxPipeline's loop is not run a step at a time" in str(refused.value)
     assert "--batching dynamic" in str(refused.value) and "\n" not in str(refused.value)

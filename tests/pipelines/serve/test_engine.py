@@ -6,6 +6,7 @@ batch only while the worker goes on."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.cli import ModelSettings, PreparedPipeline, RunError, call_settings
+from pipelines.generation import ModelSettings, PreparedPipeline, RunError, call_settings
 from pipelines.serve.batcher import Batcher, Work
 from pipelines.serve.engine import Engine, Plan
 from pipelines.serve.errors import ServeError
@@ -97,6 +98,20 @@ def test_plans_take_the_models_defaults_and_a_negative_prompt_only_where_guidanc
     e.run([strong])
     assert e.pipe.calls[-1]["negative"] == ["blur"]
     assert e.pipe.calls[-1]["guidance"] == 4.0
+
+
+def test_what_a_request_gives_and_the_model_drops_is_in_its_call_not_in_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A negative prompt without CFG is dropped from the call and noted on its settings; the
+    server logs nothing for it (a request's image record says what ran)."""
+    e = engine(FakePipeline())
+    with caplog.at_level(logging.DEBUG):
+        plan = e.plan(request("a", negative_prompt="blur", guidance=1.0))
+    assert plan.call.negative_prompt is None
+    assert plan.call.notes == ("--negative-prompt is ignored: classifier-free guidance runs only with --guidance "
+                               "above 1 (this run uses 1)",)  # fmt: skip
+    assert caplog.records == []
 
 
 def test_non_finite_pixels_are_an_error_not_an_image() -> None:

@@ -7,7 +7,7 @@ import inspect
 import logging
 from typing import Any
 
-logger = logging.getLogger("bcg-generate")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

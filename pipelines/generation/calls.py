@@ -5,18 +5,29 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import logging
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from .checks import check_frames
 from .defaults import default_frames, generation_defaults
-from .errors import RunError, _one_line
-from .jobs import Job
+from .errors import RunError, one_line
 from .steps import CallStopped, StepWatch, end_stopped_call, takes_step_callback
 
-logger = logging.getLogger("bcg-generate")
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One pipeline call: ``len(indices)`` images of one prompt at one resolution.
+
+    ``indices`` number the images of a whole run (a front end's file names and records use
+    them) and ``seeds[k]`` is image ``k``'s seed: its generator's, so its noise is its own.
+    """
+
+    prompt: str
+    width: int
+    height: int
+    indices: tuple[int, ...]
+    seeds: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +39,14 @@ class CallSettings:
     captures what the calls do). ``frames``: a video pipeline's frame count, None for images.
     ``frame_rate``: the argument and value of ``--fps`` for a pipeline conditioned on its frame
     rate (LTX-Video's ``frame_rate``); None leaves the pipeline's own. ``image_kwargs``: the input
-    image every call passes (``image``, ``mask_image``, ``strength``; :mod:`pipelines.cli.image_input`),
+    image every call passes (``image``, ``mask_image``, ``strength``; :mod:`pipelines.generation.image_input`),
     ``image_note`` says what it was in the images' record, ``image_fit``: it is resized to each
     call's size first (an image-to-image pipeline's latents are its image's). ``takes_size``: the
     call takes ``height`` and ``width`` (a pipeline that makes its size from its input image takes
     neither); ``takes_max_area``: it also takes ``max_area``, to which it would scale them (FLUX.1
     Kontext's 1024x1024): set to the size asked, so that the size made is the size asked.
+    ``notes``: the flags given that the pipeline does not use, each a line for the user who gave
+    them (a front end that plans a call per request, whose records say what ran, can pass them by).
     """
 
     steps: int
@@ -51,6 +64,7 @@ class CallSettings:
     takes_size: bool = True
     image_fit: bool = False
     takes_max_area: bool = False
+    notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def kwargs(self, job: Job, device: Any) -> dict[str, Any]:
         """The pipeline's keyword arguments for ``job`` (its generators on ``device``)."""
@@ -100,25 +114,26 @@ def call_settings(pipe: Any, model: str, size: str, steps: int | None = None, gu
                   fps: float | None = None) -> CallSettings:  # fmt: skip
     """``--steps``, ``--guidance``, ``--negative-prompt``, ``--frames`` and ``--fps`` (None: not
     given) for ``pipe``, built as ``model`` at ``size``; a negative prompt or guidance that the
-    pipeline would not use is dropped with a warning, and CLIError is raised for frames it cannot
-    make. ``--fps`` reaches a pipeline whose call takes ``frame_rate`` (or ``fps``), which its
+    pipeline would not use is dropped, and said in :attr:`CallSettings.notes`; InputError is
+    raised for frames it cannot make. ``--fps`` reaches a pipeline whose call takes ``frame_rate`` (or ``fps``), which its
     model is conditioned on; for others it is the file's frame rate only."""
     defaults = generation_defaults(pipe)
     scale = guidance if guidance is not None else defaults.guidance
     cfg = scale is not None and scale > defaults.cfg_above
     negative = negative_prompt
+    notes: list[str] = []
     if negative is not None and scale is not None and not cfg:
         if math.isinf(defaults.cfg_above):
-            logger.warning("--negative-prompt is ignored: %s's --guidance feeds a distilled guidance embedding, "
-                           "not classifier-free guidance", type(pipe).__name__)  # fmt: skip
+            notes.append(f"--negative-prompt is ignored: {type(pipe).__name__}'s --guidance feeds a distilled "
+                         "guidance embedding, not classifier-free guidance")  # fmt: skip
         else:
-            logger.warning("--negative-prompt is ignored: classifier-free guidance runs only with --guidance above "
-                           "%g (this run uses %g)", defaults.cfg_above, scale)  # fmt: skip
+            notes.append(f"--negative-prompt is ignored: classifier-free guidance runs only with --guidance above "
+                         f"{defaults.cfg_above:g} (this run uses {scale:g})")  # fmt: skip
         negative = None
     if negative is None and cfg and defaults.default_negative is not None:
         negative = defaults.default_negative
     if guidance is not None and defaults.guidance_kwarg is None:
-        logger.warning("%s takes no guidance scale; --guidance %s is ignored", type(pipe).__name__, guidance)
+        notes.append(f"{type(pipe).__name__} takes no guidance scale; --guidance {guidance} is ignored")
 
     params = inspect.signature(pipe.__call__).parameters
     temporal = getattr(pipe, "vae_scale_factor_temporal", None)
@@ -139,6 +154,7 @@ def call_settings(pipe: Any, model: str, size: str, steps: int | None = None, gu
         frame_rate=_frame_rate(params, fps),
         takes_size=("height" in params and "width" in params) or _any_keyword(params),
         takes_max_area="max_area" in params,
+        notes=tuple(notes),
     )
 
 
@@ -183,13 +199,6 @@ def nan_hint(dtype: str | None, guidance: float | None, guidance_name: str = "--
     return ""
 
 
-def generate_images(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None,
-                    watch: StepWatch | None = None) -> list[Any]:  # fmt: skip
-    """One pipeline call -> PIL images (a video pipeline's: the first frame of each video); see
-    :func:`generate_frames`."""
-    return generate_frames(pipe, kwargs, job, hint, cache, watch)[0]
-
-
 def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None,
                     watch: StepWatch | None = None) -> tuple[list[Any], list[list[Any]] | None]:  # fmt: skip
     """One pipeline call -> its PIL images, and for a video pipeline (output ``frames``, not
@@ -198,8 +207,8 @@ def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cach
     a NaN anywhere says the call went wrong. ``cache``: the step cache applied (its description),
     if any: a cache hook that fails inside the call is told in one line with the cache named,
     since it, not the pipeline, is the suspect. ``watch``: sees every step's end where the
-    pipeline takes ``callback_on_step_end`` (:class:`~pipelines.cli.steps.StepWatch`); a call it
-    stops raises :class:`~pipelines.cli.steps.CallStopped`, the pipeline's end run.
+    pipeline takes ``callback_on_step_end`` (:class:`~pipelines.generation.steps.StepWatch`); a call it
+    stops raises :class:`~pipelines.generation.steps.CallStopped`, the pipeline's end run.
 
     An image pipeline asked for ``output_type="pt"`` (:meth:`CallSettings.kwargs`) hands back the
     batch it decoded, still on its device: it is checked there (one sync) and made 8-bit there
@@ -220,7 +229,7 @@ def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cach
         end_stopped_call(pipe)
         raise
     except ParallelError as e:  # --parallel: the ranks disagree or lost one another
-        raise RunError(_one_line(e)) from None
+        raise RunError(one_line(e)) from None
     except torch.OutOfMemoryError:
         raise RunError(
             f"out of memory generating {len(job.indices)} image(s) at {job.width}x{job.height}: "
@@ -229,9 +238,9 @@ def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cach
     except Exception as e:
         if cache is not None:
             raise RunError(f"{type(pipe).__name__} failed with --cache {cache}: {type(e).__name__}: "
-                           f"{_one_line(e)[:300]} (try without --cache)") from None  # fmt: skip
+                           f"{one_line(e)[:300]} (try without --cache)") from None  # fmt: skip
         if isinstance(e, (TypeError, ValueError)):  # a pipeline that needs more than a prompt (an input image...)
-            raise RunError(f"{type(pipe).__name__} refused the call: {_one_line(e)[:300]}") from None
+            raise RunError(f"{type(pipe).__name__} refused the call: {one_line(e)[:300]}") from None
         raise
     video = getattr(output, "images", None) is None and getattr(output, "frames", None) is not None
     pixels = output.frames if video else output.images

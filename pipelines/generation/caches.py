@@ -1,7 +1,7 @@
 """``--cache``: a step cache on the denoiser, applied the way its library documents it.
 
 fbc, taylorseer and magcache are diffusers' hooks (``diffusers.hooks.apply_*``), dbcache is
-cache-dit's ``enable_cache`` (an optional extra). The CLI applies them before
+cache-dit's ``enable_cache`` (an optional extra). The preparation applies them before
 ``accelerate_pipeline`` and records what it applied; how a cache behaves under graphs is the
 library's business.
 
@@ -18,10 +18,10 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import CLIError, RunError, _one_line
+from .errors import GenerationError, InputError, RunError, one_line
 from .extras import install_command, missing
 
-logger = logging.getLogger("bcg-generate")
+logger = logging.getLogger(__name__)
 
 # Which knob each method takes, by flag.
 _FLAGS = {"threshold": "--cache-threshold", "interval": "--cache-interval", "ratios": "--cache-ratios"}
@@ -70,25 +70,25 @@ class CacheRequest:
 
 def cache_request(method: str | None, threshold: float | None, interval: int | None,
                   ratios: Iterable[float] | None) -> CacheRequest | None:  # fmt: skip
-    """The request of ``--cache`` and its knobs, or CLIError for knobs that do not fit."""
+    """The request of ``--cache`` and its knobs, or InputError for knobs that do not fit."""
     given = {k: v for k, v in (("threshold", threshold), ("interval", interval), ("ratios", ratios)) if v is not None}
     if method is None:
         if given:
             flags = " and ".join(_FLAGS[k] for k in given)
-            raise CLIError(f"{flags} tune a step cache, which this run does not use: add --cache "
+            raise InputError(f"{flags} tune a step cache, which this run does not use: add --cache "
                            f"{'|'.join(KNOBS)}")  # fmt: skip
         return None
     for knob in given:
         if knob not in KNOBS[method]:
             takes = " and ".join(_FLAGS[k] for k in KNOBS[method])
-            raise CLIError(f"--cache {method} takes no {_FLAGS[knob]} (its knob: {takes})")
+            raise InputError(f"--cache {method} takes no {_FLAGS[knob]} (its knob: {takes})")
     if method == "magcache" and ratios is None:
-        raise CLIError(
+        raise InputError(
             "--cache magcache needs --cache-ratios R1,R2,...: MagCache skips steps by magnitude ratios calibrated "
             "for each model (diffusers' MagCacheConfig(calibrate=True) prints them)"
         )
     if method == "dbcache" and missing("cache-dit"):
-        raise CLIError(f"--cache dbcache uses cache-dit, which is not installed: {CACHE_DIT_EXTRA}")
+        raise InputError(f"--cache dbcache uses cache-dit, which is not installed: {CACHE_DIT_EXTRA}")
     return CacheRequest(method, threshold, interval, tuple(ratios) if ratios is not None else None)
 
 
@@ -120,11 +120,11 @@ def taylorseer_identifiers(denoiser: Any) -> list[str] | None:
 
 
 def check_supported(request: CacheRequest, denoiser: Any, pipeline: str) -> None:
-    """CLIError where ``request`` cannot work on ``denoiser`` (a module, perhaps on the meta device).
+    """InputError where ``request`` cannot work on ``denoiser`` (a module, perhaps on the meta device).
 
     diffusers' caches keep their state per ``cache_context``, which pipelines of ``CacheMixin``
     models open around every denoiser call; for a denoiser without one (Z-Image in diffusers
-    0.42), ``accelerate_pipeline`` opens it (the CLI always calls it, in every mode). TaylorSeer
+    0.42), ``accelerate_pipeline`` opens it (the preparation always calls it, in every mode). TaylorSeer
     also needs modules its patterns match.
     """
     if not request.diffusers_hook or denoiser is None:
@@ -133,7 +133,7 @@ def check_supported(request: CacheRequest, denoiser: Any, pipeline: str) -> None
         patterns = taylorseer_identifiers(denoiser) or list(_taylorseer_defaults())
         names = [name for name, _ in denoiser.named_modules()]
         if patterns and not any(re.fullmatch(p, n) for p in patterns for n in names):
-            raise CLIError(f"--cache taylorseer finds no attention module of {type(denoiser).__name__} to cache")
+            raise InputError(f"--cache taylorseer finds no attention module of {type(denoiser).__name__} to cache")
 
 
 def _fmt(value: Any) -> str:
@@ -155,14 +155,14 @@ def apply_cache(pipe: Any, request: CacheRequest, steps: int) -> str:
     """Turn ``request``'s cache on in ``pipe``; returns what was applied, for the PNG text."""
     denoiser = denoiser_of(pipe)
     if denoiser is None:
-        raise CLIError(f"--cache {request.method}: {type(pipe).__name__} has no transformer or unet to cache")
+        raise InputError(f"--cache {request.method}: {type(pipe).__name__} has no transformer or unet to cache")
     try:
         return _apply(pipe, denoiser, request, steps)
-    except CLIError:
+    except GenerationError:
         raise
     except Exception as e:  # the libraries refuse models they cannot hook in many ways
         raise RunError(f"--cache {request.method} cannot be applied to {type(denoiser).__name__}: "
-                       f"{_one_line(e)[:300]}") from None  # fmt: skip
+                       f"{one_line(e)[:300]}") from None  # fmt: skip
 
 
 def _apply(pipe: Any, denoiser: Any, request: CacheRequest, steps: int) -> str:

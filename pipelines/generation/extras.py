@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .errors import CLIError
+from .errors import InputError
 
 __all__ = ["EXTRAS", "install_command", "missing", "require"]
 
@@ -48,10 +48,10 @@ def missing(extra: str) -> list[str]:
 
 
 def require(extra: str, what: str) -> None:
-    """CLIError, in one line naming the install command, unless every package of ``extra`` is
+    """InputError, in one line naming the install command, unless every package of ``extra`` is
     installed; ``what`` is what needs it (``"bcg-serve"``, ``"--out .mp4"``)."""
     absent = missing(extra)
     if absent:
         verb = "is" if len(absent) == 1 else "are"
-        raise CLIError(f"{what} needs the [{extra}] extra; {', '.join(absent)} {verb} not installed: "
+        raise InputError(f"{what} needs the [{extra}] extra; {', '.join(absent)} {verb} not installed: "
                        f"{install_command(extra)}")  # fmt: skip

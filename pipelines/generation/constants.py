@@ -1,4 +1,4 @@
-"""The CLI's constants, and those it borrows without importing torch.
+"""The front ends' constants, and those they borrow without importing torch.
 
 ``--help`` and a mistyped option answer in a fraction of a second instead of the 3-5 s that
 torch, diffusers and accel's package take to import. So the option constants come from
@@ -14,17 +14,12 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-PROG = "bcg-generate"
 DEFAULT_PROMPT = "a red fox in the snow, golden hour"
 DEFAULT_MODEL = "z-image"
 DEFAULT_RESOLUTION = (512, 512)
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}  # fmt: skip
 CACHES = ("fbc", "taylorseer", "magcache", "dbcache")
-# The files a video model's every frame goes into (pipelines.cli.video), by --out's suffix.
-VIDEO_SUFFIXES = (".webp", ".gif", ".mp4")
-# The files an image goes into (pipelines.cli.formats), by --out's suffix, and their formats.
-IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
 # A LoRA scale beyond this (either sign) is taken, with a warning: adapters are trained for about 1.
 LORA_SCALE_WARNING = 10.0
@@ -47,7 +42,7 @@ def accel_options() -> ModuleType:
     real = sys.modules.get("accel.hooks.options")
     if real is not None:
         return real
-    name = "pipelines.cli._accel_options"
+    name = "pipelines.generation._accel_options"
     try:
         package = importlib.util.find_spec("accel")  # a top-level find_spec imports nothing
         locations = list(package.submodule_search_locations or []) if package else []

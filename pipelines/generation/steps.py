@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["CallStopped", "StepWatch", "end_stopped_call", "takes_step_callback"]
 
-logger = logging.getLogger("bcg-generate")
+logger = logging.getLogger(__name__)
 
 CALLBACK = "callback_on_step_end"
 

@@ -154,7 +154,7 @@ def out_path(text: str) -> Path:
 
 def lora(text: str) -> LoraSpec:
     """``FILE[:SCALE]`` (``NAME=FILE[:SCALE]`` also reads), the scale a finite number; the file is
-    checked with the other model flags (:func:`pipelines.cli.model_flags.model_settings`)."""
+    checked with the other model flags (:func:`pipelines.generation.model_flags.model_settings`)."""
     try:
         return parse_lora(user_path(text))
     except LoraError as e:

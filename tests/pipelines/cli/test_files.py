@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from pipelines.cli import images as cli_images
+from pipelines.cli import files as cli_files
 from pipelines.cli import main
-from pipelines.cli import prepare as cli_prepare
+from pipelines.generation import prepare as generation_prepare
+from pipelines.generation.formats import encode_image
 
 FAST = ["--resolution", "64x64", "--steps", "2", "--quiet"]
 
@@ -83,7 +84,7 @@ def test_a_part_file_a_killed_run_left_is_removed_by_the_next(tmp_path: Path, mo
     import sys
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    host = cli_images._host()
+    host = cli_files._host()
     stale = tmp_path / f".fox.png.{host}-{int(dead.stdout)}-0123abcd.part"
     live = tmp_path / f".fox.png.{host}-{os.getpid()}-0123abcd.part"  # a run writing now: this one
     other = tmp_path / f".fox.png.{'0000' if host != '0000' else '0001'}-{int(dead.stdout)}-0123abcd.part"
@@ -91,7 +92,7 @@ def test_a_part_file_a_killed_run_left_is_removed_by_the_next(tmp_path: Path, mo
     for part in (stale, live, other, old):
         part.write_bytes(b"half an image")
     os.utime(old, (0, 0))
-    assert cli_images.sweep_stale_parts(tmp_path) == 2
+    assert cli_files.sweep_stale_parts(tmp_path) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
     assert main(["--out", str(tmp_path / "fox.png"), *FAST]) == 0
     assert live.exists() and other.exists()
@@ -99,7 +100,7 @@ def test_a_part_file_a_killed_run_left_is_removed_by_the_next(tmp_path: Path, mo
 
 @pytest.mark.parametrize(("suffix", "fmt"), [(".jpg", "JPEG"), (".webp", "WEBP")])
 def test_jpeg_and_webp_files_carry_the_record(tmp_path: Path, suffix: str, fmt: str) -> None:
-    from pipelines.cli.formats import read_image_text
+    from pipelines.generation.formats import read_image_text
 
     out = tmp_path / f"fox{suffix}"
     assert main(["--prompt", "a fox, in snow", "--seed", "3", "--out", str(out), *FAST]) == 0
@@ -123,7 +124,7 @@ def test_a_name_taken_during_the_run_is_kept_and_the_image_goes_to_a_free_name(
     finds the first one's files."""
     out = tmp_path / "out"
     names = ["0000-a-fox-64x64-s0.png", "0001-a-fox-64x64-s1.png"]
-    real_build = cli_prepare.build_model
+    real_build = generation_prepare.build_model
 
     def build_while_another_run_writes(*args: Any, **kwargs: Any) -> Any:
         pipe = real_build(*args, **kwargs)
@@ -132,7 +133,7 @@ def test_a_name_taken_during_the_run_is_kept_and_the_image_goes_to_a_free_name(
         (out / "0000-a-fox-64x64-s0-1.png").write_bytes(b"and its second try")
         return pipe
 
-    monkeypatch.setattr(cli_prepare, "build_model", build_while_another_run_writes)
+    monkeypatch.setattr(generation_prepare, "build_model", build_while_another_run_writes)
     with caplog.at_level(logging.WARNING, logger="bcg-generate"):
         assert main(["--prompt", "a fox", "--batch-size", "2", "--out", str(out), *FAST]) == 0
     assert (out / names[0]).read_bytes() == b"the other run's image"
@@ -148,14 +149,14 @@ def test_a_name_taken_during_the_run_is_kept_and_the_image_goes_to_a_free_name(
 
 def test_two_runs_with_one_png_both_keep_their_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "same.png"
-    real_build = cli_prepare.build_model
+    real_build = generation_prepare.build_model
 
     def build_while_another_run_writes(*args: Any, **kwargs: Any) -> Any:
         pipe = real_build(*args, **kwargs)
         out.write_bytes(b"the other run's image")
         return pipe
 
-    monkeypatch.setattr(cli_prepare, "build_model", build_while_another_run_writes)
+    monkeypatch.setattr(generation_prepare, "build_model", build_while_another_run_writes)
     assert main(["--seed", "9", "--out", str(out), *FAST]) == 0
     assert out.read_bytes() == b"the other run's image"
     assert png_text(tmp_path / "same-1.png")["seed"] == "9"
@@ -174,8 +175,8 @@ def test_each_write_has_a_hidden_name_of_its_own(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(Path, "write_bytes", write_bytes)
     image = Image.new("RGB", (8, 8))
-    first = cli_images.save_png(image, tmp_path / "a.png", {"prompt": "x"})
-    second = cli_images.save_png(image, tmp_path / "a.png", {"prompt": "y"})
+    first = cli_files.save_png(image, tmp_path / "a.png", {"prompt": "x"})
+    second = cli_files.save_png(image, tmp_path / "a.png", {"prompt": "y"})
     assert (first.name, second.name) == ("a.png", "a-1.png")
     assert len(seen) == 2 and seen[0] != seen[1]
     assert all(p.name.startswith(".a.png.") and p.name.endswith(".part") for p in seen)
@@ -195,7 +196,7 @@ def test_no_clobber_without_hard_links(tmp_path: Path, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(os, "link", no_links)
     (tmp_path / "a.png").write_bytes(b"earlier")
-    written = cli_images.save_png(Image.new("RGB", (8, 8)), tmp_path / "a.png", {})
+    written = cli_files.save_png(Image.new("RGB", (8, 8)), tmp_path / "a.png", {})
     assert written.name == "a-1.png" and (tmp_path / "a.png").read_bytes() == b"earlier"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-1.png", "a.png"]
 
@@ -222,7 +223,7 @@ def test_a_name_that_is_not_utf8_is_printed(tmp_path: Path, capsys: pytest.Captu
     assert capsys.readouterr().out.rstrip().endswith("caf\\udce9.png")
 
 
-def test_png_bytes_and_save_png_keep_every_pixel_and_the_text(tmp_path: Path) -> None:
+def test_encode_image_and_save_png_keep_every_pixel_and_the_text(tmp_path: Path) -> None:
     """The run-length zlib strategy the PNGs are written with is lossless, in memory and on disk."""
     import io
 
@@ -234,8 +235,8 @@ def test_png_bytes_and_save_png_keep_every_pixel_and_the_text(tmp_path: Path) ->
     image = Image.fromarray(pixels)
     text = {"prompt": "a lighthouse", "seed": "7"}
     for read in (
-        Image.open(io.BytesIO(cli_images.png_bytes(image, text))),
-        Image.open(cli_images.save_png(image, tmp_path / "a.png", text)),
+        Image.open(io.BytesIO(encode_image(image, text, "png"))),
+        Image.open(cli_files.save_png(image, tmp_path / "a.png", text)),
     ):
         assert np.array_equal(np.asarray(read), pixels)
         assert {k: read.text[k] for k in text} == text

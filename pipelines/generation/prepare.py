@@ -1,12 +1,12 @@
 """A pipeline made ready from the model flags: checked, built, its calls' settings resolved, its
 limits checked, its step cache applied, accelerated and warmed up.
 
-In that order, each step once; :func:`load_pipeline` runs them all for a front end that serves
-calls (a server), and ``bcg-generate`` runs the checks that need no model
+In that order, each step once. A front end runs the checks that need no model
 (:func:`resolve_device_and_dtype`, :func:`check_model`) among its own before it calls
-:func:`prepare_pipeline`, so that every bad input is refused before anything is built. The
-:class:`PreparedPipeline` then makes one call at a time (:meth:`PreparedPipeline.generate`), and
-:func:`pipelines.cli.images.call_pngs` turns a call's images into PNG bytes.
+:func:`prepare_pipeline`, so that every bad input is refused before anything is built
+(:func:`load_pipeline` runs both). The :class:`PreparedPipeline` then makes one call at a time
+(:meth:`PreparedPipeline.generate`); :func:`~pipelines.generation.record.image_texts` and
+:func:`~pipelines.generation.formats.encode_image` make each image's record and file bytes.
 """
 
 from __future__ import annotations
@@ -15,22 +15,21 @@ import argparse
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..lora import LoraError, LoraSpec, load_loras
 from .caches import CacheRequest, apply_cache, check_supported, denoiser_of
-from .calls import CallSettings, call_settings, generate_frames, graph_replays, mode_ran
+from .calls import CallSettings, Job, call_settings, generate_frames, graph_replays, mode_ran
 from .checks import _check_embedded, check_positions, largest_first, resolve_device
 from .constants import LORA_SCALE_WARNING
-from .errors import CLIError, RunError, _one_line
-from .images import quantized, run_text
-from .jobs import Job
+from .errors import InputError, RunError, one_line
 from .loading import build_model
 from .model_flags import ModelSettings, check_quantize, model_settings
+from .record import quantized, run_text
 from .steps import StepWatch
 
-logger = logging.getLogger("bcg-generate")
+logger = logging.getLogger(__name__)
 
 Size = tuple[int, int]
 
@@ -45,7 +44,7 @@ class Workload:
     of this process encode (the warm-up captures their text encoder's lengths); none: this
     process makes no call, and nothing is warmed up. ``warm_sizes``: the sizes warmed up unless
     ``--warmup`` names others (None: ``resolutions``). ``image``, ``mask`` and ``strength``: every
-    call's input image (PIL), mask and strength (:mod:`pipelines.cli.image_input`); ``image_name``
+    call's input image (PIL), mask and strength (:mod:`pipelines.generation.image_input`); ``image_name``
     how the record names the image; ``edits``: calls bring images of their own (a server's edits),
     so a model that needs one is not refused for want of ``image``.
     """
@@ -115,17 +114,29 @@ class PreparedPipeline:
         scheduler = getattr(self.pipe, "scheduler", None)
         return type(scheduler).__name__ if scheduler is not None else None
 
-    def generate(self, job: Job, hint: str = "", call: CallSettings | None = None,
-                 watch: StepWatch | None = None) -> GeneratedCall:  # fmt: skip
+    def generate(self, job: Job, hint: str = "", call: CallSettings | None = None, watch: StepWatch | None = None,
+                 *, pipe: Any = None, arguments: Mapping[str, Any] | None = None) -> GeneratedCall:  # fmt: skip
         """Make ``job``'s images in one call with ``call`` (default: :attr:`call`); RunError for a
         call that fails or makes non-finite pixels (``hint`` is added: what may have caused them).
-        ``watch``: sees each step's end (a progress bar), and may stop the call."""
+        ``watch``: sees each step's end (a progress bar), and may stop the call
+        (:class:`~pipelines.generation.steps.CallStopped`).
+
+        ``pipe``: another pipeline of the same components to call (an image-to-image pipeline of
+        :func:`~pipelines.generation.image_input.image_pipeline`, accelerated alike); ``arguments``:
+        the call's arguments over those of ``call`` for ``job`` (a prompt per image, an input
+        image), for a front end that plans its own calls.
+
+        This is the one place a pipeline is called. A loop that drives the denoising steps itself
+        (several requests sharing steps, joining and leaving between them) would take the place of
+        the pipeline's own call here, behind the same arguments and the same checks of what it made.
+        """
         import torch
 
         kwargs = (call or self.call).kwargs(job, self.device)
+        kwargs.update(arguments or {})
         before = graph_replays(self.pipe) if self.accelerated else None
         t0 = time.perf_counter()
-        images, videos = generate_frames(self.pipe, kwargs, job, hint, self.cache, watch)
+        images, videos = generate_frames(pipe or self.pipe, kwargs, job, hint, self.cache, watch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
@@ -133,7 +144,7 @@ class PreparedPipeline:
 
 
 def resolve_device_and_dtype(settings: ModelSettings) -> tuple[Any, Any]:
-    """The torch device and dtype of ``--device`` and ``--dtype``; CLIError for a device not here."""
+    """The torch device and dtype of ``--device`` and ``--dtype``; InputError for a device not here."""
     import torch
 
     device = resolve_device(settings.device, settings.mode_flag)
@@ -142,7 +153,7 @@ def resolve_device_and_dtype(settings: ModelSettings) -> tuple[Any, Any]:
 
 def check_model(settings: ModelSettings, device: Any, dtype: Any, resolutions: Sequence[Size],
                 frames: int | None = None) -> None:  # fmt: skip
-    """What can be checked before the model is built (CLIError): a local model's folder, and a
+    """What can be checked before the model is built (InputError): a local model's folder, and a
     built-in model's limits, step cache and LoRA loader against its configs."""
     _check_embedded(settings.model, settings.size, device, dtype, resolutions, settings.warmup or [], frames)
     check_quantize(settings, device, dtype)
@@ -157,7 +168,9 @@ def _check_embedded_lora_loader(model: str) -> None:
 
     name = canonical_name(model)
     if name is not None and not hasattr(pipeline_class(name), "load_lora_weights"):
-        raise CLIError(f"--lora: {pipeline_class(name).__name__} cannot load LoRAs (diffusers gives it no LoRA loader)")
+        raise InputError(
+            f"--lora: {pipeline_class(name).__name__} cannot load LoRAs (diffusers gives it no LoRA loader)"
+        )
 
 
 def _check_embedded_cache(cache: CacheRequest, model: str, size: str) -> None:
@@ -182,7 +195,7 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
     """Build the pipeline of ``settings`` on ``device``, check it against ``workload``, apply the
     step cache, accelerate it and warm it up (``progress``: the warm-up's progress bars).
 
-    CLIError for a workload beyond the built model's limits; RunError for a model that cannot be
+    InputError for a workload beyond the built model's limits; RunError for a model that cannot be
     loaded or accelerated, or a warm-up out of memory. Call :func:`check_model` first.
     """
     import torch
@@ -208,6 +221,8 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
     called = taking.pipe if taking is not None else pipe
     call = call_settings(called, settings.model, settings.size, workload.steps, workload.guidance,
                          workload.negative_prompt, workload.frames, workload.fps)  # fmt: skip
+    for note in call.notes:
+        logger.warning("%s", note)
     warm_kwargs = call.conditioning()
     if taking is not None:
         edit = taking.pipe is pipe
@@ -231,7 +246,7 @@ def prepare_pipeline(settings: ModelSettings, workload: Workload, device: Any, d
         largest = largest_first([*workload.resolutions, *warm])
         limits.check_memory(pipe, device, largest, workload.batch_size, cfg_memory, graphs)
     except limits.LimitError as e:
-        raise CLIError(str(e)) from None
+        raise InputError(str(e)) from None
 
     cache: str | None = None
     if settings.cache is not None:  # before accelerate_pipeline, which then runs the denoiser with its hooks
@@ -265,13 +280,13 @@ def accelerate_alike(pipe: Any, prepared: PreparedPipeline) -> None:
 
 def _image_pipeline(pipe: Any, workload: Workload) -> tuple[Any, dict[str, Any] | None, str | None]:
     """What takes the calls' input image, their image arguments and the record's note of them:
-    None without an input image (CLIError for a model that needs one), else the pipeline of
-    ``pipe``'s model that takes it (:func:`pipelines.cli.image_input.image_pipeline`)."""
+    None without an input image (InputError for a model that needs one), else the pipeline of
+    ``pipe``'s model that takes it (:func:`pipelines.generation.image_input.image_pipeline`)."""
     from .image_input import flatten, image_pipeline, mask_from, needs_image
 
     if workload.image is None:
         if needs_image(type(pipe)) and not workload.edits:
-            raise CLIError(f"{type(pipe).__name__} edits images: give it one with --image FILE")
+            raise InputError(f"{type(pipe).__name__} edits images: give it one with --image FILE")
         return None, None, None
     taking = image_pipeline(pipe, mask=workload.mask is not None)
     if workload.strength is not None and not taking.strength:
@@ -302,14 +317,14 @@ def _compatible_schedulers(scheduler: Any) -> set[str]:
 
 
 def set_scheduler(pipe: Any, name: str) -> None:
-    """``pipe``'s scheduler replaced by the diffusers class ``name``, made from its config; CLIError
+    """``pipe``'s scheduler replaced by the diffusers class ``name``, made from its config; InputError
     naming the compatible ones where it is not one (:func:`_compatible_schedulers`). A compatible
     class whose steps this pipeline cannot call (FlowMatchHeun lacks Z-Image's ``mu``) fails the
     first call in one line."""
     scheduler = getattr(pipe, "scheduler", None)
     compatible = sorted(_compatible_schedulers(scheduler))
     if name not in compatible:
-        raise CLIError(f"--scheduler {name}: {type(pipe).__name__}'s {type(scheduler).__name__} lists as compatible "
+        raise InputError(f"--scheduler {name}: {type(pipe).__name__}'s {type(scheduler).__name__} lists as compatible "
                        f"{', '.join(compatible)}")  # fmt: skip
     import diffusers
 
@@ -322,7 +337,7 @@ def set_scheduler(pipe: Any, name: str) -> None:
 def load_single_file_denoiser(pipe: Any, file: Any, device: Any, dtype: Any) -> None:
     """``pipe``'s denoiser replaced by the single-file checkpoint ``file`` (diffusers'
     ``from_single_file``, which converts a checkpoint in its original layout), configured as the
-    one it replaces; CLIError where diffusers loads no single file of that class or the file does
+    one it replaces; InputError where diffusers loads no single file of that class or the file does
     not fit it, RunError where the file cannot be read."""
     import tempfile
 
@@ -330,26 +345,26 @@ def load_single_file_denoiser(pipe: Any, file: Any, device: Any, dtype: Any) -> 
 
     name = next((n for n in DENOISER_NAMES if getattr(pipe, n, None) is not None), None)
     if name is None:
-        raise CLIError(f"--transformer: {type(pipe).__name__} has no denoiser to replace")
+        raise InputError(f"--transformer: {type(pipe).__name__} has no denoiser to replace")
     current = getattr(pipe, name)
     cls = type(current)
     if not hasattr(cls, "from_single_file"):
-        raise CLIError(f"--transformer: diffusers loads no single-file checkpoint of {cls.__name__}")
+        raise InputError(f"--transformer: diffusers loads no single-file checkpoint of {cls.__name__}")
     try:
         with tempfile.TemporaryDirectory() as config:
             current.save_config(config)
             loaded = cls.from_single_file(str(file), config=config, torch_dtype=dtype)
     except (ValueError, KeyError, RuntimeError) as e:  # keys or shapes another model's
-        raise CLIError(f"--transformer {file.name}: not a {cls.__name__} checkpoint of this configuration "
-                       f"({type(e).__name__}: {_one_line(e)[:200]})") from None  # fmt: skip
+        raise InputError(f"--transformer {file.name}: not a {cls.__name__} checkpoint of this configuration "
+                       f"({type(e).__name__}: {one_line(e)[:200]})") from None  # fmt: skip
     except Exception as e:  # an unreadable file, say
-        raise RunError(f"--transformer {file.name}: {type(e).__name__}: {_one_line(e)[:200]}") from None
+        raise RunError(f"--transformer {file.name}: {type(e).__name__}: {one_line(e)[:200]}") from None
     pipe.register_modules(**{name: loaded.to(device)})
     logger.info("%s: %s from %s", name, cls.__name__, file.name)
 
 
 def _load_loras(pipe: Any, specs: Sequence[LoraSpec]) -> tuple[LoraSpec, ...]:
-    """``--lora``'s adapters loaded and active: CLIError for a LoRA the model cannot take (another
+    """``--lora``'s adapters loaded and active: InputError for a LoRA the model cannot take (another
     model's, say), RunError for a load that fails otherwise."""
     if not specs:
         return ()
@@ -358,11 +373,11 @@ def _load_loras(pipe: Any, specs: Sequence[LoraSpec]) -> tuple[LoraSpec, ...]:
     try:
         return tuple(load_loras(pipe, specs))
     except LoraError as e:
-        raise CLIError(f"--lora {e}") from None
+        raise InputError(f"--lora {e}") from None
     except torch.OutOfMemoryError:
         raise RunError("out of memory loading --lora's adapters") from None
     except Exception as e:  # diffusers and peft raise many kinds; each ends as one line
-        raise RunError(f"could not load --lora: {type(e).__name__}: {_one_line(e)[:300]}") from None
+        raise RunError(f"could not load --lora: {type(e).__name__}: {one_line(e)[:300]}") from None
 
 
 def warn_lora_scales(specs: Sequence[LoraSpec]) -> None:
@@ -382,7 +397,7 @@ def _accelerate(pipe: Any, settings: ModelSettings) -> None:
         accelerate_pipeline(pipe, mode=settings.mode, **settings.accelerate_options())
     except (TypeError, ValueError) as e:  # e.g. a hub pipeline with no denoiser to accelerate
         hint = "drop --parallel to split the jobs instead" if settings.parallel else "--mode eager runs it as is"
-        raise RunError(f"cannot accelerate {type(pipe).__name__}: {_one_line(e)} ({hint})") from None
+        raise RunError(f"cannot accelerate {type(pipe).__name__}: {one_line(e)} ({hint})") from None
 
 
 def _warmup(pipe: Any, resolutions: list[Size], prompts: Sequence[str], negative: str | None, cfg: bool,
@@ -404,12 +419,12 @@ def load_pipeline(model: ModelSettings | argparse.Namespace, workload: Workload,
                   progress: bool = True) -> PreparedPipeline:  # fmt: skip
     """The pipeline of the model flags (parsed, or read back by :func:`model_settings`), checked,
     built, accelerated and warmed up for ``workload`` in this process: every step of
-    ``bcg-generate`` before its first image. CLIError for bad input, RunError for a failure.
+    ``bcg-generate`` before its first image. InputError for bad input, RunError for a failure.
 
     A server, say, prepares for the sizes it serves::
 
         prepared = load_pipeline(args, Workload(resolutions=[(1024, 1024)], prompts=[DEFAULT_PROMPT]))
-        result = prepared.generate(plan_jobs([prompt], [(1024, 1024)], 1, seed)[0])
+        result = prepared.generate(Job(prompt, 1024, 1024, indices=(0,), seeds=(seed,)))
     """
     settings = model_settings(model) if isinstance(model, argparse.Namespace) else model
     device, dtype = resolve_device_and_dtype(settings)

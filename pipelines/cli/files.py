@@ -1,8 +1,4 @@
-"""Images to files: the text that says how each was made (A1111's ``parameters`` among it), the
-file's bytes, and a file that appears only once complete.
-
-:func:`call_pngs` gives the PNGs of one pipeline call in memory, with the text the CLI writes
-into its files (:func:`save_image`), for a front end that sends them rather than writes them.
+"""Image files that appear only once complete, and the part files of killed runs swept.
 
 A file is written to a hidden part file of its own first, renamed once whole; a run killed
 meanwhile (SIGKILL, a power cut) leaves its part file behind. The part file's name holds its
@@ -15,125 +11,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import json
-import logging
 import os
 import re
 import secrets
 import socket
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..lora import LoraSpec, describe_loras
-from .constants import package_version
-from .errors import RunError, _one_line
-from .formats import encode_image
-from .jobs import Job
-from .png import encode_png
-
-logger = logging.getLogger("bcg-generate")
-
-if TYPE_CHECKING:
-    from .calls import CallSettings
-    from .prompts import TokenCount
-
-
-def run_text(model: str, device: Any, dtype: Any, call: CallSettings, cache: str | None = None,
-             loras: Sequence[LoraSpec] = (), quantize: str | None = None,
-             scheduler: str | None = None) -> dict[str, str]:  # fmt: skip
-    """The PNG text every image of a run shares: how the calls were made (``cache``: the step
-    cache applied, as described when it was; ``loras``: the adapters, by file name and scale;
-    ``quantize``: what quantization ran, :func:`quantized`; ``scheduler``: its class name)."""
-    text = dict(
-        negative_prompt=call.negative_prompt or "",
-        steps=str(call.steps),
-        guidance="default" if call.guidance is None else f"{call.guidance:g}",
-        model=model,
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        Software=f"bcg-diffusers {package_version()}",
-    )
-    if scheduler is not None:
-        text["scheduler"] = scheduler
-    if call.image_note:
-        text["input_image"] = call.image_note
-    if cache is not None:
-        text["cache"] = cache
-    if loras:
-        text["lora"] = describe_loras(loras)
-    if quantize is not None:
-        text["quantize"] = quantize
-    if call.frames is not None:
-        text["frames"] = f"{call.frames} generated, the first written"
-    return text
-
-
-def quantized(pipe: Any) -> str | None:
-    """What ``quantize=`` did to ``pipe``'s denoiser, in one line (None where nothing is quantized)."""
-    accel = vars(pipe).get("accel")
-    quantization = getattr(accel, "quantization", None)
-    return quantization.summary() if quantization is not None else None
-
-
-def image_texts(job: Job, common: Mapping[str, str], mode: str, requested_mode: str,
-                tokens: TokenCount | None = None) -> list[dict[str, str]]:  # fmt: skip
-    """The PNG text of each image of ``job``: its prompt, seed, size and index, the ``mode`` that
-    ran (and the one requested, where another ran), the prompt's ``tokens``, then ``common``
-    (:func:`run_text`)."""
-    texts = []
-    for index, seed in zip(job.indices, job.seeds):
-        text = dict(prompt=job.prompt, seed=str(seed), resolution=f"{job.width}x{job.height}", index=str(index),
-                    mode=mode)  # fmt: skip
-        if mode != requested_mode:
-            text["requested_mode"] = requested_mode
-        if tokens is not None:
-            text["prompt_tokens"] = tokens.describe()
-        text.update(common)
-        text["parameters"] = parameters(text)
-        texts.append(text)
-    return texts
-
-
-def parameters(text: Mapping[str, str]) -> str:
-    """An image's record as AUTOMATIC1111's web UI writes its ``parameters`` text, which image
-    browsers and other UIs read: the prompt, ``Negative prompt: ...``, then ``Key: value`` pairs."""
-    fields = [("Steps", text.get("steps")), ("Sampler", text.get("scheduler")), ("CFG scale", text.get("guidance")),
-              ("Seed", text.get("seed")), ("Size", text.get("resolution")), ("Model", text.get("model")),
-              ("Denoising strength", _strength(text.get("input_image"))), ("Version", text.get("Software"))]  # fmt: skip
-    pairs = ", ".join(f"{key}: {_a1111_value(value)}" for key, value in fields if value)
-    lines = [text.get("prompt", "")]
-    if text.get("negative_prompt"):
-        lines.append(f"Negative prompt: {text['negative_prompt']}")
-    return "\n".join([*lines, pairs])
-
-
-def _strength(note: str | None) -> str | None:
-    match = re.search(r"strength ([0-9.]+)", note or "")
-    return match.group(1) if match else None
-
-
-def _a1111_value(value: str) -> str:
-    # A1111 quotes a value holding its separators, as JSON does a string
-    return json.dumps(value, ensure_ascii=False) if any(c in value for c in ",:\n") else value
-
-
-def png_bytes(image: Any, text: Mapping[str, str]) -> bytes:
-    """``image`` as PNG bytes with ``text`` as its text chunks: the bytes :func:`save_png` writes
-    (:func:`~pipelines.cli.png.encode_png`)."""
-    return encode_png(image, text)
-
-
-def call_pngs(images: Sequence[Any], job: Job, common: Mapping[str, str], mode: str, requested_mode: str,
-              tokens: TokenCount | None = None) -> list[bytes]:  # fmt: skip
-    """The PNGs of one pipeline call's ``images`` (:meth:`PreparedPipeline.generate
-    <pipelines.cli.prepare.PreparedPipeline.generate>`), in memory, with the text the CLI writes
-    into its files (:func:`image_texts`); nothing is written."""
-    return [
-        png_bytes(image, text) for image, text in zip(images, image_texts(job, common, mode, requested_mode, tokens))
-    ]
+from ..generation.errors import RunError, one_line
+from ..generation.formats import encode_image
+from ..generation.png import encode_png
 
 
 @contextlib.contextmanager
@@ -256,7 +146,7 @@ def write_whole(path: Path, write: Callable[[Path], None], overwrite: bool = Fal
                 part.unlink()
         return written
     except OSError as e:
-        raise RunError(f"cannot write {str(path)!r}: {e.strerror or _one_line(e)}") from None
+        raise RunError(f"cannot write {str(path)!r}: {e.strerror or one_line(e)}") from None
 
 
 def save_png(image: Any, path: Path, info: dict[str, str], overwrite: bool = False) -> Path:
@@ -267,6 +157,6 @@ def save_png(image: Any, path: Path, info: dict[str, str], overwrite: bool = Fal
 
 def save_image(image: Any, path: Path, info: dict[str, str], fmt: str = "png", quality: int | None = None,
                overwrite: bool = False) -> Path:  # fmt: skip
-    """Write ``image`` as a ``fmt`` file (:func:`pipelines.cli.formats.encode_image`) with ``info``
+    """Write ``image`` as a ``fmt`` file (:func:`pipelines.generation.formats.encode_image`) with ``info``
     as its record, whole and never over another file (:func:`write_whole`); returns the path written."""
     return write_whole(path, lambda part: part.write_bytes(encode_image(image, info, fmt, quality)), overwrite)

@@ -146,7 +146,7 @@ def encode_png(image: Any, text: Mapping[str, str]) -> bytes:
     # Pillow writes an iCCP or a tRNS chunk for these, and refuses an empty image: its own save says
     if mode is None or not width or not height or info.get("icc_profile") or info.get("transparency") is not None:
         return _pillow_png(image, text)
-    import numpy as np  # here: the CLI's --help and argument errors need no numpy (60 ms to import)
+    import numpy as np  # here: --help and argument errors need no numpy (60 ms to import)
 
     samples, colour_type = mode
     pixels = np.asarray(image, dtype=np.uint8).reshape(height, width * samples)

@@ -4,7 +4,7 @@ the record read back (:func:`read_image_text`).
 =========  ===========================================  =============================================
 format     how                                          the record
 =========  ===========================================  =============================================
-``png``    lossless (:func:`~pipelines.cli.png.encode_png`)  text chunks, one a field (``parameters``
+``png``    lossless (:func:`~pipelines.generation.png.encode_png`)  text chunks, one a field (``parameters``
                                                         among them, as image browsers read A1111's)
 ``jpeg``   quality ``quality`` (default 95)             EXIF ImageDescription: the fields as JSON;
                                                         EXIF UserComment: ``parameters``
@@ -25,14 +25,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .constants import IMAGE_SUFFIXES
 from .png import encode_png
 
 __all__ = ["FORMATS", "JPEG_TEXT_CHARS", "SUFFIXES", "encode_image", "format_of", "read_image_text"]
 
-logger = logging.getLogger("bcg-generate")
+logger = logging.getLogger(__name__)
 
 FORMATS = ("png", "jpeg", "webp")
+# The files an image goes into, by a file name's suffix, and their formats.
+IMAGE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 # The suffix each format's files are written with, and every suffix read as each format.
 SUFFIXES = {"png": ".png", "jpeg": ".jpg", "webp": ".webp"}
 _READ_AS = IMAGE_SUFFIXES
@@ -96,7 +97,7 @@ def encode_image(image: Any, text: Mapping[str, str], fmt: str = "png", quality:
 
 
 def read_image_text(path: str | Path) -> dict[str, str]:
-    """The record bcg-generate wrote into an image file (PNG, JPEG or WebP); ``{}`` where none."""
+    """The record written into an image file (PNG, JPEG or WebP); ``{}`` where none."""
     from PIL import Image
 
     with Image.open(Path(path)) as image:

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .errors import CLIError, RunError, _one_line
+from .errors import InputError, RunError, one_line
 
 T = TypeVar("T")
 
@@ -77,8 +77,8 @@ def _load_error_message(model: str, error: BaseException) -> str:
     if names & network or "not fully cached locally" in str(error):
         return f"{head}: not found in the local cache, and the hub is unreachable (no network?)"
     if os.path.isdir(model):
-        return f"{head}: the folder is not a diffusers pipeline ({_one_line(error)[:200]})"
-    return f"{head}: {_one_line(error)[:300]}"
+        return f"{head}: the folder is not a diffusers pipeline ({one_line(error)[:200]})"
+    return f"{head}: {one_line(error)[:300]}"
 
 
 def build_model(model: str, size: str, device: Any, dtype: Any) -> Any:
@@ -89,7 +89,7 @@ def build_model(model: str, size: str, device: Any, dtype: Any) -> Any:
         return _load_quietly(lambda: build_pipeline(model, size=size, device=device, dtype=dtype, seed=0))
     except ValueError as e:
         if "unknown model" in str(e) or "unknown size" in str(e):
-            raise CLIError(_one_line(e)) from None
+            raise InputError(one_line(e)) from None
         raise RunError(_load_error_message(model, e)) from None
     except Exception as e:  # from_pretrained raises many kinds; each ends as one line
         raise RunError(_load_error_message(model, e)) from None

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import CLIError, _one_line
+from .errors import InputError, one_line
 
 __all__ = [
     "EDIT",
@@ -40,7 +40,7 @@ __all__ = [
     "takes_own_image",
 ]
 
-logger = logging.getLogger("bcg-generate")
+logger = logging.getLogger(__name__)
 
 EDIT, IMG2IMG, INPAINT = "edit", "img2img", "inpaint"
 IMAGE, MASK, STRENGTH = "image", "mask_image", "strength"
@@ -92,7 +92,7 @@ class ImageInput:
 
 def image_pipeline(pipe: Any, mask: bool = False) -> ImageInput:
     """The pipeline of ``pipe``'s model that takes an input image (and a mask, with ``mask``);
-    CLIError, in one line, for a model that takes none (a video model, say)."""
+    InputError, in one line, for a model that takes none (a video model, say)."""
     cls = type(pipe)
     name = cls.__name__
     if takes_own_image(cls) and (not mask or MASK in _params(cls)):
@@ -105,8 +105,8 @@ def image_pipeline(pipe: Any, mask: bool = False) -> ImageInput:
         sibling = auto.from_pipe(pipe)
     except Exception as e:  # diffusers knows no such pipeline for this one: ValueError, or a missing component
         what = "input image with a mask" if mask else "input image"
-        raise CLIError(f"{name} takes no {what}, and diffusers makes no {kind} pipeline from it "
-                       f"({type(e).__name__}: {_one_line(e)[:160]})") from None  # fmt: skip
+        raise InputError(f"{name} takes no {what}, and diffusers makes no {kind} pipeline from it "
+                       f"({type(e).__name__}: {one_line(e)[:160]})") from None  # fmt: skip
     sibling.set_progress_bar_config(disable=True)
     params = _params(type(sibling))
     return ImageInput(sibling, kind, STRENGTH in params, MASK in params)
@@ -127,7 +127,7 @@ def fitted(kwargs: Mapping[str, Any], size: tuple[int, int]) -> dict[str, Any]:
 
 def load_image(path: Path, what: str = "--image") -> Any:
     """The image file ``path`` as a PIL image, RGB or (where it has transparency) RGBA, its pixels
-    read now; CLIError in one line."""
+    read now; InputError in one line."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -136,13 +136,13 @@ def load_image(path: Path, what: str = "--image") -> Any:
             transparent = image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info
             return image.convert("RGBA" if transparent else "RGB")
     except FileNotFoundError:
-        raise CLIError(f"{what} {str(path)!r} does not exist") from None
+        raise InputError(f"{what} {str(path)!r} does not exist") from None
     except IsADirectoryError:
-        raise CLIError(f"{what} {str(path)!r} is a folder, not an image") from None
+        raise InputError(f"{what} {str(path)!r} is a folder, not an image") from None
     except UnidentifiedImageError:
-        raise CLIError(f"{what} {str(path)!r} is not an image Pillow can read") from None
+        raise InputError(f"{what} {str(path)!r} is not an image Pillow can read") from None
     except (OSError, ValueError) as e:
-        raise CLIError(f"{what} {str(path)!r} cannot be read: {str(e).strip()[:160]}") from None
+        raise InputError(f"{what} {str(path)!r} cannot be read: {str(e).strip()[:160]}") from None
 
 
 def mask_from(image: Any) -> Any:
@@ -175,13 +175,13 @@ def flatten(image: Any, pipe: Any = None) -> Any:
 
 def read_inputs(image: Path | None, mask: Path | None, strength: float | None, video: bool | None) -> tuple[Any, Any]:
     """``--image`` and ``--mask`` read (PIL; None where not given), before anything is built;
-    CLIError for a mask or a strength without an image, an input image for a video model (known
+    InputError for a mask or a strength without an image, an input image for a video model (known
     by its name), or a file that is no image."""
     if image is None:
         for flag, value in (("--mask", mask), ("--strength", strength)):
             if value is not None:
-                raise CLIError(f"{flag} goes with an input image: add --image FILE")
+                raise InputError(f"{flag} goes with an input image: add --image FILE")
         return None, None
     if video:
-        raise CLIError("--image: this model makes videos from text; an input image is for image models")
+        raise InputError("--image: this model makes videos from text; an input image is for image models")
     return load_image(image), (load_image(mask, "--mask") if mask is not None else None)

@@ -1,4 +1,4 @@
-"""The fast PNG encoder (:mod:`pipelines.cli.png`): Pillow reads back the same pixels and text as
+"""The fast PNG encoder (:mod:`pipelines.generation.png`): Pillow reads back the same pixels and text as
 from the PNG Pillow writes, every chunk but the image data is Pillow's, byte for byte (long values
 compressed as Pillow's ``zip=True`` writes them), text holding NUL refused, images it does not
 take are Pillow's own save, and the CLI's file and the server's bytes are the same."""
@@ -15,9 +15,10 @@ import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from pipelines.cli import images as cli_images
-from pipelines.cli import png as cli_png
-from pipelines.cli.png import encode_png
+from pipelines.cli.files import save_png
+from pipelines.generation import png as generation_png
+from pipelines.generation.formats import encode_image
+from pipelines.generation.png import encode_png
 
 SIZES = [(1, 1), (1, 9), (9, 1), (2, 3), (7, 5), (33, 17), (64, 48), (257, 3)]  # (width, height)
 CHANNELS = {"L": 1, "RGB": 3, "RGBA": 4}
@@ -67,7 +68,7 @@ def pillow_png(image: Image.Image, text: dict[str, str]) -> bytes:
     """The PNG as the CLI wrote it before the fast path."""
     meta = PngInfo()
     for key, value in text.items():
-        meta.add_text(key, value, zip=len(value) > cli_png.ZIP_CHARS)
+        meta.add_text(key, value, zip=len(value) > generation_png.ZIP_CHARS)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", pnginfo=meta, compress_type=zlib.Z_RLE)
     return buffer.getvalue()
@@ -103,7 +104,7 @@ def test_the_fast_path_is_taken(mode: str) -> None:
     data = encode_png(Image.fromarray(pixels(mode, width, height, "natural")), {"prompt": "x"})
     stream = b"".join(body for cid, body in chunks(data) if cid == b"IDAT")
     rows = np.frombuffer(zlib.decompress(stream), np.uint8).reshape(height, 1 + width * CHANNELS[mode])
-    assert (rows[:, 0] == cli_png._FILTER).all()
+    assert (rows[:, 0] == generation_png._FILTER).all()
 
 
 def test_a_large_image_spans_several_image_data_chunks() -> None:
@@ -120,14 +121,16 @@ def test_bands_deflated_on_threads_make_one_stream_of_the_same_rows(
 ) -> None:
     """Bands of any size (one byte, odd, not a row's multiple) join into one zlib stream whose
     bytes are the filtered rows a single compressor would have written."""
-    monkeypatch.setattr(cli_png, "_BAND_BYTES", band)
-    monkeypatch.setattr(cli_png, "_BAND_THREADS", 3)
+    monkeypatch.setattr(generation_png, "_BAND_BYTES", band)
+    monkeypatch.setattr(generation_png, "_BAND_THREADS", 3)
     width, height = 97, 61 if band > 1 else 5
     a = pixels("RGB", width, height, kind, seed=band)
     data = encode_png(Image.fromarray(a), TEXT)
     stream = b"".join(body for cid, body in chunks(data) if cid == b"IDAT")
-    single = zlib.compressobj(cli_png._LEVEL, zlib.DEFLATED, 15, cli_png._MEM_LEVEL, cli_png._STRATEGY)
-    rows = cli_png._filtered(a.reshape(height, -1), 3)
+    single = zlib.compressobj(
+        generation_png._LEVEL, zlib.DEFLATED, 15, generation_png._MEM_LEVEL, generation_png._STRATEGY
+    )
+    rows = generation_png._filtered(a.reshape(height, -1), 3)
     assert zlib.decompress(stream) == rows.tobytes()  # Adler-32 and the final block checked by zlib
     assert len(rows.tobytes()) < 2 * band or stream != single.compress(rows) + single.flush()  # banded indeed
     mode, got, text = decoded(data)
@@ -204,5 +207,5 @@ def test_what_pillow_cannot_write_fails_as_it_did(image: Image.Image, error: typ
 @pytest.mark.parametrize("mode", ["RGB", "P"])
 def test_png_bytes_are_the_bytes_save_png_writes(tmp_path: Path, mode: str) -> None:
     image = Image.fromarray(pixels("RGB", 37, 21, "natural")).convert(mode)
-    written = cli_images.save_png(image, tmp_path / "a.png", TEXT)
-    assert written.read_bytes() == cli_images.png_bytes(image, TEXT) == encode_png(image, TEXT)
+    written = save_png(image, tmp_path / "a.png", TEXT)
+    assert written.read_bytes() == encode_image(image, TEXT, "png") == encode_png(image, TEXT)

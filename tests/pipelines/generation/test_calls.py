@@ -13,8 +13,9 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 
 from pipelines.builders import build_pipeline
-from pipelines.cli import CallSettings, RunError, call_settings, plan_jobs
-from pipelines.cli.calls import generate_frames
+from pipelines.cli.jobs import plan_jobs
+from pipelines.generation import CallSettings, RunError, call_settings
+from pipelines.generation.calls import generate_frames
 from tests.hooks.images.cases import same_images
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ its own flags; another front end (a server, say) takes the same ones::
     add_model_arguments(parser)
     settings = model_settings(parser.parse_args())
 
-and hands the settings to :func:`pipelines.cli.prepare.load_pipeline`. A new flag that changes
+and hands the settings to :func:`pipelines.generation.prepare.load_pipeline`. A new flag that changes
 the model or how it is accelerated belongs here, with its field in :class:`ModelSettings`.
 """
 
@@ -27,7 +27,7 @@ from . import values
 from .caches import CacheRequest, cache_request, support_text
 from .checks import check_compile_cache
 from .constants import CACHES, DEFAULT_MODEL, DTYPES, accel_options
-from .errors import CLIError
+from .errors import InputError
 from .extras import install_command
 
 Size = tuple[int, int]
@@ -232,7 +232,7 @@ step caches (--cache): fbc, diffusers' First Block Cache (--cache-threshold, def
 
 @dataclasses.dataclass(frozen=True)
 class ModelSettings:
-    """The model flags, checked: what :func:`pipelines.cli.prepare.prepare_pipeline` builds.
+    """The model flags, checked: what :func:`pipelines.generation.prepare.prepare_pipeline` builds.
 
     ``mode_flag``, ``device`` and ``dtype`` are the flags as given (None: not given), so that
     errors can say what was asked; :attr:`mode` is what runs. ``warmup``: the sizes to capture
@@ -277,7 +277,7 @@ class ModelSettings:
 
     def accelerate_options(self) -> dict[str, Any]:
         """``accelerate_pipeline``'s keyword arguments besides ``mode``: only those not at their default,
-        so the CLI keeps working with an accel that lacks one it was not asked for."""
+        so a front end keeps working with an accel that lacks one it was not asked for."""
         options: dict[str, Any] = {}
         if self.parallel is not None:
             options["parallel"] = self.parallel
@@ -300,23 +300,23 @@ class ModelSettings:
 
 def model_settings(args: argparse.Namespace) -> ModelSettings:
     """The model flags of ``args`` (parsed by a parser :func:`add_model_arguments` built), checked
-    together; CLIError for flags that do not fit. Imports no torch."""
+    together; InputError for flags that do not fit. Imports no torch."""
     parallel = getattr(args, "parallel", None)
     size = _size(args.model, args.size)
     warmup: tuple[Size, ...] | None = None
     if args.warmup is not None:
         if None in args.warmup and any(w is not None for w in args.warmup):
-            raise CLIError("--warmup takes resolutions or 'none', not both")
+            raise InputError("--warmup takes resolutions or 'none', not both")
         warmup = tuple(dict.fromkeys(w for w in args.warmup if w is not None))
     if args.compile and (args.mode or "bcg") == "eager":
-        raise CLIError("--compile prepares graph capture, which --mode eager never does: drop one of them")
+        raise InputError("--compile prepares graph capture, which --mode eager never does: drop one of them")
     if args.quantize is not None:
         _check_quantize_flags(args.quantize, args.mode or "bcg", parallel, warmup)
     cache = cache_request(args.cache, args.cache_threshold, args.cache_interval, args.cache_ratios)
     if args.compile_cache is not None:
         check_compile_cache(args.compile_cache)
         if not args.compile:
-            raise CLIError("--compile-cache is the folder of --compile's kernel cache: add --compile")
+            raise InputError("--compile-cache is the folder of --compile's kernel cache: add --compile")
     elif args.compile:
         options = accel_options()
         if os.environ.get(options.COMPILE_CACHE_ENV):  # the default folder is checked where it comes from a user
@@ -326,7 +326,7 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
         try:
             check_lora_file(spec)
         except LoraError as e:
-            raise CLIError(f"--lora {e}") from None
+            raise InputError(f"--lora {e}") from None
     return ModelSettings(
         model=args.model,
         size=size,
@@ -350,33 +350,33 @@ def model_settings(args: argparse.Namespace) -> ModelSettings:
 
 
 def _size(model: str, size: str | None) -> str:
-    """``--size`` for ``model``: a built-in model's (default tiny); CLIError where it is given for a
+    """``--size`` for ``model``: a built-in model's (default tiny); InputError where it is given for a
     model it cannot size (a folder, a hub id, a single file), which loads its own weights as they are."""
     if known_model(model) is not None:
         return size or "tiny"
     if model.lower().endswith((".safetensors", ".ckpt", ".bin", ".pt", ".pth", ".gguf")):
-        raise CLIError(f"--model {model!r} is a file of weights, not a pipeline: name the pipeline it belongs to with "
+        raise InputError(f"--model {model!r} is a file of weights, not a pipeline: name the pipeline it belongs to with "
                        "--model (z-image, a folder, a hub id) and give a denoiser's single file as --transformer "
                        "FILE")  # fmt: skip
     if size is not None:
-        raise CLIError(f"--size {size} sizes the built-in random-weight models; --model {model!r} loads its own "
+        raise InputError(f"--size {size} sizes the built-in random-weight models; --model {model!r} loads its own "
                        "weights as they are: drop --size")  # fmt: skip
     return "tiny"
 
 
 def _check_quantize_flags(quantize: str, mode: str, parallel: str | None, warmup: tuple[Size, ...] | None) -> None:
     if mode == "eager" and parallel is None:
-        raise CLIError(
+        raise InputError(
             f"--quantize {quantize} is applied by the accelerator, which --mode eager skips: drop one of them"
         )
     if parallel is not None:
-        raise CLIError(f"--quantize {quantize} does not combine with --parallel yet: drop one of them")
+        raise InputError(f"--quantize {quantize} does not combine with --parallel yet: drop one of them")
     if warmup == ():
-        raise CLIError(f"--quantize {quantize} measures its layers in the warm-up: drop --warmup none")
+        raise InputError(f"--quantize {quantize} measures its layers in the warm-up: drop --warmup none")
 
 
 def check_quantize(settings: ModelSettings, device: Any, dtype: Any) -> None:
-    """``--quantize`` against the device and dtype, before anything is built: CLIError where it
+    """``--quantize`` against the device and dtype, before anything is built: InputError where it
     cannot run (a CPU, a GPU below compute capability 8.9, torchao missing, weights not bf16)."""
     if settings.quantize is None:
         return
@@ -386,7 +386,7 @@ def check_quantize(settings: ModelSettings, device: Any, dtype: Any) -> None:
     try:
         refusal(settings.quantize, device)
     except ValueError as e:
-        raise CLIError(str(e).replace(f"quantize={settings.quantize!r}", flag)) from None
+        raise InputError(str(e).replace(f"quantize={settings.quantize!r}", flag)) from None
     if str(dtype) != "torch.bfloat16":
         name = str(dtype).removeprefix("torch.")
-        raise CLIError(f"{flag} makes its float8 weights from bfloat16 ones: use --dtype bfloat16, not {name}")
+        raise InputError(f"{flag} makes its float8 weights from bfloat16 ones: use --dtype bfloat16, not {name}")

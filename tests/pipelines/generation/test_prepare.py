@@ -15,21 +15,22 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pipelines.cli import (
-    CLIError,
+from pipelines.cli import main
+from pipelines.cli.arguments import build_parser
+from pipelines.cli.jobs import file_names, plan_jobs
+from pipelines.generation import (
+    InputError,
     ModelSettings,
     Workload,
     add_model_arguments,
-    build_parser,
-    call_pngs,
     call_settings,
+    encode_image,
+    image_texts,
     load_pipeline,
-    main,
     model_settings,
-    plan_jobs,
 )
-from pipelines.cli import prepare as cli_prepare
-from pipelines.cli.prompts import count_tokens
+from pipelines.generation import prepare as generation_prepare
+from pipelines.generation.prompts import count_tokens
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL_FLAGS = ["--model", "qwen-image", "--mode", "debug", "--warmup", "64x64", "96x64", "64x64", "--cache", "fbc",
@@ -67,14 +68,14 @@ def test_the_model_flags_read_the_same_on_another_parser() -> None:
     ],
 )
 def test_model_flags_that_do_not_fit_are_refused(argv: list[str], expected: str) -> None:
-    with pytest.raises(CLIError, match=expected):
+    with pytest.raises(InputError, match=expected):
         model_settings(_server_parser().parse_args(argv))
 
 
 def test_the_model_flags_import_no_torch() -> None:
     code = """
         import argparse, sys
-        from pipelines.cli import add_model_arguments, model_settings
+        from pipelines.generation import add_model_arguments, model_settings
         parser = argparse.ArgumentParser()
         add_model_arguments(parser)
         settings = model_settings(parser.parse_args(["--cache", "fbc", "--warmup", "none"]))
@@ -102,18 +103,18 @@ def test_load_pipeline_refuses_before_building(
     def no_build(*args: object, **kwargs: object) -> None:
         raise AssertionError("this bad input must be refused before a model is built")
 
-    monkeypatch.setattr(cli_prepare, "build_model", no_build)
-    with pytest.raises(CLIError, match=expected):
+    monkeypatch.setattr(generation_prepare, "build_model", no_build)
+    with pytest.raises(InputError, match=expected):
         load_pipeline(_server_parser().parse_args(argv), workload)
 
 
 def test_load_pipeline_refuses_steps_the_scheduler_cannot_take() -> None:
-    with pytest.raises(CLIError, match="at least 2"):
+    with pytest.raises(InputError, match="at least 2"):
         load_pipeline(_server_parser().parse_args(["--model", "qwen-image"]), Workload([(64, 64)], steps=1))
 
 
 def test_one_calls_pngs_are_the_files_bcg_generate_writes(tmp_path: Path) -> None:
-    """The server's path (load_pipeline, generate, call_pngs) against the CLI's, same flags."""
+    """The server's path (load_pipeline, generate, image_texts, encode_image) against the CLI's, same flags."""
     prompt, flags = "a red fox", ["--model", "qwen-image", "--device", "cpu"]
     out = tmp_path / "out"
     argv = [*flags, "--prompt", prompt, "--seed", "5", "--batch-size", "2", "--steps", "2", "--resolution", "64x48"]
@@ -124,9 +125,9 @@ def test_one_calls_pngs_are_the_files_bcg_generate_writes(tmp_path: Path) -> Non
                                                                         prompts=[prompt]), progress=False)  # fmt: skip
     (job,) = plan_jobs([prompt], [(64, 48)], 2, 5)
     result = prepared.generate(job)
-    pngs = call_pngs(result.images, job, prepared.text(), result.mode, prepared.settings.mode,
-                     count_tokens(prepared.pipe, prompt))  # fmt: skip
-    assert [f.name for f in files] == job.filenames
+    texts = image_texts(job, prepared.text(), result.mode, prepared.settings.mode, count_tokens(prepared.pipe, prompt))
+    pngs = [encode_image(image, text, "png") for image, text in zip(result.images, texts)]
+    assert [f.name for f in files] == file_names(job)
     assert pngs == [f.read_bytes() for f in files]  # pixels and text, byte for byte
     with Image.open(io.BytesIO(pngs[1])) as image:
         image.load()
@@ -138,7 +139,8 @@ def test_one_calls_pngs_are_the_files_bcg_generate_writes(tmp_path: Path) -> Non
     # A call of other settings (a request naming its own steps) says so in its text.
     three = call_settings(prepared.pipe, "qwen-image", "tiny", steps=3, guidance=0.0)
     other = prepared.generate(job, call=three)
-    (first, *_) = call_pngs(other.images, job, prepared.text(three), other.mode, prepared.settings.mode)
+    text = image_texts(job, prepared.text(three), other.mode, prepared.settings.mode)[0]
+    first = encode_image(other.images[0], text, "png")
     with Image.open(io.BytesIO(first)) as image:
         image.load()
         assert (image.text["steps"], image.text["guidance"], "prompt_tokens" in image.text) == ("3", "0", False)
