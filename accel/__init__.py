@@ -41,7 +41,7 @@ from .hooks.fp8.scaled_mm import Float8RowwiseLinear
 from .hooks.images.convert import PixelCheck, check_pixels, to_pil_images
 from .hooks.options import AcceleratorOptions
 from .hooks.recipes.generic import GenericRecipe
-from .hooks.recipes.recipe import GenerationDefaults, Recipe, RecipeError, check_heads_divisible
+from .hooks.recipes.recipe import GenerationDefaults, Recipe, RecipeError, WarmupCase, check_heads_divisible
 from .hooks.recipes.registry import diffusers_in, recipe_for, register_recipe
 from .hooks.state.guard import BusyError
 from .hooks.warmup import WarmupReport
@@ -70,6 +70,7 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "RunnerStats",
+    "WarmupCase",
     "WarmupReport",
     "accelerate_pipeline",
     "addmm_gelu_tanh",

@@ -254,10 +254,10 @@ class PipelineAccelerator:
             guidance = "guidance on" if case.cfg else "guidance off"
             installed.quantization.calibrate(
                 self.pipe,
-                next(iter(case_calls(primary.recipe, self.pipe, plan, case))),
+                next(iter(case_calls(primary.recipe, self.pipe, case))),
                 module_device(installed.primary),
                 keep={name: hooks[name].recipe.fp8_keep for name in denoisers},
-                where=f"{case.width}x{case.height}, batch {case.batch_size}, {guidance}, {plan.num_inference_steps} steps",
+                where=f"{case.width}x{case.height}, batch {case.batch_size}, {guidance}, {case.num_inference_steps} steps",
                 paused=uncaptured(h.runner for h in hooks.values()),
             )
         runners = [h.runner for h in hooks.values() if h.active]

@@ -210,13 +210,13 @@ def _component_calls(
         if (case.size, case.batch_size) in seen:
             continue
         seen.add((case.size, case.batch_size))
-        for kwargs in case_calls(recipe, pipe, plan, case):
+        for kwargs in case_calls(recipe, pipe, case):
             yield case.size, {**prompted(kwargs, prompts[0], case.batch_size), "output_type": "pil"}
     smallest = plan.cases[-1]
     if not text or isinstance(smallest.text, str):  # embeddings only, or every prompt was a case already
         return
     for prompt in prompts[1:]:
-        for kwargs in case_calls(recipe, pipe, plan, smallest):
+        for kwargs in case_calls(recipe, pipe, smallest):
             # The recipe's own output type (latents, where the pipeline can return them): only
             # the text encoder has anything left to capture.
             yield smallest.size, {"output_type": "latent", **prompted(kwargs, prompt, smallest.batch_size)}
@@ -255,7 +255,7 @@ def _held_bytes(runners: list[GraphRunner]) -> int:
 
 
 def _row(case: WarmupCase) -> WarmupRow:
-    return WarmupRow(case.width, case.height, 0.0, 0, 0, frames=case.frames)
+    return WarmupRow(case.width, case.height, 0.0, 0, 0, frames=case.num_frames)
 
 
 def run_warmup(
@@ -307,7 +307,7 @@ def run_warmup(
                 for case in plan.cases:
                     row = rows.setdefault(case.size, _row(case))
                     t0 = time.perf_counter()
-                    for kwargs in case_calls(recipe, pipe, plan, case):
+                    for kwargs in case_calls(recipe, pipe, case):
                         pipe(**kwargs, generator=torch.Generator(device).manual_seed(0))
                     torch.cuda.synchronize(device)
                     row.compile_seconds += time.perf_counter() - t0
@@ -337,7 +337,7 @@ def run_warmup(
                 bar = _progress(len(plan.cases), progress, "capturing graphs")
                 for case in plan.cases:
                     row = rows.setdefault(case.size, _row(case))
-                    _run_capturing(pipe, device, row, runners, pool, case_calls(recipe, pipe, plan, case))
+                    _run_capturing(pipe, device, row, runners, pool, case_calls(recipe, pipe, case))
                     text = f"text {case.text}" if isinstance(case.text, int) else f"prompt {case.text[:20]!r}"
                     bar.set_postfix_str(f"{row.size} batch {case.batch_size} cfg {case.cfg} {text}")
                     bar.update()

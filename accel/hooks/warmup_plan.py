@@ -2,9 +2,9 @@
 
 :func:`plan_warmup` turns what the user said (resolutions, batch sizes, CFG, prompts or lengths,
 frame counts, extra call arguments, the guidance setting ``quantize=`` measures) into a validated
-:class:`WarmupPlan`, refusing bad input in one line before anything runs. A case is a resolution, a frame count (video pipelines), a batch
-size, a guidance setting and a text: a length in tokens, or, for a recipe that cannot measure
-prompts (the generic one), a prompt warmed up as given. Cases are ordered largest first (smaller
+:class:`WarmupPlan`, refusing bad input in one line before anything runs. A case (:class:`~accel.hooks.recipes.recipe.WarmupCase`) is a resolution, a frame count (video
+pipelines), a batch size, a guidance setting and a text: a length in tokens, or, for a recipe that
+cannot measure prompts (the generic one), a prompt warmed up as given. Cases are ordered largest first (smaller
 captures then reuse the pool blocks the largest one reserved). :func:`case_calls` gives the
 pipeline calls of one case, with the user's ``call_kwargs`` passed with every call;
 :mod:`accel.hooks.warmup` runs them.
@@ -14,47 +14,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from .call_shape import call_parameters
 from .options import check_resolution
-from .recipes.recipe import WARMUP_ARGUMENTS, Recipe
+from .recipes.recipe import WARMUP_ARGUMENTS, Recipe, WarmupCase
 
 __all__ = ["WarmupCase", "WarmupPlan", "case_calls", "normalise_resolutions", "plan_warmup"]
 
 
-class WarmupCase(NamedTuple):
-    """One warm-up case. ``text`` is a text length in tokens or, for a recipe that cannot measure
-    prompts, a prompt warmed up as given; ``frames`` the frame count of a video pipeline's calls
-    (None for images)."""
-
-    width: int
-    height: int
-    batch_size: int
-    cfg: bool
-    text: int | str
-    frames: int | None = None
-
-    @property
-    def size(self) -> tuple[int, int, int | None]:
-        """What a report row is per: (width, height, frames)."""
-        return self.width, self.height, self.frames
-
-
 @dataclasses.dataclass(frozen=True)
 class WarmupPlan:
-    """Every case to capture, largest first, and what every call of them shares.
-
-    ``negative_length`` is None where the recipe cannot measure prompts; ``call_kwargs`` (left
-    out of the repr, which ranks compare) are passed with every call; ``measured``: the index of
-    the case whose first call ``quantize=`` measures (:attr:`measured_case`).
+    """Every case to capture (each a :class:`~accel.hooks.recipes.recipe.WarmupCase`, with what
+    every call shares), largest first. ``call_kwargs`` (left out of the repr, which ranks compare)
+    are passed with every call; ``measured``: the index of the case whose first call
+    ``quantize=`` measures (:attr:`measured_case`).
     """
 
     resolutions: tuple[tuple[int, int], ...]
     cases: tuple[WarmupCase, ...]
-    negative_length: int | None
-    num_inference_steps: int
-    negative_prompt: str | None = None
     call_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     measured: int = 0
 
@@ -234,29 +212,20 @@ def plan_warmup(
     shapes = sorted(
         ((w, h, f) for (w, h) in res for f in frames), key=lambda s: s[0] * s[1] * (s[2] or 1), reverse=True
     )
+    shared = dict(negative_prompt_length=negative_length, negative_prompt=negative_prompt, call_kwargs=extra)
     cases = tuple(
-        WarmupCase(w, h, b, c, n, f) for (w, h, f) in shapes for b in sizes for c in cfgs for n in texts(w, h)
+        WarmupCase(w, h, b, c, n, num_inference_steps, f, **shared)
+        for (w, h, f) in shapes
+        for b in sizes
+        for c in cfgs
+        for n in texts(w, h)
     )
     measured = _measured(recipe, cases, asked, measure_cfg)
-    return WarmupPlan(tuple(res), cases, negative_length, num_inference_steps, negative_prompt, extra, measured)
+    return WarmupPlan(tuple(res), cases, extra, measured)
 
 
-def case_calls(recipe: Recipe, pipe: Any, plan: WarmupPlan, case: WarmupCase) -> Iterator[dict[str, Any]]:
+def case_calls(recipe: Recipe, pipe: Any, case: WarmupCase) -> Iterator[dict[str, Any]]:
     """The recipe's calls of ``case``, each with the user's ``call_kwargs`` merged over it (what
     the warm-up runs; the measurement of ``quantize=`` runs one of them)."""
-    text = case.text
-    for kwargs in recipe.warmup_calls(
-        pipe,
-        width=case.width,
-        height=case.height,
-        batch_size=case.batch_size,
-        cfg=case.cfg,
-        prompt_length=text if isinstance(text, int) else None,
-        negative_prompt_length=plan.negative_length,
-        num_inference_steps=plan.num_inference_steps,
-        num_frames=case.frames,
-        prompt=text if isinstance(text, str) else None,
-        negative_prompt=plan.negative_prompt,
-        call_kwargs=plan.call_kwargs,
-    ):
-        yield {**kwargs, **plan.call_kwargs}
+    for kwargs in recipe.warmup_calls(pipe, case):
+        yield {**kwargs, **case.call_kwargs}

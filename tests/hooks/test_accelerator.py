@@ -14,7 +14,7 @@ import accel.hooks.recipes.registry as recipe_mod
 from accel import accelerate_pipeline
 from accel.hooks.accelerator import HOOK_NAME
 from accel.hooks.recipes.generic import GenericRecipe
-from accel.hooks.recipes.recipe import Recipe
+from accel.hooks.recipes.recipe import Recipe, WarmupCase
 from accel.hooks.recipes.registry import recipe_for
 from pipelines.builders import build_pipeline
 from pipelines.families.qwen_image.recipe import QwenImageRecipe
@@ -263,16 +263,9 @@ def test_warmup_calls_hit_the_signatures_of_real_calls(name: str) -> None:
         real = set(seen)
         seen.clear()
         length = recipe.warmup_length(recipe.prompt_lengths(pipe, [prompt])[0], 96, 64)
-        for kwargs in recipe.warmup_calls(
-            pipe,
-            width=96,
-            height=64,
-            batch_size=batch,
-            cfg=cfg,
-            prompt_length=length,
-            negative_prompt_length=recipe.prompt_lengths(pipe, [negative])[0],
-            num_inference_steps=2,
-        ):
+        negative_length = recipe.prompt_lengths(pipe, [negative])[0]
+        case = WarmupCase(96, 64, batch, cfg, length, num_inference_steps=2, negative_prompt_length=negative_length)
+        for kwargs in recipe.warmup_calls(pipe, case):
             pipe(**kwargs)
         assert set(seen) == real, (cfg, batch)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import accel.hooks.warmup as warmup_mod
-from accel.hooks.recipes.recipe import Recipe
+from accel.hooks.recipes.recipe import Recipe, WarmupCase
 from accel.hooks.warmup import run_warmup
 from accel.hooks.warmup_plan import case_calls, plan_warmup
 from tests.helpers.fakes import FakePool
@@ -76,11 +76,9 @@ class VideoPipe(FakePipe):
 class LengthRecipe(Recipe):
     name = "lengths"
 
-    def warmup_calls(
-        self, pipe: Any, *, width: int, height: int, prompt_length: int, num_frames: int | None = None, **_: Any
-    ) -> Iterator[dict]:
-        frames = {"num_frames": num_frames} if num_frames is not None else {}
-        yield dict(width=width, height=height, prompt_length=prompt_length, **frames)
+    def warmup_calls(self, pipe: Any, case: WarmupCase) -> Iterator[dict]:
+        frames = {"num_frames": case.num_frames} if case.num_frames is not None else {}
+        yield dict(width=case.width, height=case.height, prompt_length=case.prompt_length, **frames)
 
 
 def _plan(recipe: Recipe, pipe: Any, resolutions: list[tuple[int, int]], **kwargs: Any) -> Any:
@@ -170,17 +168,17 @@ def test_video_cases_run_largest_first_with_their_frames_and_the_call_kwargs(mon
     assert lines[0].split()[:2] == ["resolution", "frames"] and lines[1].split()[:2] == ["1024x1024", "33"]
 
     default = _plan(recipe, pipe, [(512, 512)])
-    assert [c.frames for c in default.cases] == [81, 81]  # the call's own default
+    assert [c.num_frames for c in default.cases] == [81, 81]  # the call's own default
     images = FakePipe(runner, [0], set())
-    assert [c.frames for c in _plan(recipe, images, [(512, 512)]).cases] == [None, None]
+    assert [c.num_frames for c in _plan(recipe, images, [(512, 512)]).cases] == [None, None]
     with pytest.raises(ValueError, match="FakePipe makes images, its call takes no num_frames"):
         _plan(recipe, images, [(512, 512)], num_frames=9)
 
 
 class PromptRecipe(LengthRecipe):
-    def warmup_calls(self, pipe: Any, *, prompt: str | None = None, **kwargs: Any) -> Iterator[dict]:
-        for call in super().warmup_calls(pipe, **kwargs):
-            yield {**call, "prompt": prompt}
+    def warmup_calls(self, pipe: Any, case: WarmupCase) -> Iterator[dict]:
+        for call in super().warmup_calls(pipe, case):
+            yield {**call, "prompt": case.prompt}
 
 
 def test_a_recipe_that_cannot_measure_prompts_warms_each_up_as_given() -> None:
@@ -194,8 +192,8 @@ def test_a_recipe_that_cannot_measure_prompts_warms_each_up_as_given() -> None:
         (False, "a red fox"),
         (False, "a lighthouse at night"),
     ]
-    assert plan.negative_length is None
-    calls = list(case_calls(recipe, pipe, plan, plan.cases[1]))
+    assert plan.cases[0].negative_prompt_length is None
+    calls = list(case_calls(recipe, pipe, plan.cases[1]))
     assert calls == [dict(width=512, height=512, prompt_length=None, prompt="a lighthouse at night")]
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..call_shape import CFG, TRUE_CFG, call_parameters, read_call_shape
-from .recipe import DEFAULT_WARMUP_PROMPT, WARMUP_ARGUMENTS, Recipe
+from .recipe import DEFAULT_WARMUP_PROMPT, WARMUP_ARGUMENTS, Recipe, WarmupCase
 
 __all__ = ["GenericRecipe"]
 
@@ -56,32 +56,15 @@ class GenericRecipe(Recipe):
                 f"{', '.join(f'{p}=...' for p in shape.negative_embedding_params)} to call_kwargs (or pass cfg=False)"
             )
 
-    def warmup_calls(
-        self,
-        pipe: Any,
-        *,
-        width: int,
-        height: int,
-        batch_size: int,
-        cfg: bool,
-        prompt_length: int | None,
-        negative_prompt_length: int | None,
-        num_inference_steps: int,
-        num_frames: int | None = None,
-        prompt: str | None = None,
-        negative_prompt: str | None = None,
-        call_kwargs: Mapping[str, Any] | None = None,
-    ) -> Iterator[dict[str, Any]]:
-        given = call_kwargs or {}
+    def warmup_calls(self, pipe: Any, case: WarmupCase) -> Iterator[dict[str, Any]]:
+        given, batch_size = case.call_kwargs, case.batch_size
         shape = read_call_shape(pipe)
-        kwargs: dict[str, Any] = dict(height=height, width=width, num_inference_steps=num_inference_steps)
-        kwargs["output_type"] = "latent"
-        kwargs.update(self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given))
+        kwargs = self.warmup_call(pipe, case)
         embedded = shape.gives_text(given)
         if embedded and shape.batch_param is not None:
             kwargs[shape.batch_param] = batch_size  # one prompt's embeddings, repeated per image
         elif not embedded and shape.takes_prompt:
-            kwargs["prompt"] = [prompt or DEFAULT_WARMUP_PROMPT] * batch_size
+            kwargs["prompt"] = [case.prompt or DEFAULT_WARMUP_PROMPT] * batch_size
 
         def per_image(text: str) -> str | list[str]:
             # A negative prompt goes as the prompt does: one per image beside a list of prompts.
@@ -89,18 +72,19 @@ class GenericRecipe(Recipe):
 
         if shape.guidance in (TRUE_CFG, CFG):
             kwargs["true_cfg_scale" if shape.guidance == TRUE_CFG else "guidance_scale"] = (
-                shape.cfg_on if cfg else shape.cfg_off
+                shape.cfg_on if case.cfg else shape.cfg_off
             )
         if shape.takes_negative_prompt and shape.gives_negative(given):
             # Negative embeddings given: some pipelines (Sana, PixArt) default negative_prompt to
             # "" and refuse both, so it is passed as None, as their callers must.
             if call_parameters(pipe)["negative_prompt"].default is not None:
                 kwargs["negative_prompt"] = None
-        elif cfg and shape.takes_negative_prompt:
+        elif case.cfg and shape.takes_negative_prompt:
             if shape.guidance == TRUE_CFG:
                 # True CFG runs only with a negative prompt: " ", as real calls that name none pass.
-                kwargs["negative_prompt"] = per_image(negative_prompt if negative_prompt is not None else " ")
-            elif shape.guidance == CFG and negative_prompt is not None:
+                negative = case.negative_prompt
+                kwargs["negative_prompt"] = per_image(negative if negative is not None else " ")
+            elif shape.guidance == CFG and case.negative_prompt is not None:
                 # Without one the pipeline encodes its own default (""), as real calls naming none do.
-                kwargs["negative_prompt"] = per_image(negative_prompt)
+                kwargs["negative_prompt"] = per_image(case.negative_prompt)
         yield kwargs

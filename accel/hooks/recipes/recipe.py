@@ -30,6 +30,7 @@ __all__ = [
     "GenerationDefaults",
     "Recipe",
     "RecipeError",
+    "WarmupCase",
     "check_heads_divisible",
 ]
 
@@ -81,8 +82,82 @@ class GenerationDefaults:
     default_negative: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class WarmupCase:
+    """One warm-up case: the pipeline calls of one size, frame count, batch size, guidance setting
+    and text (:meth:`Recipe.warmup_calls` makes them), with what every case of a warm-up shares.
+
+    Attributes:
+        width, height: the calls' size in pixels.
+        batch_size: images per call.
+        cfg: whether guidance runs.
+        text: the prompt's length in tokens or, for a recipe that cannot measure prompts
+            (:meth:`Recipe.prompt_lengths` raises NotImplementedError), a prompt warmed up as given
+            (:attr:`prompt_length`, :attr:`prompt`).
+        num_inference_steps: steps of each call.
+        num_frames: frames of a video pipeline's calls (None for images).
+        negative_prompt_length: the negative prompt's length (None where the recipe cannot measure it).
+        negative_prompt: the negative prompt real calls use, if the user named one.
+        call_kwargs: the user's extra arguments; the warm-up passes them with every call, merged
+            over what the recipe yields, so a recipe yields nothing they replace.
+    """
+
+    width: int
+    height: int
+    batch_size: int
+    cfg: bool
+    text: int | str
+    num_inference_steps: int
+    num_frames: int | None = None
+    negative_prompt_length: int | None = None
+    negative_prompt: str | None = None
+    call_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def prompt_length(self) -> int | None:
+        """The text length in tokens (None where the case warms up a prompt as given)."""
+        return self.text if isinstance(self.text, int) else None
+
+    @property
+    def prompt(self) -> str | None:
+        """The prompt warmed up as given (None where the case is a text length)."""
+        return self.text if isinstance(self.text, str) else None
+
+    @property
+    def size(self) -> tuple[int, int, int | None]:
+        """What a report row is per: (width, height, frames)."""
+        return self.width, self.height, self.num_frames
+
+
 class Recipe:
-    """Base class of model recipes. Subclasses override what their model needs.
+    """What the library knows of one family of denoisers, behind one interface: subclass it and
+    override what the model needs; every method has a default.
+
+    A new model's recipe must set :attr:`name`, :attr:`denoiser_classes` and
+    :attr:`diffusers_versions`, and return its family's :meth:`generation_defaults`. With that
+    alone the whole forward is captured and the warm-up makes the calls the pipeline's signature
+    says real calls make (as :class:`~accel.hooks.recipes.generic.GenericRecipe` does). The rest is
+    overridden by concern, where the model needs it:
+
+    ============  ==================================================  ===============================
+    concern       methods and attributes                              override where
+    ============  ==================================================  ===============================
+    install       :meth:`install`, :meth:`component_breaks`,          a function cannot be captured;
+                  :meth:`compiled_forms`, :meth:`wrap_forward`,       ``compile=True`` has a faster
+                  :attr:`fp8_keep`, :attr:`fp8_layers`                form; float8 needs bf16 layers
+    per call      :meth:`prepare`, :meth:`inexact`,                   text padded to buckets; caches
+                  :meth:`capture_scope`, :attr:`pads_text`,           a graph reads by address;
+                  :attr:`pad_mask_kwarg`, :attr:`state_types`         state a call makes per request
+    several GPUs  :meth:`cfg_parallel_support`, :meth:`cfg_branch`,   ``parallel="cfg"`` and
+                  :meth:`cfg_output_like`, :meth:`batch_cfg`,         ``"ulysses"``; joined guidance
+                  :meth:`context_parallel_plan`,                      branches
+                  :meth:`prepare_context_parallel`
+    warm-up       :meth:`warmup_calls` (one :class:`WarmupCase`),     the pipeline's call needs more
+                  :meth:`warmup_call`, :meth:`prompt_lengths`,        than a prompt (embeddings of
+                  :meth:`default_prompt_lengths`,                     measured lengths, an image);
+                  :meth:`warmup_length`, :meth:`warmup_cfg`,          guidance on and off make the
+                  :meth:`check_warmup`, :meth:`embedding_setup`       same calls
+    ============  ==================================================  ===============================
 
     Attributes:
         name: short name used in logs and reports.
@@ -121,7 +196,12 @@ class Recipe:
     fp8_layers: ClassVar[str | None] = None
     state_types: ClassVar[tuple[type, ...]] = ()
 
-    # -- installation ----------------------------------------------------------------------
+    # -- what every model states ------------------------------------------------------------
+    def generation_defaults(self) -> GenerationDefaults | None:
+        """How the model is usually run, for front ends; None where the recipe does not know."""
+        return None
+
+    # -- install -----------------------------------------------------------------------------
     def install(self, module: torch.nn.Module) -> Callable[[], None]:
         """Mark this module's uncapturable functions as eager breaks; return the undo."""
         return lambda: None
@@ -143,7 +223,7 @@ class Recipe:
         """Wrap the module's original forward (e.g. to accept what :meth:`prepare` adds)."""
         return fn
 
-    # -- per call --------------------------------------------------------------------------
+    # -- per call ----------------------------------------------------------------------------
     def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Normalise a call before it reaches the runner (e.g. pad text to a bucket); called only
         where graphs run, and not while :attr:`padding_refused` is set."""
@@ -165,11 +245,7 @@ class Recipe:
         as long as the graph does (caches the graph reads by address)."""
         return contextlib.nullcontext([])
 
-    def generation_defaults(self) -> GenerationDefaults | None:
-        """How the model is usually run, for front ends; None where the recipe does not know."""
-        return None
-
-    # -- several GPUs (accelerate_pipeline(parallel=...), accel/parallel) ----------------
+    # -- several GPUs (accelerate_pipeline(parallel=...), accel/parallel) --------------------
     def cfg_parallel_support(self, module: torch.nn.Module) -> str | None:
         """None where the model's pipelines run the two guidance branches as separate denoiser
         calls that :meth:`cfg_branch` tells apart (so each can run on its own GPU, bit for bit);
@@ -218,7 +294,7 @@ class Recipe:
         every device; ValueError, in one line, where it cannot be."""
         return args, kwargs
 
-    # -- warm-up ---------------------------------------------------------------------------
+    # -- warm-up -----------------------------------------------------------------------------
     def default_prompt_lengths(self) -> tuple[int, ...]:
         """Text lengths to capture when the user names neither prompts nor lengths."""
         return (64,)
@@ -250,61 +326,24 @@ class Recipe:
         """ValueError, in one line, where this recipe cannot warm ``pipe`` up with these guidance
         settings and extra arguments; checked before anything runs."""
 
-    def warmup_inputs(
-        self, pipe: Any, *, width: int, height: int, num_frames: int | None, call_kwargs: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        """What every warm-up call of one case passes besides text and guidance: the case's
-        ``num_frames`` for a video pipeline, and a random image of the case's size as ``image``
-        where the pipeline needs one and ``call_kwargs`` gives none (see
-        :mod:`accel.hooks.call_shape`)."""
-        out: dict[str, Any] = {}
-        if num_frames is not None:
-            out["num_frames"] = num_frames
-        if "image" not in call_kwargs and read_call_shape(pipe).needs_image:
-            out["image"] = warmup_image(width, height)
+    def warmup_call(self, pipe: Any, case: WarmupCase) -> dict[str, Any]:
+        """What every warm-up call of ``case`` passes besides text and guidance: its size and
+        steps, latents out (nothing is decoded), the case's ``num_frames`` for a video pipeline,
+        and a random image of the case's size as ``image`` where the pipeline needs one and
+        ``call_kwargs`` gives none (see :mod:`accel.hooks.call_shape`)."""
+        out: dict[str, Any] = dict(
+            height=case.height, width=case.width, num_inference_steps=case.num_inference_steps, output_type="latent"
+        )
+        if case.num_frames is not None:
+            out["num_frames"] = case.num_frames
+        if "image" not in case.call_kwargs and read_call_shape(pipe).needs_image:
+            out["image"] = warmup_image(case.width, case.height)
         return out
 
-    def warmup_calls(
-        self,
-        pipe: Any,
-        *,
-        width: int,
-        height: int,
-        batch_size: int,
-        cfg: bool,
-        prompt_length: int | None,
-        negative_prompt_length: int | None,
-        num_inference_steps: int,
-        num_frames: int | None = None,
-        prompt: str | None = None,
-        negative_prompt: str | None = None,
-        call_kwargs: Mapping[str, Any] | None = None,
-    ) -> Iterator[dict[str, Any]]:
-        """Pipeline keyword arguments whose calls hit the signatures of one warm-up case.
-
-        Args:
-            pipe: the pipeline.
-            width, height, batch_size, cfg: the case.
-            prompt_length: its text length in tokens (None where ``prompt`` is given instead).
-            negative_prompt_length: the negative prompt's length (None where the recipe cannot
-                measure it).
-            num_inference_steps: steps of each call.
-            num_frames: frames of a video pipeline's calls (None for images).
-            prompt: a prompt to warm up as given, for a recipe that cannot measure prompts
-                (:meth:`prompt_lengths` raises NotImplementedError).
-            negative_prompt: the negative prompt real calls use, if the user named one.
-            call_kwargs: the user's extra arguments; the warm-up passes them with every call
-                (merged over what this yields), so yield nothing they replace.
-        """
-        given = call_kwargs or {}
-        yield dict(
-            prompt=[prompt or DEFAULT_WARMUP_PROMPT] * batch_size,
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            output_type="latent",
-            **self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given),
-        )
+    def warmup_calls(self, pipe: Any, case: WarmupCase) -> Iterator[dict[str, Any]]:
+        """The pipeline's keyword arguments for each call that hits the signatures of ``case``
+        (``case.call_kwargs`` are merged over each by the warm-up)."""
+        yield dict(prompt=[case.prompt or DEFAULT_WARMUP_PROMPT] * case.batch_size, **self.warmup_call(pipe, case))
 
 
 def check_heads_divisible(module: torch.nn.Module, degree: int) -> None:

@@ -14,13 +14,13 @@ another size warm up with one of theirs (``call_kwargs=dict(image=reference)``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from diffusers import Flux2KleinKVPipeline
 from diffusers.models.transformers.transformer_flux2 import Flux2KVCache
 
-from accel import GenericRecipe, warmup_image
+from accel import GenericRecipe, WarmupCase, warmup_image
 
 __all__ = ["Flux2Recipe"]
 
@@ -33,12 +33,10 @@ class Flux2Recipe(GenericRecipe):
     diffusers_versions = ">=0.42,<0.43"
     state_types = (Flux2KVCache,)
 
-    def warmup_calls(
-        self, pipe: Any, *, width: int, height: int, call_kwargs: Mapping[str, Any] | None = None, **case: Any
-    ) -> Iterator[dict[str, Any]]:
-        calls = list(super().warmup_calls(pipe, width=width, height=height, call_kwargs=call_kwargs, **case))
+    def warmup_calls(self, pipe: Any, case: WarmupCase) -> Iterator[dict[str, Any]]:
+        calls = list(super().warmup_calls(pipe, case))
         yield from calls
-        if isinstance(pipe, Flux2KleinKVPipeline) and "image" not in (call_kwargs or {}):
+        if isinstance(pipe, Flux2KleinKVPipeline) and "image" not in case.call_kwargs:
             # A reference image of the output's size: its tokens make the first step's call, and
             # its K/V the cache every later step's call is given.
-            yield from ({**kwargs, "image": warmup_image(width, height)} for kwargs in calls)
+            yield from ({**kwargs, "image": warmup_image(case.width, case.height)} for kwargs in calls)

@@ -35,12 +35,12 @@ diffusers 0.42 gives the model no context-parallel plan.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from accel import GenerationDefaults, Recipe, eager_on_graph
+from accel import GenerationDefaults, Recipe, WarmupCase, eager_on_graph
 
 from .models import FAMILY
 
@@ -311,41 +311,23 @@ class HunyuanVideo15Recipe(Recipe):
     def warmup_length(self, length: int, width: int, height: int) -> int:
         return MLLM_LENGTH
 
-    def warmup_calls(
-        self,
-        pipe: Any,
-        *,
-        width: int,
-        height: int,
-        batch_size: int,
-        cfg: bool,
-        prompt_length: int | None,
-        negative_prompt_length: int | None,
-        num_inference_steps: int,
-        num_frames: int | None = None,
-        prompt: str | None = None,
-        negative_prompt: str | None = None,
-        call_kwargs: Mapping[str, Any] | None = None,
-    ) -> Iterator[dict[str, Any]]:
+    def warmup_calls(self, pipe: Any, case: WarmupCase) -> Iterator[dict[str, Any]]:
         # Random embeddings in the shapes the pipeline's encoders give, masks half valid. Whether
         # guidance runs is the pipeline's guider's to say, not the call's: the negative embeddings
         # are always passed (unused when it does not guide), and both branches share a graph.
         # Embeddings the user passes in call_kwargs replace these (the warm-up merges them in).
-        given = call_kwargs or {}
+        given, batch = case.call_kwargs, case.batch_size
         device, dtype, g = self.embedding_setup(pipe)
         config = pipe.transformer.config
         mllm = getattr(pipe, "tokenizer_max_length", MLLM_LENGTH)
         byt5 = getattr(pipe, "tokenizer_2_max_length", BYT5_LENGTH)
 
         def embeds(length: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-            e = torch.randn(batch_size, length, dim, generator=g, device=device, dtype=dtype)
-            mask = (torch.arange(length, device=device) < max(1, length // 2)).to(dtype).expand(batch_size, -1)
+            e = torch.randn(batch, length, dim, generator=g, device=device, dtype=dtype)
+            mask = (torch.arange(length, device=device) < max(1, length // 2)).to(dtype).expand(batch, -1)
             return e, mask
 
-        kwargs: dict[str, Any] = dict(
-            height=height, width=width, num_inference_steps=num_inference_steps, output_type="latent"
-        )
-        kwargs.update(self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given))
+        kwargs = self.warmup_call(pipe, case)
         for prefix in ("", "negative_"):
             for suffix, length, dim in (("", mllm, config.text_embed_dim), ("_2", byt5, config.text_embed_2_dim)):
                 if f"{prefix}prompt_embeds{suffix}" not in given:

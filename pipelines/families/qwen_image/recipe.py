@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from accel import GenerationDefaults, Recipe, eager_on_graph, patch, tree, unpatched
+from accel import GenerationDefaults, Recipe, WarmupCase, eager_on_graph, patch, tree, unpatched
 
 from . import layered
 from .forms import QWEN_MODULE, qwen_rope_in_real_arithmetic
@@ -375,52 +375,38 @@ class QwenImageRecipe(Recipe):
         ids = pipe.tokenizer([template.format(p) for p in prompts]).input_ids
         return [max(1, min(len(i) - drop, DEFAULT_MAX_SEQUENCE_LENGTH)) for i in ids]
 
-    def warmup_calls(
-        self,
-        pipe: Any,
-        *,
-        width: int,
-        height: int,
-        batch_size: int,
-        cfg: bool,
-        prompt_length: int,
-        negative_prompt_length: int,
-        num_inference_steps: int,
-        num_frames: int | None = None,
-        prompt: str | None = None,
-        negative_prompt: str | None = None,
-        call_kwargs: Mapping[str, Any] | None = None,
-    ) -> Iterator[dict[str, Any]]:
+    def warmup_calls(self, pipe: Any, case: WarmupCase) -> Iterator[dict[str, Any]]:
         # Random embeddings of the measured lengths stand for the text; embeddings the user
         # passes in call_kwargs replace them (the warm-up merges those in).
-        given = call_kwargs or {}
+        given, batch = case.call_kwargs, case.batch_size
         device, dtype, g = self.embedding_setup(pipe)
         dim = pipe.transformer.config.joint_attention_dim
 
         def embeds(length: int) -> tuple[torch.Tensor, torch.Tensor]:
-            e = torch.randn(batch_size, length, dim, generator=g, device=device, dtype=dtype)
-            return e, torch.ones(batch_size, length, dtype=torch.long, device=device)
+            e = torch.randn(batch, length, dim, generator=g, device=device, dtype=dtype)
+            return e, torch.ones(batch, length, dtype=torch.long, device=device)
 
         kwargs: dict[str, Any]
         if layered.is_layered_pipeline(pipe):
             # Called by image and resolution, with a prompt, decoded: see layered.py.
-            kwargs = dict(num_inference_steps=num_inference_steps)
+            kwargs = dict(num_inference_steps=case.num_inference_steps)
             kwargs.update(
                 layered.warmup_call(
-                    pipe, width=width, height=height, batch_size=batch_size, prompt=WARMUP_PROMPT, call_kwargs=given
+                    pipe,
+                    width=case.width,
+                    height=case.height,
+                    batch_size=batch,
+                    prompt=WARMUP_PROMPT,
+                    call_kwargs=given,
                 )
             )
         else:
-            kwargs = dict(height=height, width=width, num_inference_steps=num_inference_steps, output_type="latent")
-            # An edit pipeline's image (QwenImageEditPipeline cannot run without one).
-            kwargs.update(
-                self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given)
-            )
+            kwargs = self.warmup_call(pipe, case)  # with an edit pipeline's image (it cannot run without one)
         if "prompt_embeds" not in given:
-            kwargs["prompt_embeds"], kwargs["prompt_embeds_mask"] = embeds(prompt_length)
-        if cfg:
+            kwargs["prompt_embeds"], kwargs["prompt_embeds_mask"] = embeds(case.prompt_length)
+        if case.cfg:
             if "negative_prompt_embeds" not in given:
-                negative = embeds(negative_prompt_length)
+                negative = embeds(case.negative_prompt_length)
                 kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"] = negative
             kwargs["true_cfg_scale"] = 4.0
         else:

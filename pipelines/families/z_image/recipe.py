@@ -29,12 +29,12 @@ import contextlib
 import contextvars
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from accel import GenerationDefaults, Recipe
+from accel import GenerationDefaults, Recipe, WarmupCase
 
 from . import omni
 from .models import FAMILY
@@ -284,25 +284,10 @@ class ZImageRecipe(Recipe):
             lengths.append(min(len(pipe.tokenizer(text).input_ids), DEFAULT_MAX_SEQUENCE_LENGTH))
         return lengths
 
-    def warmup_calls(
-        self,
-        pipe: Any,
-        *,
-        width: int,
-        height: int,
-        batch_size: int,
-        cfg: bool,
-        prompt_length: int,
-        negative_prompt_length: int,
-        num_inference_steps: int,
-        num_frames: int | None = None,
-        prompt: str | None = None,
-        negative_prompt: str | None = None,
-        call_kwargs: Mapping[str, Any] | None = None,
-    ) -> Iterator[dict[str, Any]]:
+    def warmup_calls(self, pipe: Any, case: WarmupCase) -> Iterator[dict[str, Any]]:
         # Random captions of the measured lengths stand for the text; embeddings the user passes
         # in call_kwargs replace them (the warm-up merges those in).
-        given = call_kwargs or {}
+        given = case.call_kwargs
         device, dtype, g = self.embedding_setup(pipe)
         dim = pipe.transformer.config.cap_feat_dim
         embeds: Callable[[int], Any]
@@ -311,12 +296,12 @@ class ZImageRecipe(Recipe):
             # images (if any) as call_kwargs pass them; see omni.py.
             images = omni.condition_image_count(given)
             longest = given.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
-            lengths = omni.warmup_plains(pipe, prompt_length, images, longest)
+            lengths = omni.warmup_plains(pipe, case.prompt_length, images, longest)
 
             def embeds(length: int) -> list[list[torch.Tensor]]:
                 return omni.warmup_embeddings(
                     pipe,
-                    batch_size=batch_size,
+                    batch_size=case.batch_size,
                     plain=length,
                     images=images,
                     max_length=longest,
@@ -326,24 +311,18 @@ class ZImageRecipe(Recipe):
                     generator=g,
                 )
         else:
-            lengths = [prompt_length]
+            lengths = [case.prompt_length]
 
             def embeds(length: int) -> list[torch.Tensor]:
-                return [torch.randn(length, dim, generator=g, device=device, dtype=dtype) for _ in range(batch_size)]
+                return [
+                    torch.randn(length, dim, generator=g, device=device, dtype=dtype) for _ in range(case.batch_size)
+                ]
 
         for length in lengths:
-            kwargs: dict[str, Any] = dict(
-                height=height,
-                width=width,
-                num_inference_steps=num_inference_steps,
-                output_type="latent",
-                guidance_scale=4.0 if cfg else 0.0,
-            )
-            kwargs.update(
-                self.warmup_inputs(pipe, width=width, height=height, num_frames=num_frames, call_kwargs=given)
-            )
+            kwargs = self.warmup_call(pipe, case)
+            kwargs["guidance_scale"] = 4.0 if case.cfg else 0.0
             if "prompt_embeds" not in given:
                 kwargs["prompt_embeds"] = embeds(length)
-            if cfg and "negative_prompt_embeds" not in given:
-                kwargs["negative_prompt_embeds"] = embeds(negative_prompt_length)
+            if case.cfg and "negative_prompt_embeds" not in given:
+                kwargs["negative_prompt_embeds"] = embeds(case.negative_prompt_length)
             yield kwargs

@@ -235,7 +235,7 @@ def test_warmup_image_is_random_at_the_case_size() -> None:
 def test_given_negative_embeddings_go_without_the_pipelines_default_negative_prompt() -> None:
     # Sana and PixArt default negative_prompt to "" and refuse it beside negative_prompt_embeds.
     from accel.hooks.recipes.generic import GenericRecipe
-    from accel.hooks.recipes.recipe import WARMUP_ARGUMENTS
+    from accel.hooks.recipes.recipe import WARMUP_ARGUMENTS, WarmupCase
     from pipelines import zoo
 
     for name in ("sana", "pixart-sigma"):
@@ -243,17 +243,9 @@ def test_given_negative_embeddings_go_without_the_pipelines_default_negative_pro
         given = {k: v for k, v in zoo.call_inputs(name, "tiny").items() if k not in WARMUP_ARGUMENTS}
         assert "negative_prompt_embeds" in given
         geo = zoo.family(name).geometry["tiny"]
-        (kwargs,) = GenericRecipe().warmup_calls(
-            pipe,
-            width=geo.width,
-            height=geo.height,
-            batch_size=1,
-            cfg=True,
-            prompt_length=None,
-            negative_prompt_length=None,
-            num_inference_steps=2,
-            call_kwargs=given,
-        )
+        case = WarmupCase(geo.width, geo.height, batch_size=1, cfg=True, text="", num_inference_steps=2,
+                          call_kwargs=given)  # fmt: skip
+        (kwargs,) = GenericRecipe().warmup_calls(pipe, case)
         assert kwargs["negative_prompt"] is None
         out = pipe(**{**kwargs, **given}).images  # the pipeline's own check_inputs accepts the call
         assert torch.isfinite(out).all()
