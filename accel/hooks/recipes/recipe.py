@@ -145,9 +145,10 @@ class Recipe:
     install       :meth:`install`, :meth:`component_breaks`,          a function cannot be captured;
                   :meth:`compiled_forms`, :meth:`wrap_forward`,       ``compile=True`` has a faster
                   :attr:`fp8_keep`, :attr:`fp8_layers`                form; float8 needs bf16 layers
-    per call      :meth:`prepare`, :meth:`inexact`,                   text padded to buckets; caches
-                  :meth:`capture_scope`, :attr:`pads_text`,           a graph reads by address;
-                  :attr:`pad_mask_kwarg`, :attr:`state_types`         state a call makes per request
+    per call      :meth:`prepare`, :meth:`route_call`,                text padded to buckets; a call
+                  :meth:`inexact`, :meth:`capture_scope`,             picked by more than its inputs;
+                  :attr:`pads_text`, :attr:`pad_mask_kwarg`,          caches a graph reads by address;
+                  :attr:`state_types`                                 state a call makes per request
     several GPUs  :meth:`cfg_parallel_support`, :meth:`cfg_branch`,   ``parallel="cfg"`` and
                   :meth:`cfg_output_like`, :meth:`batch_cfg`,         ``"ulysses"``; joined guidance
                   :meth:`context_parallel_plan`,                      branches
