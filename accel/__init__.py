@@ -12,9 +12,25 @@ Three layers, each importing only those before it:
   to a pipeline's modules through model recipes (:class:`Recipe`).
 * :mod:`accel.parallel`: one image on several GPUs (``parallel=``).
 
-The names below are the public API; model recipes and front ends (the ``pipelines`` package)
-use only these, plus :mod:`accel.hooks.options`, which needs only the standard library and is
-read by the command line before torch is imported.
+The names below are the public API, by audience:
+
+* **Pipeline users**: :func:`accelerate_pipeline` and its :class:`AcceleratorOptions`, the
+  :class:`PipelineAccelerator` it puts on ``pipe.accel`` (``warmup`` gives a :class:`WarmupReport`),
+  the errors a call can raise, :func:`check_quantize` (can ``quantize=`` run here), and the
+  images of a pipeline's decoded batch made on its device (:func:`check_pixels`,
+  :func:`to_pil_images`).
+* **Recipe authors**: :class:`Recipe` (its docstring says what to override) and
+  :class:`GenericRecipe`, :class:`GenerationDefaults`, :class:`WarmupCase`,
+  :func:`register_recipe` and :func:`recipe_for`; the tools a recipe marks and swaps functions
+  with (:func:`eager_on_graph`, :func:`patch`, :func:`unpatched`, :mod:`tree`); and the building
+  blocks of compiled and float8 forms.
+* **Low-level capture**, for any callable: :class:`GraphRunner` over a :class:`GraphPool`,
+  :func:`capture` into a :class:`BreakableCUDAGraph`, :func:`break_graph`, and the pool's memory
+  counters.
+
+Model recipes and front ends (the ``pipelines`` package) and the scripts use only these, the
+names each package's ``__init__`` lists, and :mod:`accel.hooks.options`, which needs only the
+standard library and is read by the command line before torch is imported.
 """
 
 from .graphs import tree
@@ -26,73 +42,71 @@ from .graphs.bcg import (
     break_graph,
     capture,
     eager_on_graph,
-    is_capturing,
 )
 from .graphs.errors import BCGError
 from .graphs.patches import patch, unpatched
 from .graphs.pool import GraphPool, peak_memory, reset_peak_memory
-from .graphs.runner import GraphMemoryBudgetError, GraphRunner, RunnerStats
+from .graphs.runner import GraphMemoryBudgetError, GraphRunner
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
 from .hooks.call_shape import warmup_image
 from .hooks.compiled.fused import addmm_gelu_tanh, fusable_linear
 from .hooks.fp8.norm_quant import modulated_norm_rows_e4m3
 from .hooks.fp8.quantizers import QuantizeError, check_quantize
 from .hooks.fp8.scaled_mm import Float8RowwiseLinear
-from .hooks.images.convert import PixelCheck, check_pixels, to_pil_images
+from .hooks.images.convert import check_pixels, to_pil_images
 from .hooks.options import AcceleratorOptions
 from .hooks.recipes.generic import GenericRecipe
-from .hooks.recipes.recipe import GenerationDefaults, Recipe, RecipeError, WarmupCase, check_heads_divisible
+from .hooks.recipes.recipe import GenerationDefaults, Recipe, RecipeError, WarmupCase
 from .hooks.recipes.registry import diffusers_in, recipe_for, register_recipe
 from .hooks.state.guard import BusyError
 from .hooks.warmup import WarmupReport
 from .parallel import ParallelConfigError, ParallelError
 
-__all__ = [
-    "DENOISER_NAMES",
+__all__ = [  # noqa: RUF022 (by audience, as the docstring lists them)
+    # Pipeline users: the accelerator, its options and report, the errors a call can raise.
+    "accelerate_pipeline",
     "AcceleratorOptions",
+    "PipelineAccelerator",
+    "WarmupReport",
+    "DENOISER_NAMES",
+    "check_quantize",
+    "check_pixels",
+    "to_pil_images",
     "BCGError",
-    "BreakError",
-    "BreakableCUDAGraph",
     "BusyError",
-    "CopyBackError",
-    "Float8RowwiseLinear",
-    "GenerationDefaults",
-    "GenericRecipe",
     "GraphMemoryBudgetError",
-    "GraphPool",
-    "GraphRunner",
-    "NestedBreakError",
     "ParallelConfigError",
     "ParallelError",
-    "PipelineAccelerator",
-    "PixelCheck",
     "QuantizeError",
+    # Recipe authors: the interface, the registry, marks and patches, compiled and float8 forms.
     "Recipe",
-    "RecipeError",
-    "RunnerStats",
+    "GenericRecipe",
+    "GenerationDefaults",
     "WarmupCase",
-    "WarmupReport",
-    "accelerate_pipeline",
-    "addmm_gelu_tanh",
-    "break_graph",
-    "capture",
-    "check_heads_divisible",
-    "check_pixels",
-    "check_quantize",
+    "RecipeError",
+    "register_recipe",
+    "recipe_for",
     "diffusers_in",
     "eager_on_graph",
-    "fusable_linear",
-    "is_capturing",
-    "modulated_norm_rows_e4m3",
     "patch",
-    "peak_memory",
-    "recipe_for",
-    "register_recipe",
-    "reset_peak_memory",
-    "to_pil_images",
-    "tree",
     "unpatched",
+    "tree",
     "warmup_image",
+    "fusable_linear",
+    "addmm_gelu_tanh",
+    "Float8RowwiseLinear",
+    "modulated_norm_rows_e4m3",
+    # Low-level capture, for any callable.
+    "GraphRunner",
+    "GraphPool",
+    "capture",
+    "BreakableCUDAGraph",
+    "break_graph",
+    "BreakError",
+    "CopyBackError",
+    "NestedBreakError",
+    "peak_memory",
+    "reset_peak_memory",
 ]
 
 __version__ = "0.1.0"

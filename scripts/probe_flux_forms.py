@@ -70,7 +70,7 @@ def main() -> int:
     pipe = zoo.build("flux", args.size, device=dev, dtype=dtype, seed=0)
     pipe.set_progress_bar_config(disable=True)
     inputs = zoo.call_inputs("flux", args.size, device=dev, dtype=dtype, seed=0)
-    from accel.hooks.recipes.recipe import WARMUP_ARGUMENTS
+    from accel.hooks.recipes import WARMUP_ARGUMENTS
 
     given = {k: v for k, v in inputs.items() if k not in WARMUP_ARGUMENTS}
     result: dict = {"env": collect_env(dev), "steps": fam.steps, "variants": {}}

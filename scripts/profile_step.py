@@ -216,7 +216,7 @@ def setup(args: argparse.Namespace, pipe: Any, device: torch.device, quantize: s
 @contextlib.contextmanager
 def graphs_off(accel: Any) -> Iterator[None]:
     """The pipeline's calls run eagerly over the same (compiled) blocks: graphs released, runners off."""
-    from accel.hooks.warmup import uncaptured
+    from accel.hooks import uncaptured
 
     accel.release()
     with uncaptured(accel.runners.values()):

@@ -32,7 +32,9 @@ of ``pipelines`` imports them but the one line of ``bcg-serve`` that hands ``--r
 (:data:`RAY_FRONT_END`).
 
 ``scripts/`` (the benchmarks, their ``benchkit`` and the GPU machine's ``device/`` scripts) is
-above both: nothing in ``accel`` or ``pipelines`` imports it. Its files run with ``scripts/`` on
+above both: nothing in ``accel`` or ``pipelines`` imports it, and it reaches ``accel`` through its
+public surface only: ``accel``'s ``__all__``, :data:`PUBLIC_MODULES`, and what a package's
+``__init__`` lists in its ``__all__`` (its front door), never a module below one. Its files run with ``scripts/`` on
 ``sys.path``, so its modules are named from there (``benchkit.rows``, ``bench_breadth``); no two
 import each other in a circle, and none is over :data:`MAX_SCRIPT_LINES` lines.
 """
@@ -43,6 +45,7 @@ import ast
 import fnmatch
 import functools
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -199,6 +202,35 @@ def _violations(path: Path) -> list[str]:
         for package in FORBIDDEN.get(layer, ()):
             if _within(target, package):
                 bad.append(f"{where}:{line}: imports {target}; {layer} is torch only")
+    return bad
+
+
+def _package_exports(package: str) -> set[str] | None:
+    """The names ``package``'s ``__init__`` lists in ``__all__`` (None: ``package`` is no package of
+    this project; an ``__init__`` without ``__all__`` lists none)."""
+    init = ROOT.joinpath(*package.split(".")) / "__init__.py"
+    if not init.is_file():
+        return None
+    for node in ast.parse(init.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def _script_violations(path: Path) -> list[str]:
+    """Imports of ``path`` (a file of scripts/) that reach ``accel`` below its public surface."""
+    where = str(path.relative_to(ROOT))
+    bad = []
+    for line, target, names in _imports_of(path.read_text(encoding="utf-8"), _module_name(path, SCRIPTS)):
+        if not _within(target, "accel") or target in PUBLIC_MODULES:
+            continue
+        exports = _public_names() if target == "accel" else _package_exports(target)
+        if exports is None or not names:
+            bad.append(f"{where}:{line}: imports {target}, below accel's public surface")
+            continue
+        hidden = [n for n in names if n not in exports and f"{target}.{n}" not in PUBLIC_MODULES]
+        if hidden:
+            bad.append(f"{where}:{line}: imports {', '.join(hidden)} from {target}, which its __all__ does not list")
     return bad
 
 
@@ -505,6 +537,42 @@ def test_nothing_below_imports_the_scripts() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_the_script_checker_finds_an_import_below_the_public_surface(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    monkeypatch.setitem(globals(), "SCRIPTS", tmp_path / "scripts")
+    (tmp_path / "scripts").mkdir()
+    part = tmp_path / "accel" / "hooks" / "fp8"
+    part.mkdir(parents=True)
+    (tmp_path / "accel" / "__init__.py").write_text('__all__ = ["accelerate_pipeline"]\n')
+    (tmp_path / "accel" / "hooks" / "__init__.py").write_text('"""No front door."""\n')
+    (part / "__init__.py").write_text('__all__ = ["quantize_rows"]\n')
+    (part / "scaled_mm.py").write_text("def quantize_rows(): ...\n")
+    script = tmp_path / "scripts" / "bench_x.py"
+    script.write_text(
+        "from accel import accelerate_pipeline, GraphRunner\n"
+        "from accel.hooks.fp8 import quantize_rows, scaled_mm\n"
+        "from accel.hooks.fp8.scaled_mm import quantize_rows\n"
+        "import accel.hooks.fp8\n"
+        "from accel.hooks import graph_hook\n"
+        "from accel.hooks.options import MODES\n"
+    )
+    assert [v.split(": ", 1)[1] for v in _script_violations(script)] == [
+        "imports GraphRunner from accel, which its __all__ does not list",
+        "imports scaled_mm from accel.hooks.fp8, which its __all__ does not list",
+        "imports accel.hooks.fp8.scaled_mm, below accel's public surface",
+        "imports accel.hooks.fp8, below accel's public surface",
+        "imports graph_hook from accel.hooks, which its __all__ does not list",
+    ]
+
+
+@pytest.mark.parametrize("path", sorted(SCRIPTS.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_scripts_reach_accel_through_its_public_surface(path: Path) -> None:
+    bad = _script_violations(path)
+    assert not bad, "imports below accel's public surface (see tests/test_layering.py):\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize("path", sorted(SCRIPTS.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_script_is_over_the_line_limit(path: Path) -> None:
     where = str(path.relative_to(ROOT))
@@ -610,3 +678,26 @@ def test_only_the_ray_front_end_imports_ray(path: Path) -> None:
             assert not any(_within(r, f) for r in reached for f in RAY_FRONT_END), (
                 f"{path.relative_to(ROOT)}:{line} imports the Ray front end ({imported})"
             )
+
+
+def _unnamed_modules(init: Path) -> list[str]:
+    """The modules and subpackages of ``init``'s package that its docstring does not name."""
+    doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+    folder = init.parent
+    parts = [p.stem for p in folder.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    parts += [p.parent.name for p in folder.glob("*/__init__.py")]
+    return sorted(m for m in parts if not re.search(rf"(?<![\w]){re.escape(m)}(?![\w])", doc))
+
+
+@pytest.mark.parametrize(
+    "init",
+    sorted(p for package in OURS for p in (ROOT / package).rglob("__init__.py")),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_every_package_front_door_names_its_modules(init: Path) -> None:
+    """Each package's ``__init__`` is its front door: a docstring that names every module (and
+    subpackage) in it, so a reader opening it sees what each one owns."""
+    doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
+    assert doc, f"{init.relative_to(ROOT)} has no docstring"
+    missing = _unnamed_modules(init)
+    assert not missing, f"{init.relative_to(ROOT)}'s docstring names none of {', '.join(missing)}"

@@ -22,4 +22,14 @@ adding a family is one folder and, if it has a recipe, one entry-point line (doc
 
 records   :class:`~pipelines.families.records.ModelRecord`, :class:`~pipelines.families.records.Family`
 catalog   the one catalog: which models exist, by name and alias, read without torch
+
+and the families:
+
+flux             FLUX.1-dev (recipe, release, compiled forms)
+flux2            FLUX.2 [klein] 4B and klein 9B KV (recipe, release)
+hunyuan_video15  HunyuanVideo-1.5 (recipe only)
+qwen_image       Qwen-Image, its edit pipelines and Qwen-Image Layered (recipe, release, forms)
+qwen_image_21    Qwen-Image 2.1 (recipe, release)
+wan              Wan2.1 14B and 1.3B (release only: the generic recipe serves it)
+z_image          Z-Image and Z-Image Omni (recipe, release)
 """

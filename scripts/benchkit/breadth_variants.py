@@ -66,7 +66,7 @@ def _warm_up(pipe: Any, fam: Any, size: str, inputs: dict[str, Any]) -> dict[str
     """``pipe.accel.warmup`` at the family's geometry with the call's own embeddings."""
     geo = fam.geometry[size]
     # The warm-up sets guidance (and geometry) itself, the family's way: only the rest goes in.
-    from accel.hooks.recipes.recipe import WARMUP_ARGUMENTS
+    from accel.hooks.recipes import WARMUP_ARGUMENTS
 
     given = {k: v for k, v in inputs.items() if k not in WARMUP_ARGUMENTS}
     options: dict[str, Any] = {"cfg": fam.cfg, "call_kwargs": given, "progress": False}

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from accel.graphs import tree
+from accel import tree
 
 from .rows import err_text
 from .settings import SEED, pipe_kwargs, say
@@ -19,7 +19,7 @@ def register_recipes() -> None:
     """Recipes are found through entry points once the project is installed; a plain checkout
     (PYTHONPATH) has none, so register them by hand. Harmless when installed."""
     try:
-        from accel.hooks.recipes.registry import register_recipe
+        from accel import register_recipe
         from pipelines.families.flux.recipe import FluxRecipe
         from pipelines.families.hunyuan_video15.recipe import HunyuanVideo15Recipe
         from pipelines.families.qwen_image.recipe import QwenImageRecipe

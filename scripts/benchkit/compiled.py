@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from accel.graphs import tree
+from accel import tree
 
 from .calls import compiled_blocks, uncompile
 from .measure import MemWatch, max_abs_diff

@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from accel.hooks.fp8 import layer_kinds, quantizers
-from accel.hooks.fp8.scaled_mm import ScaledMMFloat8
+from accel.hooks.fp8 import ScaledMMFloat8, layer_kinds, quantizers
 
 from .calls import register_recipes
 from .environment import collect_env

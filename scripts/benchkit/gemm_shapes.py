@@ -114,7 +114,7 @@ def _operands(row: GemmRow, device: torch.device) -> Callable[[], Any]:
     w = torch.randn(row.n, row.k, device=device, dtype=torch.bfloat16, generator=g)
     if not row.fp8:
         return lambda: torch.nn.functional.linear(x, w)
-    from accel.hooks.fp8.scaled_mm import quantize_rows
+    from accel.hooks.fp8 import quantize_rows
 
     xq, xs = quantize_rows(x)
     wq, ws = quantize_rows(w)

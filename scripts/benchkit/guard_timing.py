@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from accel.hooks.caches.binding import find_caches
-from accel.hooks.graph_hook import HOOK_NAME, apply_graph_runner, remove_graph_runner
-from accel.hooks.options import AcceleratorOptions
-from accel.hooks.state.weights import offload_reason, weights_fingerprint
+from accel import AcceleratorOptions
+from accel.hooks import HOOK_NAME, apply_graph_runner, remove_graph_runner
+from accel.hooks.caches import find_caches
+from accel.hooks.state import offload_reason, weights_fingerprint
 from pipelines.builders import build_transformer
 
 from .environment import collect_env

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from accel.graphs import tree
-from accel.graphs.pool import peak_memory, reset_peak_memory
+from accel import peak_memory, reset_peak_memory, tree
 
 from .rows import err_text, rnd
 from .settings import MiB

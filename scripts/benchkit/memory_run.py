@@ -49,7 +49,7 @@ def _memory(device: torch.device) -> dict[str, float] | None:
     """The device's peaks since the window began, and what it holds now, in GiB."""
     if device.type != "cuda":
         return None
-    from accel.graphs.pool import peak_memory
+    from accel import peak_memory
 
     allocated, reserved = peak_memory(device)
     return {
@@ -63,7 +63,7 @@ def _window(device: torch.device, empty: bool = True) -> None:
     """Start a new peak window: with ``empty``, from a cache given back first."""
     if device.type != "cuda":
         return
-    from accel.graphs.pool import reset_peak_memory
+    from accel import reset_peak_memory
 
     torch.cuda.synchronize(device)
     if empty:

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from accel.graphs import tree
-from accel.graphs.bcg import end_capture_routing
-from accel.hooks.cfg_batch import cfg_batch_hook_of
+from accel import tree
+from accel.graphs import end_capture_routing
+from accel.hooks import cfg_batch_hook_of
 
 from .calls import accelerate, compiled_blocks, denoiser_name
 from .measure import MemWatch, free_memory
@@ -122,7 +122,7 @@ def graph(bench: ModelBench, row: CaseRow, case: Case) -> None:
     if not clock.cuda:
         row.fail("skipped", "needs CUDA (torch.cuda.CUDAGraph)")
         return
-    from accel.graphs.pool import GraphPool
+    from accel import GraphPool
 
     fn = bench.stock(case)
     with MemWatch(clock) as mem:

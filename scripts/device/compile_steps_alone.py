@@ -14,8 +14,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the project root
-from accel import accelerate_pipeline
-from accel.graphs import pool as pool_mod
+from accel import GraphPool, accelerate_pipeline
 from pipelines.builders import build_pipeline
 from tests.cuda.test_compile import PROMPTS, RESOLUTIONS, _call, _stock
 
@@ -41,7 +40,7 @@ def mem(tag):
     )
 
 
-orig = pool_mod.GraphPool.make_room
+orig = GraphPool.make_room
 
 
 def make_room(self):
@@ -52,7 +51,7 @@ def make_room(self):
     return n
 
 
-pool_mod.GraphPool.make_room = make_room
+GraphPool.make_room = make_room
 
 with torch.no_grad():
     name = "z-image"

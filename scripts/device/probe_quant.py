@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from accel.hooks.fp8.scaled_mm import quantize_rows
+    from accel.hooks.fp8 import quantize_rows
 
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from accel.hooks.fp8.row_quant import quantize_rows_e4m3, quantize_rows_reference
+    from accel.hooks.fp8 import quantize_rows_e4m3, quantize_rows_reference
 
     dev = torch.device("cuda")
     g = torch.Generator(dev).manual_seed(0)

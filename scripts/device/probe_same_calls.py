@@ -18,10 +18,8 @@ def main() -> int:
     import torch
     from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, QwenImageTransformerBlock
 
-    from accel.hooks.compiled.compile import compile_options
-    from accel.hooks.compiled.fused import fuse_gelu_epilogues
-    from accel.hooks.fp8 import row_quant
-    from accel.hooks.fp8.scaled_mm import ScaledMMFloat8
+    from accel.hooks.compiled import compile_options, fuse_gelu_epilogues
+    from accel.hooks.fp8 import ScaledMMFloat8, row_quant
 
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("accel.hooks.compiled.same_calls").setLevel(logging.DEBUG)

@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from accel.graphs.pool import GraphPool
-    from accel.graphs.runner import GraphRunner
+    from accel import GraphPool, GraphRunner
     from scripts.device.graph_timing import graph_ms
 
     class LayerCache:

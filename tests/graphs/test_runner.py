@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from accel import GraphRunner, RunnerStats
+from accel import GraphRunner
 from accel.graphs import runner as runner_mod
 from accel.graphs import tree
-from accel.graphs.runner import GraphMemoryBudgetError, capture_session
+from accel.graphs.runner import GraphMemoryBudgetError, RunnerStats, capture_session
 from tests.helpers.fakes import FakeCuda, FakePool
 
 

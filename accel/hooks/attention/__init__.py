@@ -8,3 +8,7 @@ denoisers, or why it cannot (``selection``).
 May import: :mod:`accel.graphs` and the base modules (``options``, ``components``); nothing of
 the other subpackages.
 """
+
+from . import fa3
+
+__all__ = ["fa3"]

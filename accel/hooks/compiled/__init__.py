@@ -4,5 +4,14 @@ Owns the regional compile of a denoiser's repeated blocks and its persistent cac
 projections fused into their GEMM's epilogue, and GroupNorm through inductor for the components.
 Graphs over compiled blocks are held to the same compiled model run without graphs.
 
+The modules: ``compile`` (the regional compile and its cache), ``fused`` (work inductor cannot
+fuse, given to it as one op), ``group_norm`` (GroupNorm for the components), ``same_calls`` (the
+library's own ops called twice with the same arguments in a block, run once).
+
 May import: :mod:`accel.graphs` and the base module ``options``; nothing of the other subpackages.
 """
+
+from .compile import compile_options
+from .fused import fuse_gelu_epilogues
+
+__all__ = ["compile_options", "fuse_gelu_epilogues"]

@@ -7,6 +7,25 @@ pipelines/, never imported here by name), and the padding gate (a recipe pads on
 attention processor takes its mask and every attention backend in use applies it: ``mask_backends``
 asks diffusers' registry which do).
 
+The modules: ``recipe`` (the interface and its warm-up case), ``generic``, ``registry``,
+``mask_backends`` and ``padding_gate``.
+
 May import: :mod:`accel.graphs`, and of this layer the base modules (``options``,
 ``components``, ``call_shape``). Nothing of the other subpackages.
 """
+
+from .generic import GenericRecipe
+from .recipe import DEFAULT_WARMUP_PROMPT, WARMUP_ARGUMENTS, GenerationDefaults, Recipe, RecipeError, WarmupCase
+from .registry import recipe_for, register_recipe
+
+__all__ = [
+    "DEFAULT_WARMUP_PROMPT",
+    "WARMUP_ARGUMENTS",
+    "GenerationDefaults",
+    "GenericRecipe",
+    "Recipe",
+    "RecipeError",
+    "WarmupCase",
+    "recipe_for",
+    "register_recipe",
+]

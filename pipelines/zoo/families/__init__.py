@@ -12,7 +12,9 @@ text streams) at a few layers and narrow widths.
 Embedding shapes are those the pipeline's own text encoders produce at the release's usual text
 length: for example FLUX.1's T5-XXL ``(1, 512, 4096)`` and pooled CLIP-L ``(1, 768)``. The
 geometry is each release's usual resolution (a short clip for video). :mod:`.common` holds what
-several families share.
+several families share. The families, one module each: ``flux``, ``flux2``, ``sd3``, ``sdxl``,
+``wan`` (14B and 1.3B), ``ltx``, ``hunyuan_video``, ``hunyuan_video_15``, ``sana``,
+``pixart_sigma``, ``chroma``, ``cogview4``, ``hidream``, ``lumina2`` and ``qwen_image_edit``.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from accel import PixelCheck, check_pixels, to_pil_images
-from accel.hooks.images import convert
+from accel import check_pixels, to_pil_images
+from accel.hooks.images import PixelCheck, convert
 from tests.hooks.images.cases import (
     all_values_in_unit_range,
     as_batch,
