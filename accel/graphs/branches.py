@@ -130,10 +130,6 @@ class GraphTree:
         """Whether a chain stores into the containers the call is given."""
         return any(c.stores is not None for c in self.chains.values())
 
-    def prefers(self, path: tuple[Any, ...]) -> None:
-        """Start the next replay on the chain of ``path``."""
-        self._last = self.chains[path]
-
     def add(self, chain: Chain) -> None:
         """Keep ``chain``; ValueError if it does not branch off every other chain at a decision
         reached through the same breaks (the call is not deterministic, or a path is stale)."""

@@ -155,7 +155,7 @@ def attempt(
                         with bcg.rerun(memo):
                             out = fn(*args, **kwargs)
                         restore()
-                        warm = stores.record(given, name, static_inputs, sig.objects, out, pool.device).let_go()
+                        warm = stores.record(given, name, static_inputs, sig.objects, out, pool.device).released()
                         del args, kwargs, given, out  # what the run stored is not kept through the capture
                 pool.stream.synchronize()
                 pool.make_room()

@@ -13,7 +13,7 @@ import torch
 from . import tree
 from .errors import CopyBackError
 
-__all__ = ["PoolMap", "copy_back", "copy_into", "owned", "views_of_pool_tensors"]
+__all__ = ["PoolMap", "copy_into", "owned", "views_of_pool_tensors"]
 
 
 def _same_constant(captured: Any, replayed: Any) -> bool:
@@ -79,14 +79,6 @@ def copy_into(dst: tree.Flat, src: Any, break_name: str, root: str = "output") -
             raise CopyBackError(f"break {break_name!r}: {root}{tree.leaf_paths(dst.spec)[i]}: {why}", src)
         if isinstance(d, torch.Tensor) and (s.data_ptr() != d.data_ptr() or s.stride() != d.stride()):
             d.copy_(s)
-
-
-def copy_back(dst: Any, src: Any, break_name: str, path: str = "output") -> None:
-    """Copy ``src`` into ``dst`` in place, raising :class:`CopyBackError` on any mismatch.
-
-    The message names the break and the field, e.g. ``break 'x': output[1]['pair'][0]: ...``.
-    """
-    copy_into(tree.Flat(dst), src, break_name, path)
 
 
 # --------------------------------------------------------------------------------------------

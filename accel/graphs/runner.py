@@ -101,7 +101,7 @@ class GraphRunner:
         self.store = EntryStore(name, self.config.max_entries, self.config.memory_budget, self.counts)
         self.policy = CapturePolicy(self.store, self.counts)
         self.lock = threading.RLock()
-        self._said: set[Hashable] = set()
+        self._logged: set[Hashable] = set()
         self._capturing = 0
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -111,7 +111,7 @@ class GraphRunner:
         try:
             sig, leaves = flatten(args, kwargs, self.state_types)
         except Unopenable as refused:
-            self._say_once(
+            self._log_once(
                 ("unopenable", refused.type_name), f"{self.name}: {refused}; such calls run eagerly", logging.WARNING
             )
             self.counts.eager_calls += 1
@@ -130,7 +130,7 @@ class GraphRunner:
                 # out the other way): the graph's later segments assumed the old one. This call
                 # runs eagerly, its breaks so far not again; the graph stays for calls like the
                 # captured one.
-                self._say_once(("copy-back", key, str(exc)), f"{self.name}: {exc}; this call runs eagerly")
+                self._log_once(("copy-back", key, str(exc)), f"{self.name}: {exc}; this call runs eagerly")
                 self.counts.eager_calls += 1
                 with bcg.rerun(exc.memo):
                     return self.fn(*args, **kwargs)
@@ -148,8 +148,8 @@ class GraphRunner:
                     return self._eager_given_twice(key, twice, args, kwargs)
         else:
             self.counts.misses += 1
-            if key not in self._said:  # the reason compares against every entry: only when said
-                self._say_once(key, f"{self.name}: no graph for this call; running eagerly. {self._miss_reason(sig)}")
+            if key not in self._logged:  # the reason compares against every entry: only when said
+                self._log_once(key, f"{self.name}: no graph for this call; running eagerly. {self._miss_reason(sig)}")
         self.counts.eager_calls += 1
         return self.fn(*args, **kwargs)
 
@@ -168,7 +168,7 @@ class GraphRunner:
                 return self._replay(
                     entry, flatten(args, kwargs, self.state_types)[1], args, kwargs, memo=miss.memo, copied=True
                 )
-        self._say_once(
+        self._log_once(
             ("path", entry.key, path),
             f"{self.name}: no graph for decision path {path_label(path)} of a captured call; running it eagerly"
             + (
@@ -218,7 +218,7 @@ class GraphRunner:
     def _eager_given_twice(
         self, key: Hashable, twice: _GivenTwice, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        self._say_once(
+        self._log_once(
             ("given-twice", key),
             f"{self.name}: {twice.field} is a container given twice in one call, which its graph stores into as "
             "two; this call runs eagerly",
@@ -226,9 +226,9 @@ class GraphRunner:
         self.counts.eager_calls += 1
         return self.fn(*args, **kwargs)
 
-    def _say_once(self, key: Hashable, message: str, level: int = logging.INFO) -> None:
-        if key not in self._said:
-            self._said.add(key)
+    def _log_once(self, key: Hashable, message: str, level: int = logging.INFO) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
             logger.log(level, message)
 
     def _capturable(self, key: Hashable, leaves: list[torch.Tensor]) -> bool:
@@ -241,13 +241,13 @@ class GraphRunner:
                 logger.info("CUDA is not available; graph runners run eagerly (no graphs)")
             return False
         if not leaves or any(t.device.type != "cuda" for t in leaves):
-            self._say_once(
+            self._log_once(
                 ("not-cuda", key),
                 f"{self.name}: call has no CUDA tensors or some on another device; running eagerly",
             )
             return False
         if self.pool is not None and any(t.device != self.pool.device for t in leaves):
-            self._say_once(("device", key), f"{self.name}: inputs are not on {self.pool.device}; running eagerly")
+            self._log_once(("device", key), f"{self.name}: inputs are not on {self.pool.device}; running eagerly")
             return False
         return True
 
@@ -274,7 +274,7 @@ class GraphRunner:
         try:
             sig, leaves = flatten(args, kwargs, self.state_types)
         except Unopenable as refused:
-            self._say_once(
+            self._log_once(
                 ("unopenable", refused.type_name), f"{self.name}: {refused}; such calls run eagerly", logging.WARNING
             )
             return False
@@ -323,7 +323,7 @@ class GraphRunner:
         with self.lock:
             pending = set(self.store.recapture)
             dropped = self.store.clear()
-            self._said.clear()
+            self._logged.clear()
             if recapture:
                 self.store.recapture.update(pending, dropped)
             return len(dropped)

@@ -268,7 +268,7 @@ class Stored:
 class Recording:
     """What one run of a call stored: each changed container's final contents, and the tensors
     made by the call that its ``MADE`` items stand for: ``made`` (held strongly: the capture's own,
-    which its chain keeps; :meth:`let_go` drops them), ``refs`` (weakly, to tell a tensor made in
+    which its chain keeps; :meth:`released` drops them), ``refs`` (weakly, to tell a tensor made in
     every run from one made once outside the call), ``likes`` (their geometry, on the meta device)
     and ``fields`` (where each was first stored)."""
 
@@ -283,7 +283,7 @@ class Recording:
         items = tuple((s.path, s.keys, tuple(i.key() for i in s.items)) for s in self.stored)
         return items, tuple((tuple(t.shape), t.stride(), t.dtype) for t in self.likes)
 
-    def let_go(self) -> Recording:
+    def released(self) -> Recording:
         """This recording without its strong references (a warm-up run's, kept for the capture)."""
         self.made = []
         return self

@@ -194,10 +194,10 @@ class GraphHook(ModelHook):
         self.follower.forget()
         while self._undo:
             self._undo.pop()()
-        self._let_go_of_module()
+        self._release_module()
         return module
 
-    def _let_go_of_module(self) -> None:
+    def _release_module(self) -> None:
         # The hook is a cycle of its own (its runner calls its bound method); while it also held
         # the module, a restored pipeline lived on until the collector ran, and its GPU memory
         # with it (a stock pipeline is freed by reference counting at ``del pipe``). The registry

@@ -106,7 +106,7 @@ class Installation:
             raise BCGError("parallel= needs accel.parallel, which was not imported")
         try:
             if self.quantization is not None:
-                self._undo.append(self.quantization.let_go)
+                self._undo.append(self.quantization.restore)
             self._enter_attention()
             self._enter_graph_hooks()
             self._enter_guard()
@@ -169,9 +169,9 @@ class Installation:
         old = self.guard
         if old is None or getattr(self.pipe, "scheduler", None) is old.scheduler:
             return
-        mine: list[Any] = [h.caches for n in self.denoisers if (h := self.hooks[n]).caches is not None]
-        mine += [*self.cfg_batch.values(), *([self.parallel] if self.parallel is not None else [])]
-        self.guard = old.hand_over(self.pipe, self, self._follow_weights, mine)
+        listeners: list[Any] = [h.caches for n in self.denoisers if (h := self.hooks[n]).caches is not None]
+        listeners += [*self.cfg_batch.values(), *([self.parallel] if self.parallel is not None else [])]
+        self.guard = old.hand_over(self.pipe, self, self._follow_weights, listeners)
         for hook in self.cfg_batch.values():
             hook.users[id(self)] = self.guard
         if self.parallel is not None:
@@ -241,7 +241,7 @@ class Installation:
         self.cfg_batch.clear()
 
     def _enter_postprocess(self) -> None:
-        if self.plan.postprocess_stock is None:
+        if self.plan.postprocess_refused is None:
             # The patch is on the processor's instance dictionary; undoing it (or dropping the
             # pipeline, which collects it) gives the class's postprocess back.
             self._undo.append(hook_postprocess(self.pipe.image_processor).undo)

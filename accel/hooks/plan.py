@@ -16,7 +16,7 @@ order :class:`~accel.hooks.install.Installation` enters them:
 3. ``guard``: whether the pipeline's scheduler gets a call guard;
 4. ``parallel``: the several-process layout asked for, if any;
 5. ``cfg_batch``: the denoisers whose guidance branches may run as one call;
-6. ``postprocess_stock``: why the image processor keeps diffusers' own post-processing, or None
+6. ``postprocess_refused``: why the image processor keeps diffusers' own post-processing, or None
    where its ``output_type="pil"`` gets its pixels made on the device
    (:mod:`accel.hooks.images.postprocess`, the same pixels bit for bit).
 
@@ -82,7 +82,7 @@ class InstallPlan:
     guard: bool
     parallel: str | None
     cfg_batch: tuple[str, ...]
-    postprocess_stock: str | None
+    postprocess_refused: str | None
 
     @property
     def denoisers(self) -> list[str]:
@@ -109,8 +109,8 @@ class InstallPlan:
             f"guidance branches joined: {', '.join(self.cfg_batch) or 'none'}; "
             + (
                 "PIL images made on the device"
-                if self.postprocess_stock is None
-                else f"post-processing stock ({self.postprocess_stock})"
+                if self.postprocess_refused is None
+                else f"post-processing stock ({self.postprocess_refused})"
             ),
             *attention,
         ]
@@ -179,5 +179,5 @@ def plan_install(pipe: Any, options: AcceleratorOptions) -> InstallPlan:
         parallel=options.parallel,
         cfg_batch=tuple(d.name for d in denoisers if _joins_guidance(d, options, guard)),
         # In every mode: it changes no pixel, and takes the host's float work off every call.
-        postprocess_stock=why_not_hooked(getattr(pipe, "image_processor", None)),
+        postprocess_refused=why_not_hooked(getattr(pipe, "image_processor", None)),
     )

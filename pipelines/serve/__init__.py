@@ -17,14 +17,15 @@ the next step boundary, each with its own steps, guidance and seed, leave them w
 stream partial images (``stream``, ``partial_images``). One worker thread owns the device;
 requests wait in a bounded queue (``--queue``; beyond, 429).
 
-It lives in ``pipelines`` beside the CLI, a front end like it: it takes the CLI's model flags,
-builds and accelerates the pipeline with the CLI's steps, writes the CLI's PNG text, and reaches
-``accel`` through its public API only. FastAPI, uvicorn and prometheus-client are
+It lives in ``pipelines`` beside the CLI, a sibling front end over the generation core
+(:mod:`pipelines.generation`): it takes the same model flags, prepares the pipeline the same
+way, writes the same image record, and imports nothing of the CLI; it reaches ``accel`` through
+its public API only. FastAPI, uvicorn and prometheus-client are
 the optional extra ``[serve]``; importing this package imports none of them, nor torch.
 
 The modules, one job each:
 
-config      the flags (the CLI's model flags, the server's), checked as read
+config      the flags (the model flags, the server's), checked as read
 schema      the request body, checked: 400 in one line, nothing queued
 edits       the multipart form of an edit, checked the same way, its image read
 errors      the one-line JSON error every non-200 answer is

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 
 from .access import AccessLog, fields_of
 from .edits import MAX_EDIT_BYTES, parse_edit
-from .engine import Generated
+from .engine import EncodedImage
 from .errors import ServeError, error_body
 from .metrics import CONTENT_TYPE
 from .schema import ImageRequest, parse_request
@@ -85,7 +85,7 @@ def _headers(request: ImageRequest, tokens: Any) -> dict[str, str]:
     return headers
 
 
-def _answer(request: ImageRequest, images: list[Generated]) -> Response:
+def _answer(request: ImageRequest, images: list[EncodedImage]) -> Response:
     """The 200: OpenAI's images response, and headers for what was not honoured."""
     data = []
     for g in images:

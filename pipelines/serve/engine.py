@@ -43,7 +43,7 @@ from .encode import encode
 from .errors import ServeError
 from .schema import MAX_SEED, ImageRequest
 
-__all__ = ["Engine", "Generated", "Made", "Plan", "TextCases", "bucket_for"]
+__all__ = ["EncodedImage", "Engine", "Plan", "RenderedImage", "TextCases", "bucket_for"]
 
 logger = logging.getLogger("bcg-serve")
 
@@ -51,7 +51,7 @@ _EDITS = itertools.count(1)  # each edit request's number: its batch key is its 
 
 
 @dataclasses.dataclass(frozen=True)
-class Generated:
+class EncodedImage:
     """One image as the response carries it: its file in the format asked for, base64-encoded
     (ASCII bytes: the route writes them into the answer as they are), the seed it was made with,
     and its prompt's tokens as the text encoder read them (None: not counted)."""
@@ -67,7 +67,7 @@ class Generated:
 
 
 @dataclasses.dataclass(frozen=True)
-class Made:
+class RenderedImage:
     """One image as its call made it (PIL), with its PNG text, seed, tokens and the file format
     its request asked for. Encoding takes tens of milliseconds an image at 512x512 (PNG, zlib), so
     the device worker hands these on and the service's encoding threads encode them
@@ -80,9 +80,9 @@ class Made:
     output_format: str = "png"
     output_compression: int | None = None
 
-    def encode(self) -> Generated:
+    def encode(self) -> EncodedImage:
         data = encode(self.image, self.text, self.output_format, self.output_compression)
-        return Generated(base64.b64encode(data), self.seed, self.tokens)
+        return EncodedImage(base64.b64encode(data), self.seed, self.tokens)
 
 
 def bucket_for(images: int, batch_sizes: Sequence[int] | None) -> int:
@@ -279,7 +279,7 @@ class Engine:
         counted = [stats[name] for name in accel.recipes if name in stats]
         return sum(s.replays for s in counted), sum(s.eager_calls for s in counted)
 
-    def make(self, plans: Sequence[Plan], stop: Callable[[], bool] | None = None) -> list[list[Made]]:
+    def make(self, plans: Sequence[Plan], stop: Callable[[], bool] | None = None) -> list[list[RenderedImage]]:
         """One pipeline call for ``plans`` (one :class:`BatchKey`), at their bucket; per plan, its
         images, not yet encoded (the worker leaves that to the service's encoding threads).
         ``stop``: asked at the end of every denoising step; once true, the call ends there
@@ -323,7 +323,7 @@ class Engine:
                 raise OutOfMemory(len(seeds) - pad, len(seeds), (r.width, r.height)) from None
             raise
         images, ran = made.images, made.mode
-        out: list[list[Made]] = []
+        out: list[list[RenderedImage]] = []
         start = 0
         for q in plans:
             n = len(q.seeds)
@@ -331,7 +331,7 @@ class Engine:
             start += n
         return out
 
-    def made(self, plan: Plan, images: Sequence[Any], ran: str) -> list[Made]:
+    def made(self, plan: Plan, images: Sequence[Any], ran: str) -> list[RenderedImage]:
         """``plan``'s images (PIL, one per seed) with their PNG text, ``ran`` saying what the
         denoiser did (``bcg``: a graph replayed; else the mode)."""
         p, r = self.prepared, plan.request
@@ -342,15 +342,16 @@ class Engine:
         texts = image_texts(job, common, ran, p.settings.mode, tokens)
         fmt, compression = r.output_format, r.output_compression
         return [
-            Made(image, text, seed, tokens, fmt, compression) for image, text, seed in zip(images, texts, plan.seeds)
+            RenderedImage(image, text, seed, tokens, fmt, compression)
+            for image, text, seed in zip(images, texts, plan.seeds)
         ]
 
-    def run(self, plans: Sequence[Plan]) -> list[list[Generated]]:
+    def run(self, plans: Sequence[Plan]) -> list[list[EncodedImage]]:
         """:meth:`make` and every image encoded: one pipeline call and its files, per plan."""
         return [[m.encode() for m in made] for made in self.make(plans)]
 
     def _tokens(self, plan: Plan) -> Any:
         try:
             return count_tokens(self.pipe, plan.request.prompt)
-        except Exception:  # a tokenizer without a chat template, say: not counted, as the CLI does
+        except Exception:  # a tokenizer without a chat template, say: not counted, as bcg-generate does
             return None

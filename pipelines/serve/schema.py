@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-# The CLI's limits: torch.Generator.manual_seed's range (image i of a request uses seed + i), and
+# The generation core's limits: torch.Generator.manual_seed's range (image i of a request uses seed + i), and
 # the built-in schedulers' num_train_timesteps (the engine checks the model's own).
 from pipelines.generation.constants import MAX_GUIDANCE, MAX_SEED, MAX_STEPS
 

@@ -29,7 +29,7 @@ from prometheus_client import Histogram
 
 from .batcher import Batcher, Closed, QueueFull, Work
 from .continuous import ContinuousWorker
-from .engine import Generated, Made
+from .engine import EncodedImage, RenderedImage
 from .errors import ServeError, one_line
 from .metrics import Metrics
 from .schema import ImageRequest, Served
@@ -93,13 +93,13 @@ class Service:
                         " ".join(map(str, self.served.batch_sizes or (self.batcher.max_batch,))))  # fmt: skip
 
     def _failed(self, error: BaseException) -> None:
-        # The CLI's errors are one line for users already, and carry their exit status.
+        # The generation core's errors are one line for users already, and carry their exit status.
         status = getattr(error, "status", None)
-        told = one_line(error) if isinstance(status, int) else f"{type(error).__name__}: {one_line(error)}"
-        self.fatal = told
+        reason = one_line(error) if isinstance(status, int) else f"{type(error).__name__}: {one_line(error)}"
+        self.fatal = reason
         self.fatal_status = status if isinstance(status, int) else 1
         self.phase = "failed"
-        logger.error("could not start: %s", told)
+        logger.error("could not start: %s", reason)
 
     def stop(self) -> None:
         """Stop accepting; the waiting requests are answered 503 now, the running batch finishes."""
@@ -145,7 +145,7 @@ class Service:
         return ServeError(503, "the server is stopping", code="shutting_down")
 
     async def generate(self, request: ImageRequest, receive: Receive, arrived: float,
-                       access: dict[str, Any] | None = None) -> list[Generated]:  # fmt: skip
+                       access: dict[str, Any] | None = None) -> list[EncodedImage]:  # fmt: skip
         """The images of ``request``, or :class:`ServeError` (400, 429, 500, 503, 504, or 499 for
         a client that left). ``receive`` is the ASGI receive of the request, its body read;
         ``arrived`` its ``time.monotonic()`` arrival. ``access``: the request's access-log fields,
@@ -204,7 +204,7 @@ class Service:
         else:
             self.metrics.dropped.labels(f"{reason}_running").inc()
 
-    def encode_later(self, made: Made) -> concurrent.futures.Future:
+    def encode_later(self, made: RenderedImage) -> concurrent.futures.Future:
         """``made``'s file, encoded on the service's encoding threads."""
         return self._encoder.submit(made.encode)
 
@@ -221,7 +221,7 @@ class Service:
         encoded: concurrent.futures.Future = concurrent.futures.Future()
         seconds = self.metrics.encode_seconds
 
-        def encode(made: list[Made]) -> None:
+        def encode(made: list[RenderedImage]) -> None:
             if not encoded.set_running_or_notify_cancel():
                 return  # the request gave up before its turn came
             t0 = time.monotonic()
@@ -261,8 +261,8 @@ def _made(work: Work) -> bool:
     return f.done() and not f.cancelled() and f.exception() is None
 
 
-def encode_timed(made: Sequence[Made], seconds: Histogram) -> list[Generated]:
-    """Each of ``made``'s files (:meth:`Made.encode`), its encoding's seconds observed in ``seconds``."""
+def encode_timed(made: Sequence[RenderedImage], seconds: Histogram) -> list[EncodedImage]:
+    """Each of ``made``'s files (:meth:`RenderedImage.encode`), its encoding's seconds observed in ``seconds``."""
     out = []
     for m in made:
         with seconds.time():

@@ -55,7 +55,7 @@ def _check_steps(model: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class ServeSettings(ModelSettings):
     """The model flags, and whether the accelerator captures a call it has no graph for
-    (``--capture-on-miss``), which the CLI's flags do not say."""
+    (``--capture-on-miss``), which the model flags do not say."""
 
     capture_on_miss: bool = False
 
@@ -139,7 +139,7 @@ def starter(config: ServeConfig, device: Any, dtype: Any,
         fields.update(warmup=(), capture_on_miss=config.capture_on_miss)  # the server's own warm-up follows
         settings = ServeSettings(**fields)
         logger.info("building %s (%s) on %s", settings.model, settings.size, device)
-        # The CLI's limits are checked for one image at the largest size; the buckets are the
+        # The core's limits are checked for one image at the largest size; the buckets are the
         # admission's to check, with the server's flags in its message.
         workload = Workload(resolutions=config.resolutions, batch_size=1, prompts=(DEFAULT_PROMPT,), edits=True)
         prepared = prepare_pipeline(settings, workload, device, dtype, progress=False)

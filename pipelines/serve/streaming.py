@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from .batcher import Closed
-from .engine import Generated, Made
+from .engine import EncodedImage, RenderedImage
 from .errors import ServeError, error_body, one_line
 from .schema import ImageRequest
 from .worker import BatchFailed, RequestGone
@@ -50,7 +50,7 @@ def event_bytes(event: str, body: dict[str, Any], b64: bytes | None = None) -> b
 
 class ImageStream:
     """One streamed request: queued when made (ServeError 400, 429 or 503 where it cannot be),
-    then :meth:`events`, the bytes of its events. Made on the event loop's thread."""
+    then :meth:`events`, the bytes of its events. RenderedImage on the event loop's thread."""
 
     def __init__(self, service: Any, request: ImageRequest, arrived: float,
                  access: dict[str, Any] | None = None) -> None:  # fmt: skip
@@ -70,7 +70,7 @@ class ImageStream:
     def _partial(self, step: int, image: Any) -> None:  # the device worker's thread
         r = self.request
         seed = self.work.plan.seeds[0]
-        self._put("partial", self.service.encode_later(Made(image, {}, seed, None, r.output_format,
+        self._put("partial", self.service.encode_later(RenderedImage(image, {}, seed, None, r.output_format,
                                                                  r.output_compression)))  # fmt: skip
 
     def _common(self) -> dict[str, Any]:
@@ -87,7 +87,7 @@ class ImageStream:
                 kind, future = await asyncio.wait_for(self._events.get(), timeout=max(left, 0.0))
                 if kind == "partial":
                     try:
-                        g: Generated = await asyncio.wrap_future(future)
+                        g: EncodedImage = await asyncio.wrap_future(future)
                     except Exception as e:  # a preview is a courtesy: the image still comes
                         logger.warning("a partial image could not be encoded: %s", one_line(e))
                         continue

@@ -103,9 +103,10 @@ class DeviceWorker(threading.Thread):
         except Exception as e:  # one batch's failure is that batch's alone
             images = sum(w.images for w in batch)
             m.pipeline_calls.labels("failed").inc()
-            # The CLI's errors are told for users already (out of memory, NaN pixels, a refused call).
-            told = one_line(e) if getattr(e, "status", None) == 1 else f"{type(e).__name__}: {one_line(e)}"
-            message = f"generation failed: {told[:300]}"
+            # The generation core's errors are one line for users already (out of memory, NaN pixels,
+            # a refused call).
+            reason = one_line(e) if getattr(e, "status", None) == 1 else f"{type(e).__name__}: {one_line(e)}"
+            message = f"generation failed: {reason[:300]}"
             logger.error("a batch of %d request(s), %d image(s), %s", len(batch), images, message)
             for w in batch:
                 w.future.set_exception(BatchFailed(message))

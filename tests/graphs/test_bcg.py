@@ -25,7 +25,7 @@ from accel.graphs.bcg import (
     eager_on_graph,
     is_capturing,
 )
-from accel.graphs.copyback import copy_back
+from accel.graphs.copyback import copy_into
 from tests.helpers.fakes import DummySegment, fake_capture
 
 # --------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def test_break_graph_and_is_capturing_outside_capture() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# copy_back: strict, in place
+# copy-back: strict, in place
 # --------------------------------------------------------------------------------------------
 
 
@@ -107,14 +107,14 @@ def test_copy_back_copies_tensors_in_place() -> None:
     dst = torch.zeros(2, 3)
     ptr = dst.data_ptr()
     src = torch.arange(6.0).reshape(2, 3)
-    copy_back(dst, src, "brk")
+    copy_into(tree.Flat(dst), src, "brk")
     assert torch.equal(dst, src) and dst is not src and dst.data_ptr() == ptr
     # a non-contiguous source of the same shape is copied by value
-    copy_back(dst, torch.arange(6.0).reshape(3, 2).t(), "brk")
+    copy_into(tree.Flat(dst), torch.arange(6.0).reshape(3, 2).t(), "brk")
     assert torch.equal(dst, torch.arange(6.0).reshape(3, 2).t())
     # the buffer itself coming back is fine and leaves it unchanged
     before = dst.clone()
-    copy_back(dst, dst, "brk")
+    copy_into(tree.Flat(dst), dst, "brk")
     assert torch.equal(dst, before)
 
 
@@ -138,7 +138,7 @@ def test_copy_back_containers_dataclasses_and_objects() -> None:
         Plain(t(9, 10), 5),
         Pair(t(11), 2.5),
     )
-    copy_back(dst, src, "brk")
+    copy_into(tree.Flat(dst), src, "brk")
     got = torch.cat([x.flatten() for x in tree.tensors(dst)])
     assert got.tolist() == [float(i) for i in range(1, 12)]
     # every buffer was written in place, none replaced
@@ -175,7 +175,7 @@ def _src_variants() -> list[tuple[str, Any, Any, str]]:
 @pytest.mark.parametrize("dst,src,path", [v[1:] for v in _src_variants()], ids=[v[0] for v in _src_variants()])
 def test_copy_back_mismatch_raises_naming_break_and_field(dst: Any, src: Any, path: str) -> None:
     with pytest.raises(CopyBackError) as info:
-        copy_back(dst, src, "rope table")
+        copy_into(tree.Flat(dst), src, "rope table")
     msg = str(info.value)
     assert msg.startswith(f"break 'rope table': {path}: "), msg
     assert isinstance(info.value, BreakError)
@@ -185,7 +185,7 @@ def test_copy_back_object_attribute_set_change_raises() -> None:
     a, b = Plain(torch.zeros(1), 1), Plain(torch.zeros(1), 1)
     b.more = 2
     with pytest.raises(CopyBackError, match=r"break 'brk': output: attributes changed"):
-        copy_back(a, b, "brk")
+        copy_into(tree.Flat(a), b, "brk")
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from diffusers.utils import BaseOutput
 from transformers.utils import ModelOutput
 
 from accel.graphs import bcg, tree
-from accel.graphs.copyback import copy_back, views_of_pool_tensors
+from accel.graphs.copyback import copy_into, views_of_pool_tensors
 from accel.graphs.errors import CopyBackError
 from accel.graphs.signature import describe_diff, flatten
 from tests.helpers.fakes import fake_capture
@@ -141,14 +141,14 @@ def test_copy_back_writes_in_place_and_names_the_field(kind: str) -> None:
     a, b = torch.zeros(3), torch.zeros(2, 2)
     buffer = make(kind, a, b)
     replay = make(kind, *fresh())
-    copy_back(buffer, replay, "brk")
+    copy_into(tree.Flat(buffer), replay, "brk")
     assert field(buffer, "a") is a and field(buffer, "b")[0] is b  # the same buffers, written in place
     assert torch.equal(a, torch.arange(3.0)) and torch.equal(b, torch.arange(4.0).reshape(2, 2))
     paths = KINDS[kind][1]
     with pytest.raises(CopyBackError, match=rf"^break 'brk': output{_re(paths[2])}: constant changed from 3 to 4$"):
-        copy_back(buffer, make(kind, *fresh(), second=4), "brk")
+        copy_into(tree.Flat(buffer), make(kind, *fresh(), second=4), "brk")
     with pytest.raises(CopyBackError, match=rf"^break 'brk': output{_re(paths[1])}: captured \(2, 2\)"):
-        copy_back(buffer, make(kind, torch.zeros(3), torch.zeros(2)), "brk")
+        copy_into(tree.Flat(buffer), make(kind, torch.zeros(3), torch.zeros(2)), "brk")
 
 
 def _re(path: str) -> str:

@@ -1,4 +1,4 @@
-"""accelerate_pipeline on tiny offline pipelines, on the CPU: walker, restore, errors, recipes."""
+"""accelerate_pipeline on tiny offline pipelines, on the CPU: the install plan, restore, errors, recipes."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def tiny(request):
     return request.param, pipe
 
 
-def test_walker_finds_denoiser_and_recipe(tiny) -> None:
+def test_the_plan_finds_denoiser_and_recipe(tiny) -> None:
     name, pipe = tiny
     accelerate_pipeline(pipe)
     assert list(pipe.accel.runners) == ["transformer", "text_encoder", "vae.decoder"]  # denoisers first

@@ -111,8 +111,8 @@ class _Quantization:
     def __init__(self, said: list[str]) -> None:
         self.said = said
 
-    def let_go(self) -> None:
-        self.said.append("quantization let go")
+    def restore(self) -> None:
+        self.said.append("quantization restore")
 
 
 def test_each_layer_is_entered_once_in_order_and_left_in_reverse(monkeypatch) -> None:
@@ -145,7 +145,7 @@ def test_each_layer_is_entered_once_in_order_and_left_in_reverse(monkeypatch) ->
         "remove_graph_runner",
         "remove_graph_runner",
         "remove_graph_runner",
-        "quantization let go",
+        "quantization restore",
     ]
     assert _untouched(pipe)
 

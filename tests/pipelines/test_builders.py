@@ -37,7 +37,7 @@ from pipelines.builders import (
 )
 from pipelines.tokenizer import QWEN_IMAGE_TEMPLATE
 
-# The two Qwen-tokenizer models; FLUX.1 and Wan2.1 are tested in tests/test_builders_dits.py.
+# The two Qwen-tokenizer models; FLUX.1 and Wan2.1 are tested in tests/pipelines/test_builders_dits.py.
 QWEN_MODELS = ("z-image", "qwen-image")
 
 CLASSES = {

@@ -11,7 +11,7 @@ bf16, as few as ``fp8_budget`` allows. A processor that several modules share is
 
 :class:`AttentionFloat8` is the interface the selection is written against (which backends are
 bf16 and float8 for a processor); :class:`FlashAttentionFloat8` is the library's. The switch is a
-patch of the processor's ``_attention_backend`` (the guard watches it), undone by :meth:`AttentionLayer.let_go`.
+patch of the processor's ``_attention_backend`` (the guard watches it), undone by :meth:`AttentionLayer.restore`.
 """
 
 from __future__ import annotations
@@ -95,11 +95,7 @@ class AttentionLayer:
             self._patch.undo()
             self._patch = None
 
-    @property
-    def in_float8(self) -> bool:
-        return self._patch is not None and self._patch.in_place
-
-    def let_go(self) -> None:
+    def restore(self) -> None:
         """Back to bf16 attention (at restore: nothing of it was freed)."""
         self.use(quantized=False)
 

@@ -160,12 +160,12 @@ class Quantization:
                 self.value,
             )
 
-    def let_go(self) -> None:
+    def restore(self) -> None:
         """At restore: float8 attention goes back to bf16 (nothing of it was freed); say what stays
         quantized (quantize= is one-way for the Linear layers)."""
         if self.selection is not None:
             for layer in self.selection.attention_layers:
-                layer.let_go()
+                layer.restore()
         if self.selection is not None and self.selection.quantized:
             logger.warning(
                 "restore(): %d Linear layers of %s stay in float8 (quantize=%r is one-way: their bf16 weights "

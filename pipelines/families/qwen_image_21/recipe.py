@@ -383,7 +383,7 @@ class QwenImage21Recipe(GenericRecipe):
         return forward
 
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
-        # The same complex rotary product as Qwen-Image's (pipelines/compiled_forms.py).
+        # The same complex rotary product as Qwen-Image's (pipelines/families/qwen_image/forms.py).
         if type(module).__module__ != MODULE:
             return lambda: None
         return qwen_rope_in_real_arithmetic(MODULE)

@@ -55,7 +55,7 @@ def test_an_accelerated_pipeline_gives_the_stock_pil_images_and_restore_takes_th
     before = patches.active()
 
     accelerate_pipeline(pipe)
-    assert pipe.accel.plan.postprocess_stock is None
+    assert pipe.accel.plan.postprocess_refused is None
     assert "postprocess" in vars(processor)
     assert f"{WHY}: a VaeImageProcessor.postprocess" in patches.active()
     assert "PIL images made on the device" in pipe.accel.report()

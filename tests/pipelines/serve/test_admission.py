@@ -136,7 +136,7 @@ def test_a_call_that_runs_out_of_memory_is_made_again_smaller_and_nothing_is_los
     plans = [e.plan(request("a", seed=10)), e.plan(request("b", n=2, seed=20)), e.plan(request("c", seed=30))]
     works = [Work(p.key, p.request.n, p) for p in plans]
     metrics = serve_all(e, works)
-    # The worker hands on images; the routes encode them (Made.encode).
+    # The worker hands on images; the routes encode them (RenderedImage.encode).
     made = [[(m.seed, decode(m.encode().b64_json).tobytes()) for m in w.future.result()] for w in works]
     assert [[s for s, _ in images] for images in made] == [[10], [20, 21], [30]]
     assert all(image == alone(seed) for images in made for seed, image in images)

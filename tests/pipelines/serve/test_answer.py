@@ -20,7 +20,7 @@ from pipelines.generation.prompts import TokenCount
 from pipelines.serve import service as service_module
 from pipelines.serve.app import _answer
 from pipelines.serve.batcher import Batcher
-from pipelines.serve.engine import Generated
+from pipelines.serve.engine import EncodedImage
 from pipelines.serve.errors import ServeError
 from pipelines.serve.schema import ImageRequest, Served
 from pipelines.serve.service import Service
@@ -46,13 +46,13 @@ def test_the_answer_is_byte_for_byte_the_json_response_of_the_same_content(monke
             data.append(item)
         expected = JSONResponse({"created": 1765000000, "data": data, "output_format": req.output_format,
                                  "size": f"{req.width}x{req.height}"})  # fmt: skip
-        images = [Generated(base64.b64encode(file), seed, tokens) for file, seed, tokens in made]
+        images = [EncodedImage(base64.b64encode(file), seed, tokens) for file, seed, tokens in made]
         answer = _answer(req, images)
         assert answer.body == expected.body
         assert answer.headers["content-type"] == expected.headers["content-type"] == "application/json"
         assert answer.headers["content-length"] == expected.headers["content-length"]
         assert [g.b64_json for g in images] == [d["b64_json"] for d in data]
-    second = cases[1][1], [Generated(base64.b64encode(f), s, t) for f, s, t in cases[1][0]]
+    second = cases[1][1], [EncodedImage(base64.b64encode(f), s, t) for f, s, t in cases[1][0]]
     assert _answer(*second).headers["x-prompt-truncated"] == "700 tokens, the first 512 read"
     assert _answer(*second).headers["x-ignored-parameters"] == "quality, user"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 
 from pipelines.serve.batcher import Batcher, Work
-from pipelines.serve.engine import Generated
+from pipelines.serve.engine import EncodedImage
 from pipelines.serve.metrics import Metrics
 from pipelines.serve.service import encode_timed
 from pipelines.serve.worker import DeviceWorker
@@ -36,11 +36,11 @@ def test_encoding_is_observed_once_per_image_encoded_and_device_seconds_once_per
     assert m["bcg_serve_queue_seconds_count"] == 2 and m["bcg_serve_device_seconds_count"] == 2
     assert m["bcg_serve_device_seconds_sum"] > 0 and m["bcg_serve_encode_seconds_count"] == 0  # none encoded yet
     assert [[i.seed for i in images] for images in made] == [[10, 11], [3]]  # the engine's images, as they were
-    encoded: list[Generated] = []
+    encoded: list[EncodedImage] = []
     thread = threading.Thread(target=lambda: encoded.extend(encode_timed(made[0], metrics.encode_seconds)))
     thread.start()
     thread.join(30)
-    assert len(encoded) == 2 and all(isinstance(g, Generated) and g.b64_json for g in encoded)
+    assert len(encoded) == 2 and all(isinstance(g, EncodedImage) and g.b64_json for g in encoded)
     assert samples(metrics)["bcg_serve_encode_seconds_count"] == 2
     encode_timed(made[1], metrics.encode_seconds)
     after = samples(metrics)
