@@ -42,8 +42,8 @@ from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from transformers import PreTrainedTokenizerBase
 
 from . import limits
-from .construction import as_dtype, constructing_on, init_defaults, seeded
-from .releases import (
+from .construction import as_dtype, seeded
+from .releases.configs import (
     ALIASES,
     MODEL_NAMES,
     SIZES,
@@ -51,45 +51,23 @@ from .releases import (
     canonical_name,
     check_size,
     constructor,
-    full_transformer_config,
     pipeline_class,
     release,
     require_model,
     scheduler_config,
-    text_encoder_2_config,
-    text_encoder_config,
-    transformer_class,
-    transformer_config,
-    vae_config,
 )
-from .tokenizer import build_tokenizer
 
 __all__ = [
-    "MODEL_NAMES",
     "SIZES",
-    "as_dtype",
     "build_modules",
     "build_pipeline",
     "build_scheduler",
     "build_text_encoder",
-    "build_text_encoder_2",
-    "build_tokenizer",
-    "build_tokenizers",
     "build_transformer",
     "build_vae",
     "canonical_name",
-    "constructing_on",
     "describe",
-    "full_transformer_config",
-    "init_defaults",
     "pipeline_class",
-    "scheduler_config",
-    "seeded",
-    "text_encoder_2_config",
-    "text_encoder_config",
-    "transformer_class",
-    "transformer_config",
-    "vae_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -138,21 +116,12 @@ def build_text_encoder(
     dtype: torch.dtype | str = torch.float32,
     seed: int = 0,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    component: str = "text_encoder",
 ) -> torch.nn.Module:
-    """The (first) text encoder of ``name`` with random weights: Qwen2.5-VL, Qwen3, CLIP-L or UMT5."""
-    return seeded(constructor(name, "text_encoder", size, tokenizer), device, dtype, seed)
-
-
-def build_text_encoder_2(
-    name: str,
-    size: str = "tiny",
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | str = torch.float32,
-    seed: int = 0,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-) -> torch.nn.Module:
-    """FLUX.1's second text encoder (T5-XXL's encoder) with random weights; ValueError for others."""
-    return seeded(constructor(name, "text_encoder_2", size, tokenizer), device, dtype, seed)
+    """A text encoder of ``name`` with random weights: the first (Qwen2.5-VL, Qwen3, CLIP-L or
+    UMT5), or ``component="text_encoder_2"``, FLUX.1's second (T5-XXL's encoder; ValueError for a
+    model without one)."""
+    return seeded(constructor(name, component, size, tokenizer), device, dtype, seed)
 
 
 def build_scheduler(name: str) -> SchedulerMixin:
@@ -179,7 +148,9 @@ def build_modules(
         text_encoder=build_text_encoder(model, tokenizer=toks["tokenizer"], **kwargs),
     )
     if "tokenizer_2" in toks:
-        modules["text_encoder_2"] = build_text_encoder_2(model, tokenizer=toks["tokenizer_2"], **kwargs)
+        modules["text_encoder_2"] = build_text_encoder(
+            model, tokenizer=toks["tokenizer_2"], component="text_encoder_2", **kwargs
+        )
     for component in release(model).image_encoders:
         modules[component] = seeded(constructor(model, component, size), device, dtype, seed)
     return modules

@@ -198,7 +198,7 @@ def _first(value: Any, default: int) -> int:
 
 def embedded_position_limit(model: str, size: str) -> PositionLimit | None:
     """The position limit of a built-in model, from its config alone (nothing is built)."""
-    from .releases import canonical_name, transformer_class, transformer_config
+    from .releases.configs import canonical_name, transformer_class, transformer_config
 
     name = canonical_name(model)
     if name is None:
@@ -279,7 +279,7 @@ def embedded_weight_bytes(model: str, size: str, dtype: torch.dtype) -> int:
     """Bytes of a built-in model's weights and buffers in ``dtype``, every component with weights
     constructed on the meta device (no storage) from its release data."""
     from .construction import constructing_on
-    from .releases import components, constructor
+    from .releases.configs import components, constructor
 
     total = 0
     for component in components(model):

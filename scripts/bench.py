@@ -81,22 +81,13 @@ joined with ``--merge DIR ...``, which measures nothing and writes one report.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, Path(__file__).resolve().parent):  # runnable from a plain checkout, without `pip install -e .`
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from benchkit.cli import build_parser, resolve_config, setup_compile_cache  # noqa: E402
-from benchkit.merge import merge_results  # noqa: E402
-from benchkit.rows import err_text  # noqa: E402
-from benchkit.settings import parse_resolution, say  # noqa: E402
+from benchkit.cli import build_parser, resolve_config, setup_compile_cache
+from benchkit.merge import merge_results
+from benchkit.rows import err_text
+from benchkit.settings import parse_resolution, say
 
 __all__ = ["build_parser", "main", "merge_results", "parse_resolution", "resolve_config"]
 

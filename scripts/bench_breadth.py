@@ -46,18 +46,10 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, Path(__file__).resolve().parent):  # runnable from a plain checkout
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from benchkit import settings  # noqa: E402
-from benchkit.breadth_cli import build_parser  # noqa: E402
-from benchkit.breadth_family import run_family  # noqa: E402
-from benchkit.breadth_parent import run_families  # noqa: E402
+from benchkit import settings
+from benchkit.breadth_cli import build_parser
+from benchkit.breadth_family import run_family
+from benchkit.breadth_parent import run_families
 
 # The parent's clock start, handed to its children so their progress lines share its time axis
 # (perf_counter is one monotonic clock for every process of the machine).

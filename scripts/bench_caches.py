@@ -36,12 +36,6 @@ put ``dbcache-compile`` last.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchkit.cache_run import parse_args, run
 
 

@@ -52,12 +52,6 @@ the log says what recompiled and why).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchkit.fp8_run import parse_args, run
 
 

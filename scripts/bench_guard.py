@@ -24,19 +24,7 @@ slows them alike) of:
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, Path(__file__).resolve().parent):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from benchkit.guard_timing import parse_args, run  # noqa: E402
+from benchkit.guard_timing import parse_args, run
 
 
 def main(argv: list[str] | None = None) -> int:

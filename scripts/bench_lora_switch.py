@@ -46,19 +46,7 @@ Writes ``lora.json`` and ``lora.md`` to ``--out`` after every model.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, Path(__file__).resolve().parent):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from benchkit.lora_run import parse_args, run  # noqa: E402
+from benchkit.lora_run import parse_args, run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,12 +30,6 @@ measure its eager runs). Writes results.json and results.md to ``--out`` after e
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchkit.memory_run import parse_args, run
 
 

@@ -42,18 +42,9 @@ prints them. About 5 minutes on 2 H200s with the defaults (both models, 512 and 
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, Path(__file__).resolve().parent):  # runnable from a plain checkout
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from benchkit.parallel_run import build_parser, run  # noqa: E402
+from benchkit.parallel_run import build_parser, run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,15 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, Path(__file__).resolve().parent):  # runnable from a plain checkout
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from benchkit.settings import parse_resolution, res_name, say  # noqa: E402
+from benchkit.settings import parse_resolution, res_name, say
 
 MODELS = ("z-image", "qwen-image", "flux")
 RESOLUTIONS = {
@@ -94,7 +86,7 @@ def child_env(folder: Path) -> dict[str, str]:
     env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
     env.update(TORCHINDUCTOR_CACHE_DIR=str(folder), TRITON_CACHE_DIR=str(folder / "triton"))
     env["BCG_COMPILE_CACHE"] = str(folder)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
     return env
 
 

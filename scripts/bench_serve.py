@@ -41,21 +41,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, Path(__file__).resolve().parent):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from benchkit.settings import say  # noqa: E402
+from benchkit.settings import say
 
 VARIANTS = ("pipeline", "bucket", "loop", "batched", "unbatched", "continuous")
 

@@ -76,25 +76,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, Path(__file__).resolve().parent):  # runnable from a plain checkout, without `pip install -e .`
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Kineto reads these when a session starts and ends: CUPTI stays up for the whole process, as torch
 # arranges for its own cudagraphs (a teardown and lazy re-init under CUDA graphs has crashed).
 os.environ.setdefault("TEARDOWN_CUPTI", "0")
 os.environ.setdefault("DISABLE_CUPTI_LAZY_REINIT", "1")
 
-import torch  # noqa: E402
-from benchkit.fp8_run import fp8_backend  # noqa: E402
-from benchkit.profile_report import markdown  # noqa: E402
-from benchkit.profiler import profile, timeline  # noqa: E402, F401 (the tests read timeline here)
-from benchkit.settings import NEGATIVE, PROMPT, SEED, parse_resolution, res_name, say, uses_cfg  # noqa: E402
-from benchkit.step_floors import floors, record_step  # noqa: E402
-from benchkit.timeline import summarize  # noqa: E402
+import torch
+from benchkit.fp8_run import fp8_backend
+from benchkit.profile_report import markdown
+from benchkit.profiler import profile, timeline  # noqa: F401 (the tests read timeline here)
+from benchkit.settings import NEGATIVE, PROMPT, SEED, parse_resolution, res_name, say, uses_cfg
+from benchkit.step_floors import floors, record_step
+from benchkit.timeline import summarize
 
 MODELS = ("z-image", "qwen-image", "flux")
 # pipe_kwargs' steps for Qwen-Image: only step 0 runs, so the count changes no call's shapes.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ..lora import LoraError, LoraSpec, parse_lora
@@ -39,10 +40,7 @@ def integer(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    value = integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return at_least(1)(text)
 
 
 def steps(text: str) -> int:
@@ -76,11 +74,8 @@ def finite(text: str) -> float:
 
 
 def guidance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or not 0 <= value <= MAX_GUIDANCE:
+    value = finite(text)
+    if not 0 <= value <= MAX_GUIDANCE:
         raise argparse.ArgumentTypeError(f"{text!r}: the guidance scale must be a number from 0 to {MAX_GUIDANCE:g} "
                                          "(the models here run at 0 to 7.5)")  # fmt: skip
     return value
@@ -110,11 +105,24 @@ def quality(text: str) -> int:
     return value
 
 
-def positive(text: str) -> float:
+def positive(text: str, unit: str = "") -> float:
+    """A finite number above 0 (``unit``: what it counts, for the message)."""
     value = finite(text)
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number above 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number{unit and ' of ' + unit} above 0")
     return value
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An integer flag's parser: the value must be ``low`` or more."""
+
+    def parse(text: str) -> int:
+        value = integer(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
 
 
 def ratios(text: str) -> tuple[float, ...]:

@@ -10,54 +10,12 @@ choice at a few layers and narrow widths. This package holds what the families s
 
 spec        :class:`Part` (a component's class and configs), :class:`Release` (one model)
 encoders    the CLIP and T5 text encoders FLUX.1 and Wan2.1 share
-configs     the models' releases by name; their classes, configs and tokenizers
+configs     the models' releases by name; their classes, configs and tokenizers (the
+            accessors: ``from pipelines.releases.configs import ...``)
 """
 
 from __future__ import annotations
 
-from .configs import (
-    ALIASES,
-    MODEL_NAMES,
-    RELEASES,
-    SIZES,
-    build_tokenizers,
-    canonical_name,
-    check_size,
-    components,
-    constructor,
-    full_transformer_config,
-    pipeline_class,
-    release,
-    require_model,
-    scheduler_config,
-    text_encoder_2_config,
-    text_encoder_config,
-    transformer_class,
-    transformer_config,
-    vae_config,
-)
 from .spec import Part, Release
 
-__all__ = [
-    "ALIASES",
-    "MODEL_NAMES",
-    "RELEASES",
-    "SIZES",
-    "Part",
-    "Release",
-    "build_tokenizers",
-    "canonical_name",
-    "check_size",
-    "components",
-    "constructor",
-    "full_transformer_config",
-    "pipeline_class",
-    "release",
-    "require_model",
-    "scheduler_config",
-    "text_encoder_2_config",
-    "text_encoder_config",
-    "transformer_class",
-    "transformer_config",
-    "vae_config",
-]
+__all__ = ["Part", "Release"]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
+from ..construction import init_defaults
 from ..families.catalog import ALIASES, FAMILIES, MODEL_NAMES, canonical_name, known_model, module_name
 from ..families.records import ModelRecord
 from ..tokenizer import build_tokenizer, special_token_ids
@@ -142,11 +143,13 @@ def vae_config(name: str, size: str) -> dict[str, Any]:
 
 
 def scheduler_config(name: str) -> dict[str, Any]:
-    """Constructor kwargs of the released scheduler of ``name`` (the same at both sizes).
+    """Constructor kwargs of the released scheduler of ``name`` (the same at both sizes): its
+    class's defaults with what the release sets beyond them.
 
     Wan2.1's is a :class:`UniPCMultistepScheduler`, the others' a FlowMatchEulerDiscreteScheduler.
     """
-    return dict(release(name).scheduler)
+    model = release(name)
+    return {**init_defaults(model.scheduler_class), **model.scheduler}
 
 
 def build_tokenizers(name: str) -> dict[str, PreTrainedTokenizerBase]:

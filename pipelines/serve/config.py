@@ -16,7 +16,7 @@ from pipelines.families.catalog import known_model
 from pipelines.generation import InputError, ModelSettings, add_model_arguments, model_settings
 from pipelines.generation.constants import MAX_STEPS
 from pipelines.generation.model_flags import model_epilog
-from pipelines.generation.values import resolution
+from pipelines.generation.values import at_least, positive, resolution
 
 __all__ = [
     "DEFAULT_BATCH_SIZES",
@@ -54,37 +54,12 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {PROG} --help)")
 
 
-def _int_at_least(low: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse
-
-
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text}")
-    return value
+    return positive(text, "seconds")
 
 
 def _gib(text: str) -> int:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of GiB above 0, got {text}")
-    return int(value * 2**30)
+    return int(positive(text, "GiB") * 2**30)
 
 
 def batch_sizes(given: list[int] | None, max_batch: int | None) -> tuple[int, ...]:
@@ -102,7 +77,7 @@ def batch_sizes(given: list[int] | None, max_batch: int | None) -> tuple[int, ..
 
 
 def _steps(text: str) -> int:
-    value = _int_at_least(1)(text)
+    value = at_least(1)(text)
     if value > MAX_STEPS:
         raise argparse.ArgumentTypeError(f"must be 1 to {MAX_STEPS} (the schedulers' num_train_timesteps), got {value}")
     return value
@@ -131,7 +106,7 @@ def served_names(model: str, given: list[str] | None) -> tuple[str, ...]:
 
 
 def _port(text: str) -> int:
-    value = _int_at_least(0)(text)
+    value = at_least(0)(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be 0 to 65535, got {value}")
     return value
@@ -195,12 +170,12 @@ exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 
                    "(default: a built-in model's name and aliases, a folder's name, a hub id)")  # fmt: skip
     s.add_argument("--max-steps", type=_steps, default=DEFAULT_MAX_STEPS, metavar="N",
                    help=f"the most steps a request may ask for (default {DEFAULT_MAX_STEPS}; up to {MAX_STEPS})")  # fmt: skip
-    s.add_argument("--batch-sizes", type=_int_at_least(1), nargs="+", default=None, metavar="N",
+    s.add_argument("--batch-sizes", type=at_least(1), nargs="+", default=None, metavar="N",
                    help="the batch sizes captured and run; the largest is the most images per call and per request "
                    f"(n) (default {' '.join(map(str, DEFAULT_BATCH_SIZES))}; 1: no batching)")  # fmt: skip
     s.add_argument(
         "--max-batch",
-        type=_int_at_least(1),
+        type=at_least(1),
         default=None,
         metavar="N",
         help="the largest batch size (the buckets below it are 1 2 4 ...); --batch-sizes names them all",
@@ -216,14 +191,14 @@ exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 
                    "has free once they are loaded; none on a CPU)")  # fmt: skip
     s.add_argument(
         "--max-wait-ms",
-        type=_int_at_least(0),
+        type=at_least(0),
         default=20,
         metavar="MS",
         help="how long the oldest waiting request may wait for others to join its call (default 20)",
     )
     s.add_argument(
         "--queue",
-        type=_int_at_least(1),
+        type=at_least(1),
         default=64,
         metavar="N",
         help="requests waiting at most; beyond, 429 with Retry-After (default 64)",

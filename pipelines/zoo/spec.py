@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import inspect
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,6 +63,9 @@ class Family:
     ``true_cfg_scale``); ``cfg`` says whether they make each step run two guidance branches.
     ``extras`` are further call keywords (``max_sequence_length`` and the like); ``image`` names
     an input image keyword (edit pipelines), made of random pixels at the call's geometry.
+    The denoiser's and the VAE's classes, and the scheduler's unless ``scheduler_class`` names
+    another (the release's, where the pipeline's signature names a base or another scheduler), are
+    those the pipeline's constructor annotates its components with.
     ``components`` are constructor arguments built from a diffusers class (name, kwargs), such as
     a guider; ``pipeline_kwargs`` plain constructor arguments. Every other constructor argument
     (the text encoders, tokenizers, processors, image encoders) is None. ``attributes`` are set on
@@ -69,10 +75,6 @@ class Family:
     name: str
     pipeline: str
     released: str
-    denoiser: str
-    denoiser_class: str
-    vae_class: str
-    scheduler_class: str
     denoiser_configs: Mapping[str, Mapping[str, Any]]
     vae_configs: Mapping[str, Mapping[str, Any]]
     scheduler: Mapping[str, Any]
@@ -86,6 +88,41 @@ class Family:
     components: Mapping[str, tuple[str, Mapping[str, Any]]] = dataclasses.field(default_factory=dict)
     pipeline_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     attributes: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    scheduler_class: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.scheduler_class:
+            object.__setattr__(self, "scheduler_class", self._class_of("scheduler"))
+
+    @property
+    def denoiser(self) -> str:
+        """The pipeline's denoiser component: ``"unet"`` where its call is built on one, else ``"transformer"``."""
+        return "unet" if "unet" in _init_parameters(self.pipeline) else "transformer"
+
+    @property
+    def denoiser_class(self) -> str:
+        """The class the pipeline's constructor names for its denoiser."""
+        return self._class_of(self.denoiser)
+
+    @property
+    def vae_class(self) -> str:
+        """The class the pipeline's constructor names for its VAE."""
+        return self._class_of("vae")
+
+    def _class_of(self, component: str) -> str:
+        """The diffusers class ``pipeline``'s ``__init__`` annotates ``component`` with (its
+        ``Optional`` unwrapped); ValueError where it names none."""
+        annotation = _init_parameters(self.pipeline)[component].annotation
+        import diffusers
+
+        if isinstance(annotation, str):
+            annotation = getattr(diffusers, annotation, None)
+        for cls in (annotation, *typing.get_args(annotation)):
+            if isinstance(cls, type) and cls is not type(None) and hasattr(diffusers, cls.__name__):
+                return cls.__name__
+        raise ValueError(
+            f"{self.name}: {self.pipeline} names no diffusers class for {component}; give it in the Family"
+        )
 
     def denoiser_config(self, size: str) -> dict[str, Any]:
         """The denoiser's constructor kwargs at ``size`` (a copy: callers may edit it)."""
@@ -98,3 +135,11 @@ class Family:
     def scheduler_config(self) -> dict[str, Any]:
         """The scheduler's constructor kwargs (a copy)."""
         return copy.deepcopy(dict(self.scheduler))
+
+
+@functools.cache
+def _init_parameters(pipeline: str) -> Mapping[str, inspect.Parameter]:
+    """The parameters of diffusers' ``pipeline`` class's constructor."""
+    import diffusers
+
+    return inspect.signature(getattr(diffusers, pipeline).__init__).parameters

@@ -63,5 +63,18 @@ the loop, a real server), serve_report (serve.md and the ratios the bars are sta
 Nested call arguments and outputs are walked with ``accel.graphs.tree`` (``tensors``, ``clone``), the
 library's one traversal. Most modules import torch, accel and diffusers at import time (benchkit.cli
 too, through the registry of variants); ``cli.setup_compile_cache`` sets the compile-cache folders
-before anything compiles.
+before anything compiles. Importing the package puts the project on ``sys.path`` (a script runs
+from a plain checkout) and the hub offline, so a script's first import of the project is benchkit's.
 """
+
+import os
+import sys
+from pathlib import Path
+
+# The benchmarks run from a plain checkout (without `pip install -e .`), so the project goes on the
+# path here, before any of them imports it; and offline: every model is built with random weights.
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -32,6 +32,22 @@ def parse_variant(name: str) -> tuple[str | None, str]:
     return cache, mode or "eager"
 
 
+def dbcache_config(model: str, threshold: float) -> Any:
+    """cache-dit's DBCache as the benchmarks run it on ``model``: the first block computed, a
+    longer warm-up and no cap on cached steps for Qwen-Image, ``threshold`` the residual's."""
+    import cache_dit
+
+    qwen = model == "qwen-image"
+    return cache_dit.DBCacheConfig(
+        Fn_compute_blocks=1,
+        Bn_compute_blocks=0,
+        max_warmup_steps=8 if qwen else 4,
+        max_continuous_cached_steps=3,
+        max_cached_steps=-1 if qwen else 3,
+        residual_diff_threshold=threshold,
+    )
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         from pipelines.builders import build_pipeline
@@ -53,16 +69,7 @@ class Bench:
         if cache == "dbcache":
             import cache_dit
 
-            qwen = self.args.model == "qwen-image"
-            config = cache_dit.DBCacheConfig(
-                Fn_compute_blocks=1,
-                Bn_compute_blocks=0,
-                max_warmup_steps=8 if qwen else 4,
-                max_continuous_cached_steps=3,
-                max_cached_steps=-1 if qwen else 3,
-                residual_diff_threshold=self.args.dbcache_threshold,
-            )
-            cache_dit.enable_cache(pipe, cache_config=config)
+            cache_dit.enable_cache(pipe, cache_config=dbcache_config(self.args.model, self.args.dbcache_threshold))
         else:
             from diffusers.hooks import (
                 FirstBlockCacheConfig,

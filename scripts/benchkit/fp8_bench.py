@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import math
 import statistics
@@ -14,7 +13,9 @@ from typing import Any
 
 import torch
 
+from .cache_bench import dbcache_config
 from .calls import timed_call
+from .measure import drop_compiled
 from .settings import NEGATIVE, PROMPT, call_kwargs, res_name
 from .settings import say_clock as say
 
@@ -53,12 +54,7 @@ class Bench:
         from pipelines.builders import build_pipeline
 
         self.pipe = None
-        # The last pipeline's compiled code and its hooks' cycles hold its weights until dynamo
-        # lets go and the collector runs: a second full-size Qwen-Image would not fit beside it.
-        torch._dynamo.reset()
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
+        drop_compiled(self.cuda)
         say(f"building {self.model} ({self.args.size}) on {self.device}")
         # bf16 everywhere: quantize="fp8" makes its float8 weights from bf16 ones.
         self.pipe = build_pipeline(self.model, self.args.size, device=self.device, dtype=torch.bfloat16, seed=0)
@@ -82,16 +78,7 @@ class Bench:
     def enable_dbcache(self) -> None:
         import cache_dit
 
-        qwen = self.model == "qwen-image"
-        config = cache_dit.DBCacheConfig(
-            Fn_compute_blocks=1,
-            Bn_compute_blocks=0,
-            max_warmup_steps=8 if qwen else 4,
-            max_continuous_cached_steps=3,
-            max_cached_steps=-1 if qwen else 3,
-            residual_diff_threshold=100.0,
-        )
-        cache_dit.enable_cache(self.pipe, cache_config=config)
+        cache_dit.enable_cache(self.pipe, cache_config=dbcache_config(self.model, 100.0))
 
     def accelerate(self, quantize: bool, compile: bool = True, attention: bool = False) -> dict[str, Any]:
         from accel import accelerate_pipeline

@@ -145,6 +145,16 @@ class MemWatch:
         }
 
 
+def drop_compiled(cuda: bool) -> None:
+    """What a dropped pipeline still holds given back: its compiled code and its hooks' cycles hold
+    its weights until dynamo lets go and the collector runs (a second full-size Qwen-Image would not
+    fit beside them), then the allocator's cache."""
+    torch._dynamo.reset()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def free_memory(clock: Clock) -> None:
     if clock.cuda:
         gc.collect()

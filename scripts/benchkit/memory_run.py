@@ -17,6 +17,7 @@ import torch
 
 from .calls import register_recipes
 from .environment import collect_env
+from .measure import drop_compiled
 from .settings import NEGATIVE, PROMPT, call_kwargs, parse_resolution, res_name
 from .settings import say_clock as say
 
@@ -92,10 +93,7 @@ class MemoryBench:
 
     def close(self) -> None:
         self.pipe = None
-        torch._dynamo.reset()
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
+        drop_compiled(self.cuda)
 
     def _calls(self) -> list[dict[str, Any]]:
         """One decoded call per size, largest first; their peaks after each size."""

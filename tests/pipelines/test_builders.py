@@ -22,20 +22,16 @@ from diffusers import (
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3Model
 
 from pipelines import builders
-from pipelines.builders import (
+from pipelines.builders import build_pipeline, build_text_encoder, build_transformer, canonical_name, describe
+from pipelines.construction import constructing_on
+from pipelines.releases.configs import (
     MODEL_NAMES,
-    build_pipeline,
-    build_text_encoder,
-    build_tokenizer,
-    build_transformer,
-    canonical_name,
-    describe,
     full_transformer_config,
     scheduler_config,
     text_encoder_config,
     vae_config,
 )
-from pipelines.tokenizer import QWEN_IMAGE_TEMPLATE
+from pipelines.tokenizer import QWEN_IMAGE_TEMPLATE, build_tokenizer
 
 # The two Qwen-tokenizer models; FLUX.1 and Wan2.1 are tested in tests/pipelines/test_builders_dits.py.
 QWEN_MODELS = ("z-image", "qwen-image")
@@ -153,7 +149,7 @@ def test_local_folder_round_trip(tmp_path):
 
 def test_default_dtype_restored_after_failed_build():
     before = torch.get_default_dtype()
-    with pytest.raises(RuntimeError, match="boom"), builders.constructing_on("cpu", torch.float16):
+    with pytest.raises(RuntimeError, match="boom"), constructing_on("cpu", torch.float16):
         assert torch.get_default_dtype() == torch.float16
         raise RuntimeError("boom")
     assert torch.get_default_dtype() == before

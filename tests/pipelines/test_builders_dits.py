@@ -28,10 +28,13 @@ from pipelines import builders, limits
 from pipelines.builders import (
     build_modules,
     build_pipeline,
-    build_text_encoder_2,
+    build_text_encoder,
     canonical_name,
     describe,
     pipeline_class,
+)
+from pipelines.cli import main
+from pipelines.releases.configs import (
     scheduler_config,
     text_encoder_2_config,
     text_encoder_config,
@@ -39,7 +42,6 @@ from pipelines.builders import (
     transformer_config,
     vae_config,
 )
-from pipelines.cli import main
 from pipelines.tokenizers_t5_clip import build_clip_tokenizer, build_t5_tokenizer
 
 ANY_TEXT = "Ünïcødé 漢字 🦊 x-ray, 3.5 QUIRKY never seen in training"
@@ -277,20 +279,20 @@ def test_full_parameter_counts(name, expected):
 
 
 def test_full_flux_beyond_free_memory_is_refused_before_allocating(monkeypatch: pytest.MonkeyPatch):
-    real = builders.build_text_encoder_2
+    real = builders.build_text_encoder
 
     def meta_only(*args, device="cpu", **kwargs):
         assert str(device) == "meta", "allocated before the check"
         return real(*args, device=device, **kwargs)
 
-    monkeypatch.setattr(builders, "build_text_encoder_2", meta_only)
+    monkeypatch.setattr(builders, "build_text_encoder", meta_only)
     monkeypatch.setattr(limits, "available_memory", lambda device: 2**30)
     with pytest.raises(limits.LimitError, match=r"^flux at size 'full' has 62\.\d GiB of weights in float32"):
         build_pipeline("flux", size="full")
 
 
 def test_text_encoder_2_alone():
-    t5 = build_text_encoder_2("flux", device="meta")
+    t5 = build_text_encoder("flux", device="meta", component="text_encoder_2")
     assert type(t5) is T5EncoderModel and t5.config.d_model == 32
     assert limits.embedded_position_limit("flux", "full") is None  # rotary positions computed per call
     assert limits.embedded_position_limit("wan", "full") is None

@@ -15,13 +15,14 @@ import pytest
 import torch
 from transformers import PreTrainedConfig
 
-from pipelines import builders, limits, releases, zoo
+from pipelines import builders, limits, zoo
 from pipelines.construction import constructing_on
 from pipelines.families import catalog
+from pipelines.releases import configs
 from pipelines.releases.spec import TOKENIZERS
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPONENTS = [(name, component) for name in releases.MODEL_NAMES for component in releases.components(name)]
+COMPONENTS = [(name, component) for name in configs.MODEL_NAMES for component in configs.components(name)]
 
 pytestmark = pytest.mark.usefixtures("few_threads")
 
@@ -64,13 +65,13 @@ def _assert_config_has(module: torch.nn.Module, data: dict[str, Any], but: tuple
 
 
 def _data(name: str, component: str, size: str) -> dict[str, Any]:
-    return releases.components(name)[component].config(size)
+    return configs.components(name)[component].config(size)
 
 
 @pytest.mark.parametrize("name, component", COMPONENTS)
 def test_tiny_components_construct_from_their_data(name: str, component: str) -> None:
-    module = releases.constructor(name, component, "tiny")()
-    part = releases.components(name)[component]
+    module = configs.constructor(name, component, "tiny")()
+    part = configs.components(name)[component]
     assert type(module) is part.cls
     assert 0 < sum(p.numel() for p in module.parameters()) < 5e6
     assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in module.parameters())
@@ -78,7 +79,7 @@ def test_tiny_components_construct_from_their_data(name: str, component: str) ->
     replaced: tuple[str, ...] = ()
     if part.tokenizer is not None:
         # The tokenizer's vocabulary and special ids are added to the data: the rest is as written.
-        tok = releases.build_tokenizers(name)[component.replace("text_encoder", "tokenizer")]
+        tok = configs.build_tokenizers(name)[component.replace("text_encoder", "tokenizer")]
         text = module.config.text_config if "text_config" in data else module.config
         assert text.vocab_size == (len(tok) + 63) // 64 * 64
         eos = tok.convert_tokens_to_ids("<|im_end|>") if part.tokenizer == "qwen" else tok.eos_token_id
@@ -90,59 +91,59 @@ def test_tiny_components_construct_from_their_data(name: str, component: str) ->
 @pytest.mark.parametrize("name, component", COMPONENTS)
 def test_full_components_construct_on_meta(name: str, component: str) -> None:
     with constructing_on("meta", torch.bfloat16):
-        full = releases.constructor(name, component, "full")()
+        full = configs.constructor(name, component, "full")()
     params = list(full.parameters())
     assert params and all(p.is_meta for p in params)  # nothing allocated
     assert torch.get_default_dtype() == torch.float32
     _assert_config_has(full, _data(name, component, "full"))
-    tiny = releases.constructor(name, component, "tiny")()
+    tiny = configs.constructor(name, component, "tiny")()
     assert sum(p.numel() for p in params) > 10 * sum(p.numel() for p in tiny.parameters())
 
 
 def test_release_data_is_complete() -> None:
     seen: dict[str, str] = {}
-    for name, release in releases.RELEASES.items():
+    for name, release in configs.RELEASES.items():
         assert release.name == name
         for alias in (name, *catalog.known_model(name).aliases):  # type: ignore[union-attr]
             assert alias == alias.lower().strip() and alias not in seen, alias
             seen[alias] = name
             assert builders.canonical_name(alias.upper()) == name
-        for component, part in releases.components(name).items():
-            assert set(part.configs) == set(releases.SIZES), (name, component)
+        for component, part in configs.components(name).items():
+            assert set(part.configs) == set(configs.SIZES), (name, component)
             if component.startswith("text_encoder"):
                 assert part.config_class is not None and part.tokenizer in TOKENIZERS, (name, component)
         assert builders.pipeline_class(name).__name__ == catalog.known_model(name).pipeline  # type: ignore[union-attr]
         assert isinstance(builders.build_scheduler(name), release.scheduler_class)
-    assert seen == releases.ALIASES
+    assert seen == configs.ALIASES
 
 
 def test_reads_are_copies() -> None:
-    first = builders.vae_config("z-image", "full")
+    first = configs.vae_config("z-image", "full")
     first["block_out_channels"].append(1)
     first["latent_channels"] = 0
-    again = builders.vae_config("z-image", "full")
+    again = configs.vae_config("z-image", "full")
     assert again["block_out_channels"] == [128, 256, 512, 512] and again["latent_channels"] == 16
-    text = builders.text_encoder_config("qwen-image", "full")
+    text = configs.text_encoder_config("qwen-image", "full")
     text.text_config.hidden_size = 1
-    assert builders.text_encoder_config("qwen-image", "full").text_config.hidden_size == 3584
-    scheduler = builders.scheduler_config("wan-1.3b")
+    assert configs.text_encoder_config("qwen-image", "full").text_config.hidden_size == 3584
+    scheduler = configs.scheduler_config("wan-1.3b")
     scheduler["flow_shift"] = 0.0
-    assert builders.scheduler_config("wan-1.3b")["flow_shift"] == 3.0
-    assert builders.scheduler_config("wan")["flow_shift"] == 5.0
+    assert configs.scheduler_config("wan-1.3b")["flow_shift"] == 3.0
+    assert configs.scheduler_config("wan")["flow_shift"] == 5.0
 
 
 def test_one_text_encoder_models_have_no_second() -> None:
     for name in ("z-image", "qwen-image", "wan"):
         with pytest.raises(ValueError, match=f"^{name} has one text encoder; only flux has a text_encoder_2$"):
-            builders.build_text_encoder_2(name, device="meta")
+            builders.build_text_encoder(name, device="meta", component="text_encoder_2")
 
 
-@pytest.mark.parametrize("name", releases.MODEL_NAMES)
+@pytest.mark.parametrize("name", configs.MODEL_NAMES)
 def test_the_limits_count_the_builders_modules(name: str) -> None:
     """The weight count reads the release data directly; it must count what the builders build."""
     modules = builders.build_modules(name, "full", device="meta", dtype=torch.bfloat16)
     built = sum(t.numel() * t.element_size() for m in modules.values() for t in (*m.parameters(), *m.buffers()))
-    assert set(modules) == set(releases.components(name))
+    assert set(modules) == set(configs.components(name))
     assert limits.embedded_weight_bytes(name, "full", torch.bfloat16) == built > 2e9
 
 

@@ -77,18 +77,10 @@ _TINY_QWEN3: dict[str, Any] = dict(
     max_position_embeddings=1024,
 )
 
-# scheduler/scheduler_config.json, FLUX.2's: the klein pipelines pass their own sigmas and an
-# empirical shift (mu) for the image's token count, which dynamic shifting takes.
-SCHEDULER: dict[str, Any] = dict(
-    num_train_timesteps=1000,
-    shift=3.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-    time_shift_type="exponential",
-)
+# scheduler/scheduler_config.json, FLUX.2's, beyond diffusers' defaults (FLUX.1's too): the klein
+# pipelines pass their own sigmas and an empirical shift (mu) for the image's token count, which
+# dynamic shifting takes.
+SCHEDULER: dict[str, Any] = dict(shift=3.0, use_dynamic_shifting=True)
 
 
 def _text_encoder(full: dict[str, Any]) -> Part:

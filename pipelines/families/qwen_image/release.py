@@ -35,19 +35,9 @@ TRANSFORMER = Part(
 _VAE = init_defaults(AutoencoderKLQwenImage)
 VAE = Part(AutoencoderKLQwenImage, {"full": _VAE, "tiny": {**_VAE, "base_dim": 16, "num_res_blocks": 1}})
 
-# The published scheduler_config: resolution-dependent shift, exponential form.
-SCHEDULER: dict[str, Any] = dict(
-    num_train_timesteps=1000,
-    shift=1.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=0.9,
-    base_image_seq_len=256,
-    max_image_seq_len=8192,
-    shift_terminal=0.02,
-    time_shift_type="exponential",
-    invert_sigmas=False,
-)
+# The published scheduler_config beyond diffusers' defaults: resolution-dependent shift (the
+# exponential form, diffusers' default).
+SCHEDULER: dict[str, Any] = dict(use_dynamic_shifting=True, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02)
 
 # Qwen2.5-VL-7B-Instruct. The tiny one is written whole, its vision tower at Qwen2.5-VL's
 # defaults but for the widths.

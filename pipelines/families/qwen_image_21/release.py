@@ -59,16 +59,9 @@ VAE = Part(
 )
 
 # The published scheduler config was not found offline: resolution-dependent shift with the
-# values the pipeline itself falls back to (calculate_shift's 0.5 to 1.15 over 256 to 4096 tokens).
-SCHEDULER: dict[str, Any] = dict(
-    num_train_timesteps=1000,
-    shift=1.0,
-    use_dynamic_shifting=True,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-)
+# values the pipeline itself falls back to (calculate_shift's 0.5 to 1.15 over 256 to 4096 tokens,
+# diffusers' defaults).
+SCHEDULER: dict[str, Any] = dict(use_dynamic_shifting=True)
 
 # Qwen3-VL-8B-Instruct's config.json (transformers' names). The tiny one keeps its structure:
 # interleaved M-RoPE, a deepstack layer, 16-pixel patches merged 2x2.

@@ -60,21 +60,10 @@ _VAE: dict[str, Any] = {
     "temperal_downsample": [False, True, True],  # sic: diffusers' spelling
 }
 
-# scheduler/scheduler_config.json: UniPC on flow-matching sigmas. flow_shift: 5.0 for the 14B (the
+# scheduler/scheduler_config.json beyond diffusers' defaults: UniPC on flow-matching sigmas. flow_shift: 5.0 for the 14B (the
 # sample_shift of Wan's generate.py for text-to-video), 3.0 for the 1.3B (diffusers' Wan docs: 3.0
 # for 480p, 5.0 for 720p). It only spaces the timesteps; no shape depends on it.
-SCHEDULER: dict[str, Any] = dict(
-    num_train_timesteps=1000,
-    prediction_type="flow_prediction",
-    use_flow_sigmas=True,
-    flow_shift=5.0,
-    solver_order=2,
-    solver_type="bh2",
-    predict_x0=True,
-    lower_order_final=True,
-    final_sigmas_type="zero",
-    timestep_spacing="linspace",
-)
+SCHEDULER: dict[str, Any] = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
 
 _COMMON: dict[str, Any] = dict(
     vae=Part(AutoencoderKLWan, {"full": _VAE, "tiny": {**_VAE, "base_dim": 16, "num_res_blocks": 1}}),

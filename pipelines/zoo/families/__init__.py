@@ -3,7 +3,8 @@
 
 Each full config is the ``transformer/config.json`` (or ``unet/``) of the named hub repository,
 written as constructor kwargs; where diffusers' constructor defaults already are that release
-they are read from the class (:func:`pipelines.construction.init_defaults`) rather than repeated.
+they are read from the class (:func:`pipelines.construction.init_defaults`) rather than repeated,
+and a scheduler's config states only what differs from its class's defaults.
 FLUX.1-dev, Wan2.1 and Qwen-Image come from the built-in models' data (:mod:`pipelines.releases`).
 Their parameter counts are checked against the released models' in the tests. The tiny configs
 keep every structural choice (block types, patch sizes, latent channels and VAE scale factors,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...releases import scheduler_config, vae_config
+from ...releases.configs import scheduler_config, vae_config
 from ..spec import Embedding, Geometry
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...releases import transformer_config
+from ...releases.configs import transformer_config
 from ..spec import Family
 from .common import FLUX_SCHEDULER, FLUX_VAE, GEOMETRY, TINY_TEXT, TINY_TEXT_LEN, e, text_length
 
@@ -12,10 +12,6 @@ FAMILY = Family(
     name="flux",
     pipeline="FluxPipeline",
     released="black-forest-labs/FLUX.1-dev",
-    denoiser="transformer",
-    denoiser_class="FluxTransformer2DModel",
-    vae_class="AutoencoderKL",
-    scheduler_class="FlowMatchEulerDiscreteScheduler",
     denoiser_configs={s: transformer_config("flux", s) for s in ("tiny", "full")},
     vae_configs=FLUX_VAE,
     scheduler=FLUX_SCHEDULER,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
 from ...construction import init_defaults
+from ...releases.configs import scheduler_config
 from ..spec import Family
 from .common import GEOMETRY, TINY_TEXT, TINY_TEXT_LEN, e, text_length
 
@@ -29,22 +30,9 @@ FAMILY = Family(
     name="flux2",
     pipeline="Flux2Pipeline",
     released="black-forest-labs/FLUX.2-dev",
-    denoiser="transformer",
-    denoiser_class="Flux2Transformer2DModel",
-    vae_class="AutoencoderKLFlux2",
-    scheduler_class="FlowMatchEulerDiscreteScheduler",
     denoiser_configs={"full": _FULL, "tiny": _TINY},
     vae_configs={"full": _VAE_FULL, "tiny": _VAE_TINY},
-    scheduler=dict(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-        time_shift_type="exponential",
-    ),
+    scheduler=scheduler_config("flux2-klein"),  # FLUX.2's own, as the klein release has it
     geometry=GEOMETRY,
     embeddings={
         "full": {"prompt_embeds": e(1, 512, 15360)},

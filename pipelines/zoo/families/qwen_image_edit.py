@@ -4,7 +4,7 @@ cuts the embeddings to the prompt's own length: one prompt's mask is all ones.""
 
 from __future__ import annotations
 
-from ...releases import scheduler_config, transformer_config, vae_config
+from ...releases.configs import scheduler_config, transformer_config, vae_config
 from ..spec import Embedding, Family
 from .common import GEOMETRY, TINY_TEXT, TINY_TEXT_LEN, e, mask
 
@@ -24,10 +24,6 @@ FAMILY = Family(
     name="qwen-image-edit",
     pipeline="QwenImageEditPipeline",
     released="Qwen/Qwen-Image-Edit",
-    denoiser="transformer",
-    denoiser_class="QwenImageTransformer2DModel",
-    vae_class="AutoencoderKLQwenImage",
-    scheduler_class="FlowMatchEulerDiscreteScheduler",
     denoiser_configs={s: transformer_config("qwen-image", s) for s in ("tiny", "full")},
     vae_configs={s: vae_config("qwen-image", s) for s in ("tiny", "full")},
     scheduler=scheduler_config("qwen-image"),

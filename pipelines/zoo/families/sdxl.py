@@ -46,22 +46,11 @@ FAMILY = Family(
     name="sdxl",
     pipeline="StableDiffusionXLPipeline",
     released="stabilityai/stable-diffusion-xl-base-1.0",
-    denoiser="unet",
-    denoiser_class="UNet2DConditionModel",
-    vae_class="AutoencoderKL",
     scheduler_class="EulerDiscreteScheduler",
     denoiser_configs={"full": _FULL, "tiny": _TINY},
     vae_configs=SDXL_VAE,
     scheduler=dict(
-        num_train_timesteps=1000,
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        steps_offset=1,
-        timestep_spacing="leading",
-        interpolation_type="linear",
-        prediction_type="epsilon",
-        use_karras_sigmas=False,
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, timestep_spacing="leading"
     ),
     geometry=GEOMETRY,
     embeddings={

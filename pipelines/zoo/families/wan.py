@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ...releases import scheduler_config, transformer_config, vae_config
+from ...releases.configs import scheduler_config, transformer_config, vae_config
 from ..spec import Embedding, Family, Geometry
 from .common import TINY_CLIP, TINY_TEXT, TINY_TEXT_LEN, e, text_length
 
@@ -19,9 +19,6 @@ def _wan(name: str, released: str) -> Family:
         name=name,
         pipeline="WanPipeline",
         released=released,
-        denoiser="transformer",
-        denoiser_class="WanTransformer3DModel",
-        vae_class="AutoencoderKLWan",
         scheduler_class="UniPCMultistepScheduler",
         denoiser_configs={s: transformer_config(name, s) for s in ("tiny", "full")},
         vae_configs={s: vae_config(name, s) for s in ("tiny", "full")},

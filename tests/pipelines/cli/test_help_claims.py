@@ -17,7 +17,7 @@ from pipelines.families.catalog import MODELS, video_model_names
 from pipelines.generation.caches import KNOBS, NOT_ON, CacheRequest, check_supported, support_text
 from pipelines.generation.errors import InputError
 from pipelines.generation.extras import install_command
-from pipelines.releases import MODEL_NAMES, pipeline_class
+from pipelines.releases.configs import MODEL_NAMES, pipeline_class
 from pipelines.serve.config import UsageError
 from pipelines.serve.config import build_parser as serve_parser
 from pipelines.serve.config import parse_args as serve_args

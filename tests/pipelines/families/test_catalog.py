@@ -19,7 +19,7 @@ import tomllib
 from accel import GenerationDefaults
 from pipelines import families, zoo
 from pipelines.families import catalog
-from pipelines.releases import SIZES, pipeline_class, release, vae_config
+from pipelines.releases.configs import SIZES, pipeline_class, release, vae_config
 
 ROOT = Path(__file__).resolve().parents[3]
 FOLDER = ROOT / "pipelines" / "families"
