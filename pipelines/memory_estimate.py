@@ -5,11 +5,9 @@ simulated on the ``meta`` device (shapes only, no storage) with fused attention,
 of every live tensor, (b) the denoiser's activations, :data:`DENOISER_ELEMENTS_PER_TOKEN_WIDTH`
 elements of its dtype per token and hidden unit, and (c) the graph memory of the first capture
 (about twice the denoiser's activations) when graphs are captured. The margin and the denoiser
-factor are calibrated on measured peaks: full-size Z-Image at 1024x1024 in bf16 on an H200 peaked
-2738 MiB above its weights, against 2076 MiB estimated before the margin (3115 MiB with it);
-Qwen-Image (true CFG, one image) 4537 MiB against 4084 (6126) (``samples/bench/results.json``,
-``e2e_peak_mb`` minus the weights); the tiny VAEs' decodes on a CPU in float32 took 1.31 to 1.33
-times the simulated peak (peak RSS). CFG is counted as a doubled batch in the denoiser (Z-Image
+factor are calibrated on measured peaks of the full-size models on a GPU and of the tiny VAEs'
+decodes on a CPU, each below its estimate with the margin (docs/benchmarks.md, "Measurements
+behind the code"). CFG is counted as a doubled batch in the denoiser (Z-Image
 batches it; Qwen-Image's two calls need less). :func:`pipelines.limits.check_memory` compares the
 estimate with the memory the device has free after the weights are loaded.
 """

@@ -222,8 +222,8 @@ def _end_segment(seg: torch.cuda.CUDAGraph, pool: Any, device: torch.device) -> 
     before it ends the caching allocator's routing into the pool. Left so, the allocator counts a
     capture as under way for the rest of the process, and while it does, emptying the cache (and
     its own retry of a request that ran short) frees nothing of the default pool: after one
-    invalidated capture the H200 suite's cache only grew, to 131 GiB beside 0.1 GiB allocated,
-    and later captures ran out of memory. Torch that ends the routing itself refuses the second
+    invalidated capture the GPU suite's cache only grew, and later captures ran out of memory
+    (docs/development.md, "The suite in one process"). Torch that ends the routing itself refuses the second
     end ("not currently recording"), which is ignored; captures never overlap (one capture
     session at a time), so no other capture's routing into this pool is ended.
     """

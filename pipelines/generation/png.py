@@ -34,7 +34,7 @@ _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _MODES = {"L": (1, 0), "RGB": (3, 2), "RGBA": (4, 6)}
 # Pillow adapts the filter row by row (most of its time); one fixed filter for every row, vectorized,
 # is a fraction of that. Average measured the smallest of None, Sub, Up and Average on smooth and on
-# photographic images (3% and 11% over Pillow at 512x512, Sub 6% and 13%) for 0.1 ms more than Sub.
+# photographic images, for a little more time than Sub (docs/benchmarks.md).
 _FILTER = 3
 # Run-length matching: less than half the time of zlib's default strategy at level 1 on these
 # filtered rows, and smaller; Huffman-only is a tenth faster but 60x larger on flat images.

@@ -59,10 +59,10 @@ def _json_body(body: dict[str, Any], b64: Sequence[bytes]) -> bytes:
     """``body`` as Starlette's ``JSONResponse`` writes it (compact, UTF-8), each :data:`_B64` in it
     replaced, in order, by the next of ``b64`` as a JSON string.
 
-    The files' base64 (0.75 to 1 MB for a 512x512 PNG) never goes through the JSON encoder, which
-    took 1.7 to 3.5 ms a request on the development machine's CPU to scan and copy what needs no
-    escaping (base64 is ``A-Za-z0-9+/=``), on the event loop's thread, where every other request
-    waits for it; this takes 0.1 ms."""
+    The files' base64 (about a megabyte for a 512x512 PNG) never goes through the JSON encoder,
+    which took milliseconds a request to scan and copy what needs no escaping (base64 is
+    ``A-Za-z0-9+/=``), on the event loop's thread, where every other request waits for it; this
+    takes a tenth of a millisecond (docs/benchmarks.md)."""
     text = json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode("utf-8")
     parts = text.split(_B64_JSON)
     if len(parts) != len(b64) + 1:

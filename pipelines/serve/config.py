@@ -37,8 +37,8 @@ DEFAULT_RESOLUTION = "1024x1024"
 # for minutes.
 DEFAULT_MAX_STEPS = 100
 # The batch sizes captured when neither --batch-sizes nor --max-batch is given. Each bucket costs
-# warm-up time and graph memory; on the H200 four 512x512 Z-Image images in one call took 3.3x one
-# image's time (docs/serving.md), so buckets above 4 are a measured choice, not a default.
+# warm-up time and graph memory, and larger calls gain less per image than their memory costs
+# (docs/serving.md), so buckets above 4 are a measured choice, not a default.
 DEFAULT_BATCH_SIZES = (1, 2, 4)
 # How requests share the device: whole pipeline calls of compatible requests (dynamic), or rows of
 # running batches that requests join and leave at step boundaries (continuous, :mod:`.continuous`).

@@ -178,8 +178,7 @@ def warm_up(engine: Any, sizes: Sequence[Size], batch_sizes: Sequence[int]) -> W
     cfg = [True, False] if d.guidance_kwarg is not None and not math.isinf(_cfg_above(pipe)) else [False]
     # --quantize measures the call a request that names no guidance makes (Z-Image's: none), not the
     # first case's (guidance on): guidance multiplies the float8 error into the latents, and measured
-    # with it the selection keeps far more layers in bf16 than those calls need (tiny Z-Image, CPU
-    # stand-in quantizer: 25 of 28 against none; on an H100, Z-Image 512 served at bf16's speed).
+    # with it the selection keeps far more layers in bf16 than those calls need (docs/benchmarks.md).
     measure_cfg = d.warm_cfg if d.warm_cfg in cfg else cfg[0]
     kwargs: dict[str, Any] = dict(batch_sizes=sorted(batch_sizes), cfg=cfg, progress=False, measure_cfg=measure_cfg)
     if d.frames is not None:

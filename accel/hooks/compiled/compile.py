@@ -126,9 +126,8 @@ def cache_autocast_regions() -> tuple[list[str], Callable[[], None]]:
     undo is called; returns the names marked (none on a torch without these functions) and the
     undo.
 
-    Without it a warm start re-runs AOTAutograd for every such graph (measured on the CPU with
-    inductor, tiny Z-Image, 3 graphs: 8.4 s warm, 5.5 s with the mark; cold and warm outputs
-    equal). Safe to cache: the region's device, dtype and on/off flag are arguments in the graph,
+    Without it a warm start re-runs AOTAutograd for every such graph (measured: docs/benchmarks.md;
+    cold and warm outputs equal). Safe to cache: the region's device, dtype and on/off flag are arguments in the graph,
     hence in the cache key, and the mark is keyed by the torch version (inductor's documented
     ``unsafe_marked_cacheable_functions`` switch). Process-wide, like the cache folder.
     """
@@ -152,8 +151,8 @@ def tracing_settings() -> Iterator[None]:
       reads (a norm's ``eps``) symbolic; inductor's pass that turns them into tensors gives up on
       the blocks of both models, and dynamo traces the block again with the floats as constants:
       each process traced its first block twice, warm cache or not. Specialising floats from the
-      start gives those same constant floats at once (measured on the CPU with inductor, tiny
-      Z-Image: outputs bit-equal, a warm start 5.6 s -> 3.9 s).
+      start gives those same constant floats at once (outputs bit-equal, a warm start faster:
+      docs/benchmarks.md).
     * No duck sizing. Dynamo gives sizes that happen to be equal at the first trace one symbol
       and guards on the equality: at 1024x1024 Qwen-Image's 4096 image tokens equal the rows of
       its text RoPE table, so the next resolution with the same block variant (unpadded text:

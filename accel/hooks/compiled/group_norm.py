@@ -2,8 +2,7 @@
 
 ATen's GroupNorm reduces each (image, group) pair in one thread block: a 1024x1024 decode of the
 FLUX.1 VAE normalises 32 groups of up to 4M values each, so its moments kernel keeps 32 of the
-H200's 132 SMs busy and takes half of the decode (samples/bench/vae-z-image-1024.json: 44 of
-86 ms). Inductor splits such a reduction over the whole GPU. :func:`compile_group_norms` gives a
+H200's 132 SMs busy and takes half of the decode (docs/benchmarks.md, "Measurements behind the code"). Inductor splits such a reduction over the whole GPU. :func:`compile_group_norms` gives a
 component's ``nn.GroupNorm`` modules a forward through one ``torch.compile`` of ``F.group_norm``
 (dynamic shapes: one compile serves every layer and resolution), which the component's graphs
 capture like any kernel. Every input is handed over as ``(N, C, L)``, detached from what it

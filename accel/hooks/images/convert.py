@@ -3,8 +3,7 @@
 diffusers' ``VaeImageProcessor.postprocess(x, output_type="pil")`` ends in
 ``numpy_to_pil(pt_to_numpy(x))``: the float batch (N, C, H, W) is copied to the host, permuted and
 widened to float32 there, then multiplied by 255, rounded and cast to uint8 by numpy, all while
-the device idles (31 ms of Z-Image's 757 ms call at 1024x1024 on an H100, 58.5 ms of a batch of
-eight at 512x512). :func:`to_pil_images` does that arithmetic where the tensor is and copies only
+the device idles (a few percent of a call: docs/benchmarks.md, "Measurements behind the code"). :func:`to_pil_images` does that arithmetic where the tensor is and copies only
 the uint8 pixels to the host, in one copy of a quarter of float32's bytes; PIL then wraps each
 image as diffusers does.
 

@@ -3,8 +3,8 @@
 A decoder's graphs save launches, but a decode at a large size is compute-bound, and there its
 graph may only cost: its activations stay resident (the largest a pipeline has), and a decoder that
 fills the feature cache it is given (Qwen-Image's causal decoder) has every replay copy out what
-it stored (2.3 GiB at 1024x1024), which made its replay slower than eager (84.1 against 77.7 ms
-on an H100). So the warm-up decides by measurement, never by guess:
+it stored (gigabytes at 1024x1024), which made its replay slower than eager (docs/benchmarks.md).
+So the warm-up decides by measurement, never by guess:
 
 1. the component call of a size captures the decoder into a pool of its own, not the pipeline's;
 2. its replay is measured (:func:`measure`: the best of :data:`TIMED_RUNS` after one untimed run,

@@ -2,8 +2,8 @@
 
 Qwen-Image rotates queries and keys as complex numbers: ``view_as_complex(x.float())`` times a
 complex frequency table. Inductor has no complex kernels, so with ``compile=True`` every rotation
-is a separate ATen kernel reading and writing fp32 (samples/profile/: 2.5-3% of a 1024x1024 step,
-plus the RMS norm that feeds it writing fp32 instead of bf16). The same product written on the real
+is a separate ATen kernel reading and writing fp32 (a few percent of a 1024x1024 step, plus the
+RMS norm that feeds it writing fp32 instead of bf16). The same product written on the real
 and imaginary parts, ``(a*c - b*d, a*d + b*c)`` in fp32, is one pointwise expression inductor
 fuses into the norm before it and the cast after it.
 
@@ -12,10 +12,10 @@ promised bit for bit on CUDA (a fused multiply-add may round once where the comp
 twice): applied only with ``compile=True``, whose rule is graphs equal to the same compiled model
 without graphs. The code it replaces is diffusers 0.42's (the recipe pins that range).
 
-Measured on one H200 (samples/bench/compiled-forms/): with the GELU epilogue of accel.hooks.compiled.fused,
-Qwen-Image's 1024x1024 step 135.3 -> 131.8 ms. Qwen-Image 2.1's transformer rotates with its own copy
+With the GELU epilogue of accel.hooks.compiled.fused it shortens Qwen-Image's 1024x1024 step
+(measured: docs/benchmarks.md, "Measurements behind the code"). Qwen-Image 2.1's transformer rotates with its own copy
 of the same helper, which gets the same form. Z-Image rotates the same way, inside a closure of
-its attention processor; the same form there measured no change (96.1 ms), so it is not applied.
+its attention processor; the same form there measured no change, so it is not applied.
 """
 
 from __future__ import annotations

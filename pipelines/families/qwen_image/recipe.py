@@ -11,19 +11,18 @@ What the stock forward needs (diffusers 0.42):
   different lengths share a graph. Padding is exact in real arithmetic (padded keys are masked,
   real text keeps its RoPE positions) but switches attention to its masked kernel, so padded
   calls match eager to bf16 noise rather than bit for bit. ``text_buckets=None`` turns it off.
-* Padding pays only where the forward is launch-bound. Measured on an H200 (bf16, full size):
-  the masked kernel costs about 3% of a step at 512x512 and 6% at 1024x1024 (exact 180 ms,
-  padded 190 ms; cuDNN attention no better), while a prompt length without a graph runs eagerly
-  at twice the graph's step time at 512x512 but at the graph's own speed at 1024x1024. So text
-  is padded only up to :data:`BUCKET_MAX_IMAGE_TOKENS` image tokens; larger images keep their
-  exact text length (one graph per length, bit for bit, never slower than eager).
+* Padding pays only where the forward is launch-bound: the masked kernel costs a few percent of a
+  step, while a prompt length without a graph runs eagerly, twice the graph's step time where
+  the step is launch-bound and the graph's own speed where it is compute-bound (measured:
+  docs/benchmarks.md, "Measurements behind the code"). So text is padded only up to :data:`BUCKET_MAX_IMAGE_TOKENS` image
+  tokens; larger images keep their exact text length (one graph per length, bit for bit, never
+  slower than eager).
 * On several GPUs (``parallel=``): true CFG's two calls run under ``cache_context("cond")`` and
   ``("uncond")``, one per rank, exact; Ulysses uses diffusers' own ``_cp_plan``, with the text
   right-padded (masked) to a multiple of the number of ranks where its length does not split.
 * The two calls join into one batch-2 call (``cfg_batch``) where each GPU's share of the image is
   at most :data:`BUCKET_MAX_IMAGE_TOKENS`: up to 768x768 on one GPU, up to 1024x1024 on two
-  Ulysses ranks (measured on 2 H200s: 1.33x one GPU at 512x512 joined against 1.00x apart;
-  1-3% faster than apart at 1024x1024).
+  Ulysses ranks (measured faster than apart there: docs/benchmarks.md).
 * Qwen-Image Layered (``QwenImageLayeredPipeline``, the same denoiser with a layer-indexed RoPE)
   is called by image and ``resolution``, not by size: :mod:`pipelines.families.qwen_image.layered`.
 """
@@ -50,7 +49,7 @@ from .modulation import ROLE_KWARG, ModulationOnce, modulation_once
 logger = logging.getLogger(__name__)
 
 DEFAULT_TEXT_BUCKETS = (64, 128, 256, 512, 1024)
-# 768x768 (48 x 48 patches): the largest measured size still launch-bound on an H200.
+# 768x768 (48 x 48 patches): the largest measured size still launch-bound (docs/benchmarks.md).
 BUCKET_MAX_IMAGE_TOKENS = 48 * 48
 PATCH_PIXELS = 16  # VAE factor 8 times patch size 2
 # The pipeline drops its system-prompt template (34 tokens) and truncates to this by default.
@@ -124,10 +123,8 @@ class QwenImageRecipe(Recipe):
     )
 
     # The library's own float8 layers: their one-pass quantization (with the feed-forward's GELU
-    # inside it) ended the call at 4.313 s against torchao's 4.432, and at 4.362 against 4.434 in
-    # a second process (one H100, 1024x1024, 20 steps, true CFG; samples/gpu-run-2026-12-06d/).
-    # Z-Image keeps torchao's: there inductor fuses the quantization into the SiLU-gated product
-    # and the RMS norm, 0.728 s against 0.748.
+    # inside it) measured faster than torchao's here. Z-Image keeps torchao's: there inductor fuses
+    # the quantization into the SiLU-gated product and the RMS norm (both: docs/benchmarks.md).
     fp8_layers = "scaled-mm"
     # Unverified on a GPU, so off: with compile=True and the library's float8 layers, the second
     # modulated LayerNorm writing its feed-forward's float8 input in one Triton pass

@@ -5,8 +5,8 @@ from __future__ import annotations
 from ..records import Family, ModelRecord
 
 # The video VAE decodes every frame at full resolution. Full size makes Wan's 480p (832x480) at
-# 33 frames; the tiny model stays small: its VAE decodes 5 frames of 512x512 in about 7 s on 2 CPU
-# cores, of 256x256 in 2 s (a whole 30-step run there: 3 s).
+# 33 frames; the tiny model stays small, 5 frames of 256x256, which its VAE decodes in seconds on a
+# CPU (docs/benchmarks.md).
 _RUNS = {"tiny": ((256, 256), 5), "full": ((832, 480), 33)}
 
 FAMILY = Family(
