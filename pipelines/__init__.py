@@ -10,6 +10,8 @@ releases           the built-in models' released configs, read from each family'
 zoo                diffusers pipelines at their released denoiser configs, for breadth benchmarks
 generation         the generation core: model flags and settings, the pipeline prepared, a call's
                    settings, the pipeline call, each image's record and bytes
+stepwise           a pipeline's denoising loop run a step at a time, for a running batch that
+                   requests join and leave at step boundaries (the server's continuous batching)
 cli                ``bcg-generate``, a front end over the generation core
 serve              ``bcg-serve``, the other front end: an HTTP server that keeps its graphs warm
 
