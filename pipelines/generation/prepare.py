@@ -126,9 +126,9 @@ class PreparedPipeline:
         the call's arguments over those of ``call`` for ``job`` (a prompt per image, an input
         image), for a front end that plans its own calls.
 
-        This is the one place a pipeline is called. A loop that drives the denoising steps itself
-        (several requests sharing steps, joining and leaving between them) would take the place of
-        the pipeline's own call here, behind the same arguments and the same checks of what it made.
+        This is the one place a pipeline is called whole. The server's continuous batching drives
+        the denoising loop a step at a time instead (:mod:`pipelines.stepwise`, requests joining
+        and leaving between steps), in place of this call, on the same settings and records.
         """
         import torch
 

@@ -63,19 +63,23 @@ def seed(text: str) -> int:
     return value
 
 
-def finite(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def finite(text: str) -> float:
+    value = _number(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
 
 
 def guidance(text: str) -> float:
-    value = finite(text)
-    if not 0 <= value <= MAX_GUIDANCE:
+    value = _number(text)
+    if not math.isfinite(value) or not 0 <= value <= MAX_GUIDANCE:
         raise argparse.ArgumentTypeError(f"{text!r}: the guidance scale must be a number from 0 to {MAX_GUIDANCE:g} "
                                          "(the models here run at 0 to 7.5)")  # fmt: skip
     return value
