@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..lora import LoraError, LoraSpec, parse_lora
 from .constants import MAX_GUIDANCE, MAX_SEED, MAX_STEPS, accel_options
@@ -32,11 +33,15 @@ def warmup_size(text: str) -> tuple[int, int] | None:
     return resolution(text)
 
 
-def integer(text: str) -> int:
+def _parsed(text: str, kind: Callable[[str], Any], what: str) -> Any:
     try:
-        return int(text)
+        return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+def integer(text: str) -> int:
+    return _parsed(text, int, "an integer")
 
 
 def positive_int(text: str) -> int:
@@ -64,10 +69,7 @@ def seed(text: str) -> int:
 
 
 def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    return _parsed(text, float, "a number")
 
 
 def finite(text: str) -> float:
