@@ -46,6 +46,7 @@ app         the routes, on FastAPI
 startup     checks before the socket is bound; build, adapters and warm-up on the worker
 lifecycle   socket, uvicorn, signals and exit status
 ray         the same app and routes as a Ray Serve application, one replica per GPU (``--ray``)
+ray_app     that application for ``serve run`` and KubeRay's ``RayService`` (its flags as ``argv``)
 """
 
 from __future__ import annotations

@@ -76,8 +76,8 @@ def _setup_logging(quiet: bool) -> None:
 def main(argv: Sequence[str]) -> int:
     """Run ``bcg-serve --ray``; returns the exit status (0 stopped, 1 failed to deploy, 2 bad
     input, 130 interrupted)."""
-    from pipelines.cli import CLIError
-    from pipelines.cli.extras import require
+    from pipelines.generation.errors import GenerationError
+    from pipelines.generation.extras import require
 
     if "-h" in argv or "--help" in argv:
         sys.stdout.write(help_text())
@@ -87,7 +87,7 @@ def main(argv: Sequence[str]) -> int:
         require("serve", PROG)
         require("ray", f"{PROG} --ray")
         app = build_app(argv)
-    except (UsageError, CLIError) as e:
+    except (UsageError, GenerationError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return BAD_INPUT
     _setup_logging(config.quiet)

@@ -208,9 +208,6 @@ class AdapterSlots:
 
     # -- the replica's interface ---------------------------------------------------------------
 
-    def knows(self, name: str) -> bool:
-        return name in self._catalog
-
     def load(self, name: str, timeout: float) -> tuple[str, bool]:
         """Put adapter ``name`` in a slot, held: a slot that holds it already, else a free one
         (released by Ray and needed by no request), its swap due at its first ``select``. Returns

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines.cli import ModelSettings, Workload, prepare_pipeline
-from pipelines.cli.prepare import resolve_device_and_dtype
+from pipelines.generation import ModelSettings, Workload, prepare_pipeline, resolve_device_and_dtype
 from pipelines.lora import LoraError, LoraSpec
 from pipelines.serve.engine import Engine
 from pipelines.serve.ray.slots import AdapterSlots, NoSlot, largest_rank, slot_specs
