@@ -182,15 +182,8 @@ class Batcher:
         give_up = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                if self._closed:
+                if not self._await_queue(give_up):
                     return None
-                self._drop_cancelled()
-                if not self._queue:
-                    left = None if give_up is None else give_up - time.monotonic()
-                    if left is not None and left <= 0:
-                        return None
-                    self._cond.wait(left)
-                    continue
                 head = self._queue[0]
                 room = self._room(head.key)
                 batch = self._joinable(head, room)
@@ -212,16 +205,11 @@ class Batcher:
         a request comes) and returns ``[]``; None once the batcher is closed."""
         give_up = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                if self._closed:
-                    return None
-                self._drop_cancelled()
-                if self._queue:
-                    break
-                left = None if give_up is None else give_up - time.monotonic()
-                if left is not None and left <= 0:
-                    return []
-                self._cond.wait(left)
+            queued = self._await_queue(give_up)
+            if queued is None:
+                return None
+            if not queued:
+                return []
             taken: list[Work] = []
             while self._queue and self._queue[0].images <= room:
                 w = self._queue.popleft()
@@ -229,6 +217,20 @@ class Batcher:
                     taken.append(w)
                     room -= w.images
             return taken
+
+    def _await_queue(self, give_up: float | None) -> bool | None:
+        """Under the lock: waits until a request is queued (True), the monotonic time ``give_up``
+        passes with none (False; None: never), or the batcher is closed (None)."""
+        while True:
+            if self._closed:
+                return None
+            self._drop_cancelled()
+            if self._queue:
+                return True
+            left = None if give_up is None else give_up - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._cond.wait(left)
 
     def _room(self, key: BatchKey) -> int:
         if self.limit is None:

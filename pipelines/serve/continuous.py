@@ -65,13 +65,8 @@ class ContinuousWorker(DeviceWorker):
         return sum(len(b.rows) for b in self.batches)
 
     def run(self) -> None:
-        try:
-            engine = self._start()
-        except BaseException as e:  # a failed start ends the server, with its reason
-            self._on_fatal(e)
+        if not self.started():
             return
-        self.engine = engine
-        self._on_ready(engine)
         closed = False
         while not (closed and not self.tickets):
             self._drop_gone()  # first: their rows' slots are free for the requests taken now

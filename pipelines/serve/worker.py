@@ -79,15 +79,21 @@ class DeviceWorker(threading.Thread):
         self._poll = 0.05  # seconds between looks at the memory while a batch waits for it
 
     def run(self) -> None:
+        if self.started():
+            while (batch := self.batcher.next_batch()) is not None:
+                self.serve(batch)
+
+    def started(self) -> bool:
+        """The engine built and warmed up on this thread (``on_ready`` told); False where the start
+        failed (``on_fatal`` told its reason, which ends the server)."""
         try:
             engine = self._start()
-        except BaseException as e:  # a failed start ends the server, with its reason
+        except BaseException as e:
             self._on_fatal(e)
-            return
+            return False
         self.engine = engine
         self._on_ready(engine)
-        while (batch := self.batcher.next_batch()) is not None:
-            self.serve(batch)
+        return True
 
     def serve(self, batch: list[Work]) -> None:
         """``batch``'s pipeline call(s); every future gets its images or the failure."""

@@ -13,11 +13,12 @@ wheel missing, its rates stay None and the floor says so.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from .gemm_shapes import median_seconds
 
 __all__ = ["AttentionRow", "attention_rows", "measure_attention_rates", "record_attention"]
 
@@ -155,18 +156,6 @@ def measure_attention_rates(rows: list[AttentionRow], device: torch.device, repe
         return
     for row in rows:
         for rate, run in _runs(row, device).items():
-            if run is None:
-                continue
-            for _ in range(2):
-                run()
-            per_call = []
-            for _ in range(blocks):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(repeats):
-                    run()
-                end.record()
-                end.synchronize()
-                per_call.append(start.elapsed_time(end) / 1e3 / repeats)
-            row.tflops[rate] = row.flops / statistics.median(per_call) / 1e12
+            if run is not None:
+                row.tflops[rate] = row.flops / median_seconds(run, repeats, blocks) / 1e12
     torch.cuda.empty_cache()

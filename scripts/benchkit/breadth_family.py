@@ -13,7 +13,7 @@ from typing import Any
 
 from .breadth_calls import Runner
 from .breadth_variants import accelerated_variant, compiled_variant
-from .rows import err_text, rnd
+from .rows import err_text, failed, rnd
 from .settings import ROOT, say
 
 
@@ -95,8 +95,7 @@ def run_family(name: str, args: argparse.Namespace, result_path: Path) -> int:
             save()
         row["status"] = "ok"
     except Exception as exc:
-        traceback.print_exc()
-        row.update(status="error", reason=err_text(exc))
+        failed(row, exc)
     row["wall_s"] = rnd(time.perf_counter() - t0, 1)
     save()
     return 0 if row["status"] == "ok" else 1

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .calls import timed_call
+from .rows import failed
 from .settings import NEGATIVE, PROMPT, call_kwargs, res_name
 from .settings import say_clock as say
 
@@ -212,11 +213,8 @@ class Bench:
                 row["eager_calls"] = st.eager_calls
             row.update(self._diff(cache, mode, wh, latents))
             row["status"] = "ok"
-        except Exception as exc:  # one variant's failure must not cost the others
-            import traceback
-
-            traceback.print_exc()
-            row.update(status="error", reason=f"{type(exc).__name__}: {exc}"[:400])
+        except Exception as exc:
+            failed(row, exc)
         finally:
             if "accel" in self.pipe.__dict__:
                 self.pipe.accel.restore()

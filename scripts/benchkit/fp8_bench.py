@@ -16,6 +16,7 @@ import torch
 from .cache_bench import dbcache_config
 from .calls import timed_call
 from .measure import drop_compiled
+from .rows import failed
 from .settings import NEGATIVE, PROMPT, call_kwargs, res_name
 from .settings import say_clock as say
 
@@ -177,11 +178,8 @@ class Bench:
                 row["vs_no_graphs"] = 0.0 if torch.equal(latents, plain) else distances(latents, plain)["max_abs"]
                 row["report"] = self.pipe.accel.report()
             row["status"] = "ok"
-        except Exception as exc:  # one row's failure must not cost the others
-            import traceback
-
-            traceback.print_exc()
-            row.update(status="error", reason=f"{type(exc).__name__}: {exc}"[:600])
+        except Exception as exc:
+            failed(row, exc)
         finally:
             if "accel" in vars(self.pipe):
                 self.pipe.accel.restore()  # float8 layers stay float8: quantize= is one-way

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GemmRow", "gemm_rows", "measure_bandwidth", "measure_rates", "record_linears"]
+__all__ = ["GemmRow", "gemm_rows", "measure_bandwidth", "measure_rates", "median_seconds", "record_linears"]
 
 Shape = tuple[int, int, int]  # (M, K, N)
 
@@ -129,20 +129,26 @@ def measure_rates(rows: list[GemmRow], device: torch.device, repeats: int = 20, 
         return
     for row in rows:
         run = _operands(row, device)
-        for _ in range(3):
-            run()
-        per_call = []
-        for _ in range(blocks):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                run()
-            end.record()
-            end.synchronize()
-            per_call.append(start.elapsed_time(end) / 1e3 / repeats)
-        row.tflops = row.flops / statistics.median(per_call) / 1e12
+        row.tflops = row.flops / median_seconds(run, repeats, blocks, warm=3) / 1e12
         del run
     torch.cuda.empty_cache()
+
+
+def median_seconds(run: Callable[[], Any], repeats: int, blocks: int, warm: int = 2) -> float:
+    """Seconds one ``run()`` takes on the current CUDA stream: ``warm`` untimed calls, then
+    ``blocks`` blocks of ``repeats`` calls back to back, each timed with CUDA events; the median block's per call."""
+    for _ in range(warm):
+        run()
+    per_call = []
+    for _ in range(blocks):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            run()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / 1e3 / repeats)
+    return statistics.median(per_call)
 
 
 def measure_bandwidth(device: torch.device, mib: int = 1024, repeats: int = 10) -> float | None:

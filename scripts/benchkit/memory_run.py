@@ -18,6 +18,7 @@ import torch
 from .calls import register_recipes
 from .environment import collect_env
 from .measure import drop_compiled
+from .rows import failed
 from .settings import NEGATIVE, PROMPT, call_kwargs, parse_resolution, res_name
 from .settings import say_clock as say
 
@@ -121,11 +122,8 @@ class MemoryBench:
             else:
                 row.update(self._graphs(compiled=variant == "graphs-compiled"))
             row["status"] = "ok"
-        except Exception as exc:  # one row's failure must not cost the others
-            import traceback
-
-            traceback.print_exc()
-            row.update(status="error", reason=f"{type(exc).__name__}: {exc}"[:600])
+        except Exception as exc:
+            failed(row, exc)
         finally:
             if "accel" in vars(self.pipe):
                 self.pipe.accel.restore()

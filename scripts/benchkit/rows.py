@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import traceback
 from typing import Any, ClassVar
 
 from .breakdown import Breakdown
@@ -25,6 +26,13 @@ def err_text(exc: BaseException) -> str:
     if root is not None and root is not exc:  # e.g. capture_end failing after the real error
         text += f" (after {type(root).__name__}: {str(root).strip()})".replace("\n", " ")
     return text if len(text) < 400 else text[:397] + "..."
+
+
+def failed(row: dict[str, Any], exc: BaseException) -> None:
+    """``row`` marked failed by ``exc`` (its traceback printed, its reason one line): one row's
+    failure must not cost the others."""
+    traceback.print_exc()
+    row.update(status="error", reason=err_text(exc))
 
 
 @dataclasses.dataclass

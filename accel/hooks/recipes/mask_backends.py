@@ -24,12 +24,12 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["active_backend", "backend_refusal", "backends_in_use"]
+__all__ = ["active_backend", "attention_processors", "backend_refusal", "backends_in_use"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +61,22 @@ def backends_in_use(module: torch.nn.Module) -> dict[str, list[str]]:
     active one too: it may call the dispatch without naming a backend."""
     active = active_backend()
     found: dict[str, list[str]] = {}
-    for path, sub in module.named_modules():
-        if not callable(getattr(sub, "set_processor", None)):
-            continue  # not an attention module
-        processor = getattr(sub, "processor", None)
-        if processor is None:
-            continue
+    for path, processor in attention_processors(module):
         backend = getattr(processor, "_attention_backend", None) or active
-        if backend is None:
-            continue
-        found.setdefault(_name(backend), []).append(path or type(module).__name__)
+        if backend is not None:
+            found.setdefault(_name(backend), []).append(path)
     return found
+
+
+def attention_processors(module: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(path, processor)`` of every attention module in ``module`` (diffusers': it has
+    ``set_processor``) that holds a processor, in module order; the path of ``module`` itself is
+    its class's name."""
+    for path, sub in module.named_modules():
+        if callable(getattr(sub, "set_processor", None)):
+            processor = getattr(sub, "processor", None)
+            if processor is not None:
+                yield path or type(module).__name__, processor
 
 
 def backend_refusal(backend: Any) -> str | None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .mask_backends import backend_refusal, backends_in_use
+from .mask_backends import attention_processors, backend_refusal, backends_in_use
 from .recipe import Recipe
 
 __all__ = ["PaddingGate", "backends_refusing", "processors_dropping", "refusal"]
@@ -51,12 +51,7 @@ def processors_dropping(module: torch.nn.Module, keyword: str) -> list[str]:
     does not name ``keyword`` (diffusers would drop it), in module order."""
     dropping: list[str] = []
     said: dict[type, bool] = {}
-    for path, sub in module.named_modules():
-        if not callable(getattr(sub, "set_processor", None)):
-            continue  # not an attention module
-        processor = getattr(sub, "processor", None)
-        if processor is None:
-            continue
+    for path, processor in attention_processors(module):
         # One signature per class, unless an instance carries its own __call__.
         own = "__call__" in getattr(processor, "__dict__", {})
         kind = type(processor)
@@ -64,7 +59,7 @@ def processors_dropping(module: torch.nn.Module, keyword: str) -> list[str]:
         if not own:
             said[kind] = ok
         if not ok:
-            dropping.append(f"{path or type(module).__name__} ({kind.__name__})")
+            dropping.append(f"{path} ({kind.__name__})")
     return dropping
 
 

@@ -65,24 +65,12 @@ def text_length(full: int) -> dict[str, dict[str, Any]]:
 FLUX_VAE = {size: vae_config("flux", size) for size in ("tiny", "full")}
 SD3_VAE = {size: {**FLUX_VAE[size], "scaling_factor": 1.5305, "shift_factor": 0.0609} for size in FLUX_VAE}
 
-# The SDXL autoencoder (4 latent channels, with quant convs), which PixArt-Sigma ships too.
-_SDXL_VAE_FULL: dict[str, Any] = dict(
-    in_channels=3,
-    out_channels=3,
-    down_block_types=["DownEncoderBlock2D"] * 4,
-    up_block_types=["UpDecoderBlock2D"] * 4,
-    block_out_channels=[128, 256, 512, 512],
-    layers_per_block=2,
-    latent_channels=4,
-    norm_num_groups=32,
-    sample_size=1024,
-    scaling_factor=0.13025,
-    force_upcast=True,
+# The SDXL autoencoder, which PixArt-Sigma ships too: the FLUX.1 one's blocks with 4 latent channels,
+# quant convs and its own scaling, no shift.
+_SDXL: dict[str, Any] = dict(
+    latent_channels=4, scaling_factor=0.13025, shift_factor=None, use_quant_conv=True, use_post_quant_conv=True
 )
-SDXL_VAE = {
-    "full": _SDXL_VAE_FULL,
-    "tiny": {**_SDXL_VAE_FULL, "block_out_channels": [16, 16, 32, 32], "layers_per_block": 1, "norm_num_groups": 8},
-}
+SDXL_VAE = {size: {**FLUX_VAE[size], **_SDXL} for size in FLUX_VAE}
 
 # FLUX.1-dev's scheduler: the shift grows with the image's token count. Chroma ships the same.
 FLUX_SCHEDULER = scheduler_config("flux")
