@@ -7,8 +7,8 @@
 The work is a list of jobs, one pipeline call each: every (prompt, resolution) pair, in that
 order, makes ``--batch-size`` images. Image ``i`` of a run (counted over the whole run) uses seed
 ``--seed + i`` and is written as ``{i:04d}-{slug}-{W}x{H}-s{seed}.png`` (a video model's videos:
-``.webp``, or the container ``--out`` names), so names and pixels do not depend on how many
-processes share the work. Under ``accelerate launch`` each process takes a
+``.webp``, or the container ``--out`` names; a layered model's images: one RGBA file a layer,
+``NAME-layer0.png`` ...), so names and pixels do not depend on how many processes share the work. Under ``accelerate launch`` each process takes a
 contiguous share of the jobs (the split of ``PartialState.split_between_processes``), runs on its
 own device and captures its own graphs.
 

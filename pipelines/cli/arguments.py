@@ -81,6 +81,11 @@ input images: --image FILE gives an edit model (Qwen-Image-Edit, FLUX.1 Kontext 
   any other model is run as the image-to-image pipeline diffusers makes from it (z-image,
   qwen-image, flux), --mask FILE as its inpainting pipeline; --strength sets how much is redrawn.
 
+layers: a layered model (qwen-image-layered: --image FILE split into RGBA layers) writes each
+  image as one file a layer, NAME-layer0.png, NAME-layer1.png ... (NAME the image's file name
+  without its suffix, --out x.png's too), alpha kept, each with its record and its "layer"; PNG
+  or WebP (JPEG has no alpha: refused). The run's last line says how many layers an image.
+
 {model_epilog()}
 
 exit status: 0 done, 1 loading or generating failed, 2 bad input, 130 interrupted (Ctrl-C),

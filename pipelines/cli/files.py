@@ -17,7 +17,7 @@ import secrets
 import socket
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +160,15 @@ def save_image(image: Any, path: Path, info: dict[str, str], fmt: str = "png", q
     """Write ``image`` as a ``fmt`` file (:func:`pipelines.generation.formats.encode_image`) with ``info``
     as its record, whole and never over another file (:func:`write_whole`); returns the path written."""
     return write_whole(path, lambda part: part.write_bytes(encode_image(image, info, fmt, quality)), overwrite)
+
+
+def layer_files(layers: Sequence[Any], path: Path, info: dict[str, str]) -> Iterator[tuple[Any, Path, dict[str, str]]]:
+    """Each of a layered image's ``layers`` with the file it goes to, ``path``'s name with
+    ``-layerK`` added (K from 0, the pipeline's order), and its record: ``info`` with ``layer``
+    (K) and ``layers`` (how many) added."""
+    for k, layer in enumerate(layers):
+        yield (
+            layer,
+            path.with_name(f"{path.stem}-layer{k}{path.suffix}"),
+            {**info, "layer": str(k), "layers": str(len(layers))},
+        )

@@ -32,7 +32,7 @@ from ..generation.prompts import TruncationWarnings
 from ..generation.record import image_texts
 from ..generation.steps import StepWatch
 from .arguments import PROG, build_parser
-from .files import save_image, sweep_stale_parts
+from .files import layer_files, save_image, sweep_stale_parts
 from .jobs import file_names, plan_jobs, read_prompts_file, shard
 from .outputs import ImageOutput, Renames, check_out, plan_image_output, run_resolutions
 from .processes import Processes, detect_processes
@@ -191,13 +191,16 @@ def _run(args: argparse.Namespace) -> int:
             _say_first_frame(single)
         media = settled
     every_frame = media is not None and media.every_frame
+    if call.layered and media is None and files.fmt == "jpeg":
+        raise InputError(f"{type(prepared.pipe).__name__} makes each image as RGBA layers, and JPEG has no alpha: "
+                         "write them as PNG or WebP (--format png or webp)")  # fmt: skip
     fps = resolve_fps(media, prepared.pipe) if every_frame else None
 
     tokens = TruncationWarnings(prepared.pipe)
     hint = nan_hint(args.dtype, args.guidance)
     written: list[Path] = []
     records: list[dict[str, Any]] = []
-    renamed = made = 0
+    renamed = made = layers = 0
     modes_ran: set[str] = set()
     gen_seconds = 0.0
     unit = "video" if every_frame else "image"
@@ -218,33 +221,41 @@ def _run(args: argparse.Namespace) -> int:
                                "write them with --out x.png or a folder of PNGs")  # fmt: skip
             items = result.videos if every_frame and result.videos is not None else result.images
             _record_size(items[0] if not every_frame else items[0][0], job, texts)
-            for item, text, name, seed in zip(items, texts, file_names(job, _suffix(media, files)), job.seeds):
+            stacks = result.layers or [None] * len(items)
+            for item, stack, text, name, seed in zip(items, stacks, texts, file_names(job, _suffix(media, files)),
+                                                     job.seeds):  # fmt: skip
                 path = renames.target(folder, single, name)
                 made += 1
-                if writes:
-                    if path.parent not in swept:
-                        swept.add(path.parent)
-                        if removed := sweep_stale_parts(path.parent):
-                            logger.info(
-                                "removed %d part file(s) that killed runs left in %s", removed, shown(path.parent)
-                            )
+                if not writes:
+                    continue
+                if path.parent not in swept:
+                    swept.add(path.parent)
+                    if removed := sweep_stale_parts(path.parent):
+                        logger.info("removed %d part file(s) that killed runs left in %s", removed, shown(path.parent))
+                # A layered image is its layers, each a file of its own (NAME-layerK), RGBA kept.
+                parts = [(item, path, text)] if stack is None else list(layer_files(stack, path, text))
+                for image, target, record in parts:
                     if fps is not None:  # every frame, in a video file
-                        done = save_video(item, path, video_text(text, len(item), fps), fps, args.overwrite)
+                        done = save_video(image, target, video_text(record, len(image), fps), fps, args.overwrite)
                     else:
-                        fmt = files.fmt if media is None else (format_of(path) or "png")
-                        done = save_image(item, path, text, fmt, files.quality, overwrite=args.overwrite)
-                    if done != path:
+                        fmt = files.fmt if media is None else (format_of(target) or "png")
+                        done = save_image(image, target, record, fmt, files.quality, overwrite=args.overwrite)
+                    if done != target:
                         renamed += 1
                         logger.warning("%s appeared while this run was generating (another run writing there?): "
-                                       "kept it, and wrote %s instead", shown(path), shown(done))  # fmt: skip
+                                       "kept it, and wrote %s instead", shown(target), shown(done))  # fmt: skip
                     else:
                         logger.info("wrote %s", shown(done))
                     written.append(done)
-                    records.append(dict(file=str(done), prompt=job.prompt, seed=seed, width=job.width,
-                                        height=job.height, index=int(text["index"])))  # fmt: skip
+                    entry = dict(file=str(done), prompt=job.prompt, seed=seed, width=job.width, height=job.height,
+                                 index=int(text["index"]))  # fmt: skip
+                    if "layer" in record:
+                        entry["layer"] = int(record["layer"])
+                    records.append(entry)
+                    layers = len(stack) if stack is not None else 0
             progress.call_done(len(job.indices))
 
-    where = where_written(written, folder, single, renamed, writes)
+    where = where_written(written, folder, single, renamed, writes, layers, files.suffix)
     line = summary_line(prepared, procs.tag, made, len(mine), gen_seconds, modes_ran, where, tokens.truncated, unit)
     report = (prepared.pipe.accel.report() if prepared.accelerated else
               f"{procs.tag}mode eager: the pipeline was not accelerated")  # fmt: skip

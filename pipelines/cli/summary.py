@@ -24,8 +24,10 @@ def mode_phrase(mode: str, ran: set[str], device: Any) -> str:
     return f"mode {'/'.join(sorted(ran))} (--mode {mode} asked, {why})"
 
 
-def where_written(written: Sequence[Path], folder: Path, single: Path | None, renamed: int, writes: bool) -> str:
-    """Where the images went: the file, or how many went into which folder."""
+def where_written(written: Sequence[Path], folder: Path, single: Path | None, renamed: int, writes: bool,
+                  layers: int = 0, suffix: str = ".png") -> str:  # fmt: skip
+    """Where the images went: the file, or how many went into which folder; ``layers``: each image
+    was written as that many layer files (``suffix`` theirs), which the line says how to find."""
     if not writes:
         return "rank 0 writes the files"
     if not written:
@@ -36,6 +38,8 @@ def where_written(written: Sequence[Path], folder: Path, single: Path | None, re
         text = f"wrote {len(written)} file(s) to {shown(folder)}{os.sep}"
     if renamed:
         text += f" ({renamed} under a free name, as their names were taken meanwhile)"
+    if layers:
+        text += f", each image as {layers} RGBA layers: NAME-layer0{suffix} to NAME-layer{layers - 1}{suffix}"
     return text
 
 

@@ -45,7 +45,8 @@ class CallSettings:
     call takes ``height`` and ``width`` (a pipeline that makes its size from its input image takes
     neither); ``takes_max_area``: it also takes ``max_area``, to which it would scale them (FLUX.1
     Kontext's 1024x1024): set to the size asked, so that the size made is the size asked.
-    ``notes``: the flags given that the pipeline does not use, each a line for the user who gave
+    ``layered``: the call takes ``layers`` and makes each image as that many RGBA layers (Qwen-Image
+    Layered): a front end writes or answers every layer, never one alone. ``notes``: the flags given that the pipeline does not use, each a line for the user who gave
     them (a front end that plans a call per request, whose records say what ran, can pass them by).
     """
 
@@ -64,6 +65,7 @@ class CallSettings:
     takes_size: bool = True
     image_fit: bool = False
     takes_max_area: bool = False
+    layered: bool = False
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def kwargs(self, job: Job, device: Any) -> dict[str, Any]:
@@ -154,6 +156,7 @@ def call_settings(pipe: Any, model: str, size: str, steps: int | None = None, gu
         frame_rate=_frame_rate(params, fps),
         takes_size=("height" in params and "width" in params) or _any_keyword(params),
         takes_max_area="max_area" in params,
+        layered="layers" in params,
         notes=tuple(notes),
     )
 
@@ -199,11 +202,23 @@ def nan_hint(dtype: str | None, guidance: float | None, guidance_name: str = "--
     return ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Pixels:
+    """What one call made, as PIL images: one per image of its job (a video's first frame, an
+    image's first layer); ``videos``: a video pipeline's every frame, one list a video;
+    ``layers``: a layered pipeline's every layer (RGBA), one list an image, in the pipeline's
+    order. None where the call made neither."""
+
+    images: list[Any]
+    videos: list[list[Any]] | None = None
+    layers: list[list[Any]] | None = None
+
+
 def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cache: str | None = None,
-                    watch: StepWatch | None = None) -> tuple[list[Any], list[list[Any]] | None]:  # fmt: skip
-    """One pipeline call -> its PIL images, and for a video pipeline (output ``frames``, not
-    ``images``) every frame of each video (None for images; the images are then each video's
-    first frame). RunError for out-of-memory or non-finite pixels; every frame is checked, since
+                    watch: StepWatch | None = None) -> Pixels:  # fmt: skip
+    """One pipeline call -> its PIL images (:class:`Pixels`): for a video pipeline (output
+    ``frames``, not ``images``) every frame of each video too, and for a layered pipeline (its
+    output a stack of layers per image, Qwen-Image Layered's) every layer of each image. RunError for out-of-memory or non-finite pixels; every frame is checked, since
     a NaN anywhere says the call went wrong. ``cache``: the step cache applied (its description),
     if any: a cache hook that fails inside the call is told in one line with the cache named,
     since it, not the pipeline, is the suspect. ``watch``: sees every step's end where the
@@ -248,11 +263,14 @@ def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cach
         f"the pipeline produced NaN or infinite pixels for {job.width}x{job.height} seed {job.seeds[0]}"
         f"{hint}; nothing was written for this call"
     )
+    if not video and _stacked(pixels):  # a stack of layers per image
+        layers = _layers(pipe, pixels, job, kwargs.get("output_type"), non_finite)
+        return Pixels([stack[0] for stack in layers], layers=layers)
     if kwargs.get("output_type") not in ("np", "pt"):
         if video:
             videos = [list(frames) for frames in pixels]
-            return [frames[0] for frames in videos], videos
-        return list(pixels), None
+            return Pixels([frames[0] for frames in videos], videos)
+        return Pixels(list(pixels))
     if isinstance(pixels, torch.Tensor):  # output_type="pt": an image pipeline's decoded batch, on its device
         if video or pixels.ndim != 4 or not pixels.is_floating_point():
             raise RunError(f"{type(pipe).__name__} returned a {pixels.dtype} tensor of shape {tuple(pixels.shape)} "
@@ -261,16 +279,61 @@ def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cach
         if not found.finite:
             raise RunError(non_finite)
         # diffusers' numpy_to_pil of its "np" output, bit for bit, from a quarter of the bytes.
-        return to_pil_images(pixels, found), None
+        return Pixels(to_pil_images(pixels, found))
     array = np.asarray(pixels)  # output_type="np", or a pipeline that gives numpy whatever it is asked
     if not np.isfinite(array).all():
         raise RunError(non_finite)
     from diffusers.image_processor import VaeImageProcessor
 
     if not video:
-        return VaeImageProcessor.numpy_to_pil(array), None
+        return Pixels(VaeImageProcessor.numpy_to_pil(array))
     videos = [VaeImageProcessor.numpy_to_pil(frames) for frames in array]  # (videos, frames, H, W, C)
-    return [frames[0] for frames in videos], videos
+    return Pixels([frames[0] for frames in videos], videos)
+
+
+def _stacked(pixels: Any) -> bool:
+    """Whether a call's ``images`` are a list of per-image stacks: tensors or arrays of 4 axes
+    (layers, then an image's), or lists of PIL images, as a layered pipeline gives them."""
+    if not isinstance(pixels, (list, tuple)) or not pixels:
+        return False
+    first = pixels[0]
+    return isinstance(first, (list, tuple)) or getattr(first, "ndim", None) == 4
+
+
+def _layers(pipe: Any, stacks: Any, job: Job, output_type: str | None, non_finite: str) -> list[list[Any]]:
+    """A layered call's stacks as each image's layers (PIL, RGBA where the VAE made four channels).
+
+    The stacks are joined first and cut again at ``len(job.indices)`` images: diffusers 0.42.1's
+    Qwen-Image Layered cuts its decoded batch at ``layers + 1`` a stack, so with several images a
+    call its stacks straddle images (its decoded batch itself is in order: image by image, each
+    layer by layer). Checked like any image: non-finite pixels are a RunError.
+    """
+    import numpy as np
+    import torch
+
+    from accel import check_pixels, to_pil_images
+
+    if output_type == "pt":
+        batch = torch.cat([torch.as_tensor(s) for s in stacks])
+        found = check_pixels(batch)
+        if not found.finite:
+            raise RunError(non_finite)
+        flat = to_pil_images(batch, found)
+    elif output_type == "np":
+        array = np.concatenate([np.asarray(s) for s in stacks])
+        if not np.isfinite(array).all():
+            raise RunError(non_finite)
+        from diffusers.image_processor import VaeImageProcessor
+
+        flat = VaeImageProcessor.numpy_to_pil(array)
+    else:  # PIL already
+        flat = [layer for stack in stacks for layer in stack]
+    n = len(job.indices)
+    if not flat or len(flat) % n:
+        raise RunError(f"{type(pipe).__name__} returned {len(flat)} layer image(s) for {n} image(s): "
+                       "not a whole number of layers an image")  # fmt: skip
+    per = len(flat) // n
+    return [flat[i * per : (i + 1) * per] for i in range(n)]
 
 
 def graph_replays(pipe: Any) -> int | None:

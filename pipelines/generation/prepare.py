@@ -67,13 +67,16 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class GeneratedCall:
-    """One call's images (PIL; a video's first frame), the mode that ran and its seconds;
-    ``videos``: a video pipeline's every frame, one list of PIL frames a video (None: images)."""
+    """One call's images (PIL; a video's first frame, a layered image's first layer), the mode
+    that ran and its seconds; ``videos``: a video pipeline's every frame, one list of PIL frames a
+    video (None: images); ``layers``: a layered pipeline's every layer (RGBA), one list an image
+    (None: one image each), which a front end writes or answers all of."""
 
     images: list[Any]
     mode: str
     seconds: float
     videos: list[list[Any]] | None = None
+    layers: list[list[Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +139,12 @@ class PreparedPipeline:
         kwargs.update(arguments or {})
         before = graph_replays(self.pipe) if self.accelerated else None
         t0 = time.perf_counter()
-        images, videos = generate_frames(pipe or self.pipe, kwargs, job, hint, self.cache, watch)
+        made = generate_frames(pipe or self.pipe, kwargs, job, hint, self.cache, watch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        return GeneratedCall(images, mode_ran(self.pipe, self.settings.mode, before), seconds, videos)
+        ran = mode_ran(self.pipe, self.settings.mode, before)
+        return GeneratedCall(made.images, ran, seconds, made.videos, made.layers)
 
 
 def resolve_device_and_dtype(settings: ModelSettings) -> tuple[Any, Any]:

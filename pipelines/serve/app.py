@@ -90,6 +90,8 @@ def _answer(request: ImageRequest, images: list[EncodedImage]) -> Response:
     data = []
     for g in images:
         item: dict[str, Any] = {"b64_json": _B64, "seed": g.seed}
+        if g.layer is not None:  # a layered model's: each layer of an image is an item, in order
+            item["layer"] = g.layer
         if g.tokens is not None and g.tokens.truncated:
             item["prompt_truncated"] = {"tokens": g.tokens.tokens, "read": g.tokens.limit}
         data.append(item)

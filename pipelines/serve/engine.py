@@ -54,11 +54,13 @@ _EDITS = itertools.count(1)  # each edit request's number: its batch key is its 
 class EncodedImage:
     """One image as the response carries it: its file in the format asked for, base64-encoded
     (ASCII bytes: the route writes them into the answer as they are), the seed it was made with,
-    and its prompt's tokens as the text encoder read them (None: not counted)."""
+    its prompt's tokens as the text encoder read them (None: not counted), and which layer of its
+    image it is (a layered model's; None: the image itself)."""
 
     b64: bytes
     seed: int
     tokens: TokenCount | None = None
+    layer: int | None = None
 
     @property
     def b64_json(self) -> str:
@@ -71,7 +73,8 @@ class RenderedImage:
     """One image as its call made it (PIL), with its PNG text, seed, tokens and the file format
     its request asked for. Encoding takes tens of milliseconds an image at 512x512 (PNG, zlib), so
     the device worker hands these on and the service's encoding threads encode them
-    (:meth:`encode`): the device starts the next call meanwhile."""
+    (:meth:`encode`): the device starts the next call meanwhile. ``layers``: a layered model's
+    image is its layers (RGBA), each answered as a file of its own (:meth:`files`)."""
 
     image: Any
     text: dict[str, str]
@@ -79,10 +82,23 @@ class RenderedImage:
     tokens: TokenCount | None
     output_format: str = "png"
     output_compression: int | None = None
+    layers: Sequence[Any] | None = None
 
     def encode(self) -> EncodedImage:
         data = encode(self.image, self.text, self.output_format, self.output_compression)
         return EncodedImage(base64.b64encode(data), self.seed, self.tokens)
+
+    def files(self) -> list[EncodedImage]:
+        """The answer's files of this image: the image, or each of its layers in order, each
+        recording which layer it is."""
+        if self.layers is None:
+            return [self.encode()]
+        out = []
+        for k, layer in enumerate(self.layers):
+            text = {**self.text, "layer": str(k), "layers": str(len(self.layers))}
+            data = encode(layer, text, self.output_format, self.output_compression)
+            out.append(EncodedImage(base64.b64encode(data), self.seed, self.tokens, k))
+        return out
 
 
 def bucket_for(images: int, batch_sizes: Sequence[int] | None) -> int:
@@ -241,6 +257,10 @@ class Engine:
         if taking is not None:
             strength = f", strength {request.strength:g}" if request.strength is not None else ""
             call = dataclasses.replace(call, image_note=f"{request.image_note}, {taking.kind}{strength}")
+        if call.layered and request.output_format == "jpeg":
+            raise ServeError(400, f"{type(taking.pipe if taking else self.pipe).__name__} makes each image as RGBA "
+                             "layers, and jpeg has no alpha: ask png or webp", param="output_format",
+                             code="unsupported_output_format")  # fmt: skip
         try:
             limits.check_steps(call.steps, self._scheduler_config)
         except limits.LimitError as e:
@@ -305,7 +325,7 @@ class Engine:
         if r.image is not None:  # an edit (alone in its call): one prompt and one image, its rows counted
             taking = self._taking(r)
             pipe = taking.pipe
-            given = taking.kwargs(flatten(r.image), mask_from(r.mask) if r.mask is not None else None, r.strength)
+            given = taking.kwargs(flatten(r.image, pipe), mask_from(r.mask) if r.mask is not None else None, r.strength)
             arguments = given if taking.kind == EDIT else fitted(given, (r.width, r.height))
         else:
             arguments = {"prompt": prompts, first.call.count_kwarg: 1}  # one prompt per image, a fresh list
@@ -323,17 +343,20 @@ class Engine:
                 raise OutOfMemory(len(seeds) - pad, len(seeds), (r.width, r.height)) from None
             raise
         images, ran = made.images, made.mode
+        stacks = made.layers or [None] * len(images)
         out: list[list[RenderedImage]] = []
         start = 0
         for q in plans:
             n = len(q.seeds)
-            out.append(self.made(q, images[start : start + n], ran))
+            out.append(self.made(q, images[start : start + n], ran, stacks[start : start + n]))
             start += n
         return out
 
-    def made(self, plan: Plan, images: Sequence[Any], ran: str) -> list[RenderedImage]:
+    def made(self, plan: Plan, images: Sequence[Any], ran: str,
+             layers: Sequence[Sequence[Any] | None] | None = None) -> list[RenderedImage]:  # fmt: skip
         """``plan``'s images (PIL, one per seed) with their PNG text, ``ran`` saying what the
-        denoiser did (``bcg``: a graph replayed; else the mode)."""
+        denoiser did (``bcg``: a graph replayed; else the mode); ``layers``: each image's layers,
+        where a layered model made them."""
         p, r = self.prepared, plan.request
         job = Job(r.prompt, r.width, r.height, tuple(range(len(plan.seeds))), plan.seeds)
         common = run_text(p.settings.model, self.device, p.dtype, plan.call, p.cache, self.adapters.specs(r.lora),
@@ -341,14 +364,15 @@ class Engine:
         tokens = self._tokens(plan)
         texts = image_texts(job, common, ran, p.settings.mode, tokens)
         fmt, compression = r.output_format, r.output_compression
+        stacks = layers if layers is not None else [None] * len(images)
         return [
-            RenderedImage(image, text, seed, tokens, fmt, compression)
-            for image, text, seed in zip(images, texts, plan.seeds)
+            RenderedImage(image, text, seed, tokens, fmt, compression, stack)
+            for image, text, seed, stack in zip(images, texts, plan.seeds, stacks)
         ]
 
     def run(self, plans: Sequence[Plan]) -> list[list[EncodedImage]]:
         """:meth:`make` and every image encoded: one pipeline call and its files, per plan."""
-        return [[m.encode() for m in made] for made in self.make(plans)]
+        return [[f for m in made for f in m.files()] for made in self.make(plans)]
 
     def _tokens(self, plan: Plan) -> Any:
         try:

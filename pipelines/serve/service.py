@@ -262,11 +262,12 @@ def _made(work: Work) -> bool:
 
 
 def encode_timed(made: Sequence[RenderedImage], seconds: Histogram) -> list[EncodedImage]:
-    """Each of ``made``'s files (:meth:`RenderedImage.encode`), its encoding's seconds observed in ``seconds``."""
+    """Each of ``made``'s files (:meth:`RenderedImage.files`: a layered image's every layer), its
+    encoding's seconds observed in ``seconds``."""
     out = []
     for m in made:
         with seconds.time():
-            out.append(m.encode())
+            out.extend(m.files())
     return out
 
 

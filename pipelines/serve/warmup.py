@@ -186,7 +186,11 @@ def warm_up(engine: Any, sizes: Sequence[Size], batch_sizes: Sequence[int]) -> W
     if getattr(engine, "needs_image", False):  # an edit model: every call brings an image, the warm-up's too
         from PIL import Image
 
-        kwargs["call_kwargs"] = {"image": Image.new("RGB", sizes[0], (128, 128, 128))}
+        from pipelines.generation.image_input import flatten
+
+        # As a request's image reaches the pipeline: RGBA where its VAE reads four channels.
+        grey = Image.new("RGB", sizes[0], (128, 128, 128))
+        kwargs["call_kwargs"] = {"image": flatten(grey, pipe)}
     clock = CallClock(pipe, pipe.accel.graph_memory_bytes, engine.device)
     captured = False
     names = ", ".join(f"{w}x{h}" for w, h in sizes)

@@ -1,13 +1,15 @@
 """Qwen-Image Layered (``QwenImageLayeredPipeline``) under graphs, on tiny pipelines and emulated CUDA
-graphs that refuse pageable copies as a GPU does (tests/helpers/after_warmup.py).
+graphs that refuse pageable copies as a GPU does (tests/helpers/after_warmup.py), and as the
+front ends run it: ``bcg-generate`` writes every layer of every image as an RGBA file of its own,
+and ``bcg-serve``'s ``/v1/images/edits`` answers each as a ``data`` item, equal to the pipeline's.
 
 The documented warm-up (``pipe.accel.warmup([(w, h)], prompts=[...])``: ``(w, h)`` the input
 image's size, the text at its exact length) raises nothing; after it, calls with those prompts and
 other seeds, for two image sizes in shuffled order, replay every denoiser step, never run it
 eagerly, and equal the stock pipeline bit for bit; the text encoder keeps the graphs its warm-up
 captured. The pipeline makes its layers at 640 or 1024 pixels a side, minutes of a tiny VAE on a
-CPU: its size rule (``calculate_dimensions``) is scaled down for the stock and the accelerated
-pipeline alike, which changes no code path.
+CPU: its size rule is scaled down for the stock and the accelerated pipeline alike
+(tests/helpers/small_layers.py), which changes no code path.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from accel import accelerate_pipeline
 from pipelines.builders import build_pipeline
 from pipelines.families.qwen_image import layered
 from tests.helpers.after_warmup import as_on_cuda, assert_replayed_only, counts
+from tests.helpers.small_layers import shrink_layers
 
 pytestmark = pytest.mark.usefixtures("few_threads")
 
@@ -30,15 +33,12 @@ PROMPTS = ["a red fox in the snow", "a lighthouse on a cliff at night, waves bre
 NEGATIVE = "blurry"
 IMAGES = [(64, 48), (48, 64)]  # input image sizes (width, height)
 LAYERS = 2
-# The layers' area is resolution**2 / SHRINK: 80x64 for a 640 resolution at 4:3.
-SHRINK = 64
 
 
 @pytest.fixture
 def graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     as_on_cuda(monkeypatch)
-    real = layered_pipeline.calculate_dimensions
-    monkeypatch.setattr(layered_pipeline, "calculate_dimensions", lambda area, ratio: real(area / SHRINK, ratio))
+    shrink_layers(monkeypatch)
 
 
 def _pipe():

@@ -1,6 +1,7 @@
 """One CLI (and server) pipeline call on the CPU: an image pipeline is asked for its decoded
 tensor, which is checked and made 8-bit where it is, giving diffusers' own images bit for bit; NaN
-pixels are the same one-line error either way; a video pipeline keeps numpy."""
+pixels are the same one-line error either way; a video pipeline keeps numpy; a layered pipeline's
+stacks are each image's layers, whatever stacks it cut them into."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def test_an_image_call_converts_its_tensor_on_the_device_to_diffusers_images(
     assert kwargs["output_type"] == "pt" and not call.video
     with monkeypatch.context() as m:  # not through the host's numpy
         m.setattr(VaeImageProcessor, "numpy_to_pil", lambda *a: pytest.fail("converted on the host"))
-        images, videos = generate_frames(z_image, kwargs, job, "")
-    assert videos is None
+        made = generate_frames(z_image, kwargs, job, "")
+    images = made.images
+    assert made.videos is None and made.layers is None
     stock = z_image(**{**call.kwargs(job, CPU), "output_type": "pil"}).images
     assert same_images(images, stock) and len(images) == 2
     assert len(set(images[0].tobytes())) > 16  # real pixels, not a saturated image
@@ -88,3 +90,34 @@ def test_a_tensor_that_is_not_an_image_batch_is_one_line() -> None:
         RunError, match=r"returned a torch.float32 tensor of shape \(1, 2, 3, 16, 16\) for output_type='pt'"
     ):
         generate_frames(pipe, {"output_type": "pt"}, job, "")
+
+
+@dataclasses.dataclass
+class _Stacks:
+    images: list[Any]
+
+
+@pytest.mark.parametrize("output_type", ["pt", "np"])
+def test_layered_stacks_are_cut_again_per_image_and_checked(output_type: str) -> None:
+    """diffusers 0.42.1's Qwen-Image Layered cuts 2 images x 3 layers into stacks of 4 and 2 (it
+    counts the input's frame too): the layers go back to their images in order, RGBA kept; a count
+    that is no whole number of layers an image, and NaN anywhere, are one line."""
+    batch = torch.rand(6, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    as_given = batch if output_type == "pt" else batch.permute(0, 2, 3, 1).numpy()
+    (job,) = plan_jobs(["a fox"], [(8, 8)], 2, 0)
+
+    def call(stacks: list[Any]) -> Any:
+        return generate_frames(lambda **kwargs: _Stacks(stacks), {"output_type": output_type}, job, "")
+
+    made = call([as_given[:4], as_given[4:]])
+    want = VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(batch))
+    assert [len(stack) for stack in made.layers] == [3, 3] and made.videos is None
+    assert same_images([layer for stack in made.layers for layer in stack], want)
+    assert made.images == [made.layers[0][0], made.layers[1][0]] and made.images[0].mode == "RGBA"
+    with pytest.raises(RunError, match=r"returned 5 layer image\(s\) for 2 image\(s\)"):
+        call([as_given[:4], as_given[4:5]])
+    poisoned = batch.clone()
+    poisoned[5, 0, 0, 0] = math.nan
+    nan = poisoned if output_type == "pt" else poisoned.permute(0, 2, 3, 1).numpy()
+    with pytest.raises(RunError, match="NaN or infinite pixels"):
+        call([nan[:4], nan[4:]])
