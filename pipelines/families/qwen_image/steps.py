@@ -107,20 +107,18 @@ class Steps:
         f = pipe.vae_scale_factor
         img_shapes = [[(1, height // f // 2, width // f // 2)]] * batch
         timestep = timesteps.to(latents.dtype)
-        prompt_embeds, prompt_embeds_mask = _collate([p for p, _ in texts])
-        with pipe.transformer.cache_context("cond"):
-            noise_pred = pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=None,
-                                          encoder_hidden_states_mask=prompt_embeds_mask,
-                                          encoder_hidden_states=prompt_embeds, img_shapes=img_shapes,
-                                          attention_kwargs={}, return_dict=False)[0]  # fmt: skip
+
+        def branch(context: str, which: int) -> torch.Tensor:  # the pipeline's call, in its cache context
+            embeds, mask = _collate([text[which] for text in texts])
+            with pipe.transformer.cache_context(context):
+                return pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=None,
+                                        encoder_hidden_states_mask=mask, encoder_hidden_states=embeds,
+                                        img_shapes=img_shapes, attention_kwargs={}, return_dict=False)[0]  # fmt: skip
+
+        noise_pred = branch("cond", 0)
         if not cfg:
             return noise_pred
-        negative_embeds, negative_mask = _collate([n for _, n in texts])
-        with pipe.transformer.cache_context("uncond"):
-            neg_noise_pred = pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=None,
-                                              encoder_hidden_states_mask=negative_mask,
-                                              encoder_hidden_states=negative_embeds, img_shapes=img_shapes,
-                                              attention_kwargs={}, return_dict=False)[0]  # fmt: skip
+        neg_noise_pred = branch("uncond", 1)
         # Each row's own scale, elementwise as the pipeline's one scale; the norms over the batch as its.
         comb_pred = torch.cat([neg_noise_pred[i : i + 1] + guidance[i] * (noise_pred[i : i + 1] - neg_noise_pred[i : i + 1])
                                for i in range(batch)])  # fmt: skip
