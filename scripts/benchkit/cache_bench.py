@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .calls import timed_call
+from .calls import timed_call, warm_up
 from .rows import failed
-from .settings import NEGATIVE, PROMPT, call_kwargs, res_name
+from .settings import call_kwargs, res_name
 from .settings import say_clock as say
 
 CACHES = ("dbcache", "fbc", "taylorseer")
@@ -172,14 +172,8 @@ class Bench:
             if mode in ("bcg", "bcg-compile"):
                 t0 = time.perf_counter()
                 accelerate_pipeline(self.pipe, compile=mode == "bcg-compile")
-                report = self.pipe.accel.warmup(
-                    [wh],
-                    prompts=[PROMPT],
-                    negative_prompt=NEGATIVE if self.args.model == "qwen-image" else None,
-                    cfg=self.args.model == "qwen-image",
-                    num_inference_steps=max(2, self.args.warmup_steps),
-                    progress=False,
-                )
+                cfg = self.args.model == "qwen-image"
+                report = warm_up(self.pipe, [wh], cfg, steps=max(2, self.args.warmup_steps))
                 setup = time.perf_counter() - t0
                 row.update(warmup_s=round(report.total_seconds, 2), compile_s=round(report.total_compile_seconds, 2))
             elif cache in ("fbc", "taylorseer") and not hasattr(self.pipe.transformer, "enable_cache"):

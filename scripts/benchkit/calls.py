@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ import torch
 from accel import tree
 
 from .rows import err_text
-from .settings import SEED, pipe_kwargs, say
+from .settings import NEGATIVE, PROMPT, SEED, pipe_kwargs, say
 
 
 def register_recipes() -> None:
@@ -36,6 +36,14 @@ def accelerate(pipe: Any, **options: Any) -> Any:
     from accel import accelerate_pipeline
 
     return accelerate_pipeline(pipe, **options)
+
+
+def warm_up(pipe: Any, sizes: Sequence[tuple[int, int]], cfg: bool, steps: int | None = None) -> Any:
+    """``pipe.accel.warmup`` at ``sizes`` with the benches' prompt, and their negative prompt where
+    ``cfg``; ``steps`` steps a call (None: the warm-up's own count); no progress bars. Its report."""
+    more: dict[str, Any] = {} if steps is None else {"num_inference_steps": steps}
+    negative = NEGATIVE if cfg else None
+    return pipe.accel.warmup(list(sizes), prompts=[PROMPT], negative_prompt=negative, cfg=cfg, progress=False, **more)
 
 
 def timed_call(pipe: Any, kwargs: Mapping[str, Any], steps: int, device: Any,

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from .cache_bench import dbcache_config
-from .calls import timed_call
+from .calls import timed_call, warm_up
 from .measure import drop_compiled
 from .rows import failed
-from .settings import NEGATIVE, PROMPT, call_kwargs, res_name
+from .settings import call_kwargs, res_name
 from .settings import say_clock as say
 
 STEPS = {"z-image": 9, "qwen-image": 20, "qwen-image-2.1": 40}
@@ -96,14 +96,7 @@ class Bench:
         if quantize:
             options.update(quantize="fp8", fp8_budget=self.args.fp8_budget)
         accelerate_pipeline(self.pipe, **options)
-        report = self.pipe.accel.warmup(
-            [self.wh],
-            prompts=[PROMPT],
-            negative_prompt=NEGATIVE if self.cfg else None,
-            cfg=self.cfg,
-            num_inference_steps=2,
-            progress=False,
-        )
+        report = warm_up(self.pipe, [self.wh], self.cfg, steps=2)
         row: dict[str, Any] = dict(
             setup_s=round(time.perf_counter() - t0, 2),
             capture_s=round(report.total_seconds, 2),

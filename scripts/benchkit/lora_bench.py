@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .calls import warm_up
 from .lora_files import make_lora_files
 from .settings import NEGATIVE, PROMPT, QWEN_TRUE_CFG, SEED, res_name, say
 
@@ -157,14 +158,7 @@ class LoraBench:
         self.sync()
         t0 = time.perf_counter()
         accelerate_pipeline(self.pipe, **options)
-        report = self.pipe.accel.warmup(
-            [self.wh],
-            prompts=[PROMPT],
-            negative_prompt=NEGATIVE if self.qwen else None,
-            cfg=self.qwen,
-            num_inference_steps=2,
-            progress=False,
-        )
+        report = warm_up(self.pipe, [self.wh], self.qwen, steps=2)
         self.call(self.pipe)  # untimed: captures what the warm-up left, if anything
         self.sync()
         captures, seconds, _ = self.counters()

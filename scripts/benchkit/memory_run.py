@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from .calls import register_recipes
+from .calls import register_recipes, warm_up
 from .environment import collect_env
 from .measure import drop_compiled
 from .rows import failed
-from .settings import NEGATIVE, PROMPT, call_kwargs, parse_resolution, res_name
+from .settings import call_kwargs, parse_resolution, res_name
 from .settings import say_clock as say
 
 MODELS = ("qwen-image", "z-image")
@@ -145,9 +145,7 @@ class MemoryBench:
         _window(self.device)
         t0 = time.perf_counter()
         accelerate_pipeline(self.pipe, **options)
-        report = self.pipe.accel.warmup(
-            self.sizes, prompts=[PROMPT], negative_prompt=NEGATIVE if qwen else None, cfg=qwen, progress=False
-        )
+        report = warm_up(self.pipe, self.sizes, qwen)
         out: dict[str, Any] = {"setup_s": round(time.perf_counter() - t0, 2), "warmup_memory": _memory(self.device)}
         _window(self.device, empty=False)  # the calls' window: what the warm-up left stays
         before = {n: s.eager_calls for n, s in self.pipe.accel.stats().items()}

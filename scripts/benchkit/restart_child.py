@@ -23,7 +23,7 @@ T0 = time.perf_counter()
 
 import torch  # noqa: E402
 
-from .settings import NEGATIVE, PROMPT, SEED, res_name, uses_cfg  # noqa: E402
+from .settings import SEED, res_name, uses_cfg  # noqa: E402
 
 __all__ = ["CACHE_ENV", "cache_counters", "folder_size", "run"]
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from accel import accelerate_pipeline
     from pipelines.builders import build_pipeline
 
-    from .calls import register_recipes
+    from .calls import register_recipes, warm_up
 
     imported_s = time.perf_counter() - T0
     register_recipes()
@@ -75,9 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     accelerate_pipeline(pipe, compile=True, compile_cache_dir=folder)
     cfg = uses_cfg(args.model)
     with torch.no_grad():
-        report = pipe.accel.warmup(
-            args.resolutions, prompts=[PROMPT], negative_prompt=NEGATIVE if cfg else None, cfg=cfg, progress=False
-        )
+        report = warm_up(pipe, args.resolutions, cfg)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     warmup_s = time.perf_counter() - t0

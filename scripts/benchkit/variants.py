@@ -16,11 +16,11 @@ from accel import tree
 from accel.graphs import end_capture_routing
 from accel.hooks import cfg_batch_hook_of
 
-from .calls import accelerate, compiled_blocks, denoiser_name
+from .calls import accelerate, compiled_blocks, denoiser_name, warm_up
 from .measure import MemWatch, free_memory
 from .model_bench import Case, ModelBench
 from .rows import CaseRow, err_text, rnd
-from .settings import NEGATIVE, PROMPT, MiB, res_name, say
+from .settings import MiB, res_name, say
 
 
 def eager(bench: ModelBench, row: CaseRow, case: Case) -> None:
@@ -63,9 +63,7 @@ def accelerated(bench: ModelBench, row: CaseRow, case: Case, *, e2e: bool, **opt
             raise RuntimeError("accelerate_pipeline(compile=True) compiled no block (its warning says why)")
         clock.sync()
         t0 = time.perf_counter()
-        report = accel.warmup(
-            [case.wh], prompts=[PROMPT], negative_prompt=NEGATIVE if bench.cfg else None, cfg=bench.cfg, progress=False
-        )
+        report = warm_up(pipe, [case.wh], bench.cfg)
         clock.sync()
         warmup_s = time.perf_counter() - t0
         if compiled:  # the warm-up times its compiling calls (uncaptured, one per resolution) apart
@@ -83,7 +81,7 @@ def accelerated(bench: ModelBench, row: CaseRow, case: Case, *, e2e: bool, **opt
         if bench.cfg and cfg_batch_hook_of(getattr(pipe, name)) is not None:
             # The pipeline's calls join both guidance branches at batch 2 (accel.hooks.cfg_batch); the
             # step timed here is one branch's forward at batch 1, captured apart, untimed.
-            accel.warmup([case.wh], prompts=[PROMPT], cfg=False, progress=False)
+            warm_up(pipe, [case.wh], cfg=False)
             st0 = accel.stats()[name]
         fn = bench.stock(case)  # pipe.transformer(...) -> diffusers hook -> runner replay
         t = clock.time_steps(fn, bench.args.repeats, bench.args.warmup_calls)
