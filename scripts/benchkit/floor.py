@@ -22,11 +22,12 @@ from typing import Any
 
 from .gemm_shapes import GemmRow
 
-__all__ = ["PEAKS", "floor"]
+__all__ = ["GEMM_KINDS", "PEAKS", "floor", "gemm_floors", "kind_row"]
 
 # TFLOP/s, (low, high) of the measured range, one H200 (NOTES.md 2026-12-01).
 PEAKS: dict[str, tuple[float, float]] = {"fp8": (1160.0, 1340.0), "bf16": (725.0, 777.0)}
-_GEMM_KINDS = {"fp8": "fp8_gemm", "bf16": "gemm"}
+# The profile's kernel kind of the products in each dtype.
+GEMM_KINDS = {"fp8": "fp8_gemm", "bf16": "gemm"}
 
 
 def _ms(tflop: float, rate: float) -> float:
@@ -37,6 +38,17 @@ def _row_ms(row: GemmRow, rate: float, bandwidth: float | None) -> float:
     """One row's floor per step, ms: FLOPs at ``rate`` TFLOP/s or bytes at ``bandwidth`` TB/s."""
     compute = _ms(row.flops * row.calls / 1e12, rate)
     return max(compute, _ms(row.bytes * row.calls / 1e12, bandwidth)) if bandwidth else compute
+
+
+def gemm_floors(
+    rows: list[GemmRow], peaks: dict[str, tuple[float, float]], bandwidth: float | None
+) -> dict[str, tuple[float, float]]:
+    """The products' floor per step, ms, by dtype ("fp8", "bf16"): (every product at the high end of
+    its peak, every one at the low end), each held to its bytes where ``bandwidth`` is given."""
+    return {
+        d: tuple(sum(_row_ms(r, peaks[d][i], bandwidth) for r in rows if r.fp8 == (d == "fp8")) for i in (1, 0))
+        for d in ("fp8", "bf16")
+    }
 
 
 def floor(
@@ -58,14 +70,11 @@ def floor(
         bandwidth: the device memory's TB/s (None: FLOPs alone bound the products).
     """
     tflop = {d: sum(r.flops * r.calls for r in rows if r.fp8 == (d == "fp8")) / 1e12 for d in ("fp8", "bf16")}
-    gemm_ms = {d: kinds.get(_GEMM_KINDS[d], {}).get("ms_per_step", 0.0) for d in ("fp8", "bf16")}
-    at_peak = {
-        d: tuple(sum(_row_ms(r, peaks[d][i], bandwidth) for r in rows if r.fp8 == (d == "fp8")) for i in (1, 0))
-        for d in ("fp8", "bf16")
-    }
+    gemm_ms = {d: kinds.get(GEMM_KINDS[d], {}).get("ms_per_step", 0.0) for d in ("fp8", "bf16")}
+    at_peak = gemm_floors(rows, peaks, bandwidth)
     measured_all = all(r.tflops for r in rows)
     at_shapes = sum(r.flops * r.calls / 1e12 / r.tflops * 1e3 for r in rows if r.tflops) if measured_all else None
-    rest = {k: v.get("ms_per_step", 0.0) for k, v in kinds.items() if k not in _GEMM_KINDS.values()}
+    rest = {k: v.get("ms_per_step", 0.0) for k, v in kinds.items() if k not in GEMM_KINDS.values()}
     rest_ms = sum(rest.values())
     low = at_peak["fp8"][0] + at_peak["bf16"][0] + rest_ms
     high = at_peak["fp8"][1] + at_peak["bf16"][1] + rest_ms
@@ -73,9 +82,9 @@ def floor(
     for d in ("fp8", "bf16"):
         if tflop[d] or gemm_ms[d]:
             floor_ms = at_peak[d][1]  # the low end of the peak: what the device reached, not its best
-            by_kind.append(_kind_row(_GEMM_KINDS[d], gemm_ms[d], floor_ms))
-    by_kind += [_kind_row(k, ms, ms) for k, ms in rest.items() if ms]
-    by_kind.append(_kind_row("idle", idle_ms, 0.0))
+            by_kind.append(kind_row(GEMM_KINDS[d], gemm_ms[d], floor_ms))
+    by_kind += [kind_row(k, ms, ms) for k, ms in rest.items() if ms]
+    by_kind.append(kind_row("idle", idle_ms, 0.0))
     holder = max(by_kind, key=lambda r: r["excess_ms"]) if by_kind else None
     return {
         "peaks_tflops": {d: list(p) for d, p in peaks.items()},
@@ -94,7 +103,8 @@ def floor(
     }
 
 
-def _kind_row(kind: str, measured: float, floor_ms: float) -> dict[str, Any]:
+def kind_row(kind: str, measured: float, floor_ms: float) -> dict[str, Any]:
+    """One kind's row of a floor: its measured time per step, its floor, and the excess (ms)."""
     return {
         "kind": kind,
         "measured_ms": round(measured, 3),

@@ -17,6 +17,25 @@ def _cell(text: str, limit: int = 160) -> str:
     return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
 
 
+def _section(title: str, intro: str, columns: str, align: str) -> list[str]:
+    """A section up to its table's rows: the title, a paragraph saying how to read the table, its head."""
+    return ["", f"## {title}", "", intro, "", columns, align]
+
+
+def _by_kind(f: dict[str, Any]) -> list[str]:
+    """A floor's rows, kind by kind: measured, floor, and what is left above it."""
+    return [
+        f"| {r['kind']} | {r['measured_ms']:.3f} | {r['floor_ms']:.3f} | {r['excess_ms']:.3f} |" for r in f["by_kind"]
+    ]
+
+
+_BY_KIND = ("| kind | measured ms | floor ms | excess ms |", "|---|--:|--:|--:|")
+
+
+def _peaks(f: dict[str, Any]) -> str:
+    return ", ".join(f"{d} {p[0]:g}-{p[1]:g}" for d, p in f["peaks_tflops"].items())
+
+
 def _header(result: dict[str, Any]) -> list[str]:
     env, cfg, setup_ = result["env"], result["config"], result["setup"]
     compiled = "compiled" if setup_["compiled_blocks"] else "not compiled"
@@ -107,14 +126,13 @@ def _top(prof: dict[str, Any], top: int) -> list[str]:
 def _gemms(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
-    L = ["", "## The step's matrix products by shape", ""]
-    L += [
+    L = _section(
+        "The step's matrix products by shape",
         "M rows (tokens x batch), K in, N out; TFLOP/s measured alone (float8: `torch._scaled_mm` rowwise, "
         "fast accumulation, quantization left out; bf16: `F.linear`).",
-        "",
         "| dtype | M | K | N | calls/step | GFLOP/step | TFLOP/s alone | ms/step alone | layers | e.g. |",
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
-    ]
+    )
     for r in rows:
         rate = "-" if r["tflops_alone"] is None else f"{r['tflops_alone']:g}"
         ms = "-" if r["ms_per_step_alone"] is None else f"{r['ms_per_step_alone']:.3f}"
@@ -127,13 +145,10 @@ def _gemms(rows: list[dict[str, Any]]) -> list[str]:
 
 def _floor(name: str, f: dict[str, Any]) -> list[str]:
     lo, hi = f["floor_ms"]
-    peaks = ", ".join(f"{d} {p[0]:g}-{p[1]:g}" for d, p in f["peaks_tflops"].items())
     achieved = ", ".join(f"{d} {v:g}" for d, v in f["achieved_tflops"].items() if v)
-    L = [
-        "",
-        f"## Floor: {name}",
-        "",
-        f"GEMMs at the measured peak ({peaks} TFLOP/s"
+    L = _section(
+        f"Floor: {name}",
+        f"GEMMs at the measured peak ({_peaks(f)} TFLOP/s"
         + (
             f"; or their bytes at the memory's {f['bandwidth_tbs']:g} TB/s where longer"
             if f.get("bandwidth_tbs")
@@ -144,13 +159,9 @@ def _floor(name: str, f: dict[str, Any]) -> list[str]:
         f"{f['ratio'][1]:.2f}x-{f['ratio'][0]:.2f}x the floor"
         + (f"; each shape at its own rate alone: {f['at_shapes_ms']:.2f} ms" if f["at_shapes_ms"] else "")
         + f". Achieved in the step: {achieved or '-'} TFLOP/s.",
-        "",
-        "| kind | measured ms | floor ms | excess ms |",
-        "|---|--:|--:|--:|",
-    ]
-    L += [
-        f"| {r['kind']} | {r['measured_ms']:.3f} | {r['floor_ms']:.3f} | {r['excess_ms']:.3f} |" for r in f["by_kind"]
-    ]
+        *_BY_KIND,
+    )
+    L += _by_kind(f)
     if f["holder"]:
         L += ["", f"What is left is held mostly by **{f['holder']}**."]
     return L
@@ -159,14 +170,13 @@ def _floor(name: str, f: dict[str, Any]) -> list[str]:
 def _attention(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
-    L = ["", "## The step's attention by shape", ""]
-    L += [
+    L = _section(
+        "The step's attention by shape",
         "TFLOP/s measured alone: cuDNN's SDPA, FlashAttention-3 in bf16 and on float8 operands (quantization "
         "left out); - where not measured (no CUDA, no fa3-fwd wheel).",
-        "",
         "| dtype | batch | queries | keys | heads | dim | calls/step | GFLOP/step | SDPA | FA3 | FA3 float8 | layers |",
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
-    ]
+    )
     for r in rows:
         rate = {k: "-" if v is None else f"{v:g}" for k, v in r["tflops_alone"].items()}
         L.append(
@@ -179,26 +189,17 @@ def _attention(rows: list[dict[str, Any]]) -> list[str]:
 
 def _work_floor(name: str, f: dict[str, Any]) -> list[str]:
     lo, hi = f["floor_ms"]
-    peaks = ", ".join(f"{d} {p[0]:g}-{p[1]:g}" for d, p in f["peaks_tflops"].items())
     roof = f"; or their bytes at {f['bandwidth_tbs']:g} TB/s where longer" if f.get("bandwidth_tbs") else ""
     fp8 = len(f["attention_layers_fp8"])
-    L = [
-        "",
-        f"## Floor from the work: {name}",
-        "",
-        f"Products at the measured peak ({peaks} TFLOP/s{roof}), attention at the rate measured alone "
+    return _section(
+        f"Floor from the work: {name}",
+        f"Products at the measured peak ({_peaks(f)} TFLOP/s{roof}), attention at the rate measured alone "
         f"({f['attention_rates']}; {fp8} attention layers in float8), nothing else: **{lo:.2f}-{hi:.2f} ms** per "
         f"step; measured {f['step_ms']:.2f} ms, {f['ratio'][1]:.2f}x-{f['ratio'][0]:.2f}x the floor. With every "
         f"attention call in bf16: {f['floor_all_bf16_attention_ms'][0]:.2f}-{f['floor_all_bf16_attention_ms'][1]:.2f} "
         f"ms; in float8: {f['floor_all_fp8_attention_ms'][0]:.2f}-{f['floor_all_fp8_attention_ms'][1]:.2f} ms.",
-        "",
-        "| kind | measured ms | floor ms | excess ms |",
-        "|---|--:|--:|--:|",
-    ]
-    L += [
-        f"| {r['kind']} | {r['measured_ms']:.3f} | {r['floor_ms']:.3f} | {r['excess_ms']:.3f} |" for r in f["by_kind"]
-    ]
-    return L
+        *_BY_KIND,
+    ) + _by_kind(f)
 
 
 def _outside(out: dict[str, Any]) -> list[str]:

@@ -22,12 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 from .attention_shapes import AttentionRow
-from .floor import PEAKS, _row_ms
+from .floor import GEMM_KINDS, PEAKS, gemm_floors, kind_row
 from .gemm_shapes import GemmRow
 
 __all__ = ["work_floor"]
-
-_GEMM_KINDS = {"fp8": "fp8_gemm", "bf16": "gemm"}
 
 
 def _attention_ms(rows: list[AttentionRow], fp8: bool | None) -> tuple[float, str | None]:
@@ -64,10 +62,7 @@ def work_floor(
         peaks: (low, high) TFLOP/s per dtype of the products.
         bandwidth: the device memory's TB/s (None: FLOPs alone bound the products).
     """
-    gemm = {
-        d: [sum(_row_ms(r, peaks[d][i], bandwidth) for r in gemms if r.fp8 == (d == "fp8")) for i in (1, 0)]
-        for d in ("fp8", "bf16")
-    }
+    gemm = gemm_floors(gemms, peaks, bandwidth)
     gemm_low, gemm_high = (gemm["fp8"][i] + gemm["bf16"][i] for i in (0, 1))
     att_ms, fallback = _attention_ms(attention, None)
     all_bf16, _ = _attention_ms(attention, False)
@@ -75,15 +70,15 @@ def work_floor(
     low, high = gemm_low + att_ms, gemm_high + att_ms
     by_kind = []
     for d in ("fp8", "bf16"):
-        measured = kinds.get(_GEMM_KINDS[d], {}).get("ms_per_step", 0.0)
+        measured = kinds.get(GEMM_KINDS[d], {}).get("ms_per_step", 0.0)
         if measured or gemm[d][1]:
-            by_kind.append(_row(_GEMM_KINDS[d], measured, gemm[d][1]))
-    by_kind.append(_row("attention", kinds.get("attention", {}).get("ms_per_step", 0.0), att_ms))
-    shown = {*_GEMM_KINDS.values(), "attention"}
+            by_kind.append(kind_row(GEMM_KINDS[d], measured, gemm[d][1]))
+    by_kind.append(kind_row("attention", kinds.get("attention", {}).get("ms_per_step", 0.0), att_ms))
+    shown = {*GEMM_KINDS.values(), "attention"}
     by_kind += [
-        _row(k, v.get("ms_per_step", 0.0), 0.0) for k, v in kinds.items() if k not in shown and v.get("ms_per_step")
+        kind_row(k, v.get("ms_per_step", 0.0), 0.0) for k, v in kinds.items() if k not in shown and v.get("ms_per_step")
     ]
-    by_kind.append(_row("idle", idle_ms, 0.0))
+    by_kind.append(kind_row("idle", idle_ms, 0.0))
     return {
         "peaks_tflops": {d: list(p) for d, p in peaks.items()},
         "bandwidth_tbs": None if bandwidth is None else round(bandwidth, 3),
@@ -98,13 +93,4 @@ def work_floor(
         "step_ms": round(step_ms, 3),
         "ratio": [round(step_ms / low, 3) if low else None, round(step_ms / high, 3) if high else None],
         "by_kind": sorted(by_kind, key=lambda r: -r["excess_ms"]),
-    }
-
-
-def _row(kind: str, measured: float, floor_ms: float) -> dict[str, Any]:
-    return {
-        "kind": kind,
-        "measured_ms": round(measured, 3),
-        "floor_ms": round(floor_ms, 3),
-        "excess_ms": round(measured - floor_ms, 3),
     }
