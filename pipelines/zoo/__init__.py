@@ -34,9 +34,8 @@ __getattr__, __dir__, _LAZY = lazy_exports(
         "construct": (
             "absent_components",
             "build",
-            "build_denoiser",
+            "build_component",
             "build_scheduler",
-            "build_vae",
             "parameter_counts",
         ),
         "spec": ("SIZES", "Embedding", "Family", "Geometry"),

@@ -22,7 +22,7 @@ from ..construction import as_dtype, seeded
 from .registry import family
 from .spec import Family, check_size
 
-__all__ = ["absent_components", "build", "build_denoiser", "build_scheduler", "build_vae", "parameter_counts"]
+__all__ = ["absent_components", "build", "build_component", "build_scheduler", "parameter_counts"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,37 +40,27 @@ def _keep_fp32(module: torch.nn.Module, dtype: torch.dtype) -> None:
                 param.data = param.data.to(torch.float32)
 
 
-def _construct(
-    class_name: str, config: dict[str, Any], device: str | torch.device, dtype: torch.dtype, seed: int
+def build_component(
+    name: str,
+    component: str,
+    size: str = "tiny",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    seed: int = 0,
 ) -> torch.nn.Module:
+    """The denoiser (``component`` its pipeline name: ``fam.denoiser``, "transformer" or "unet") or
+    the ``"vae"`` of family ``name`` at ``size`` with random weights (``device="meta"``: no storage)."""
+    fam, dtype = family(name), as_dtype(dtype)
+    if component == fam.denoiser:
+        class_name, config = fam.denoiser_class, fam.denoiser_config(check_size(size))
+    elif component == "vae":
+        class_name, config = fam.vae_class, fam.vae_config(check_size(size))
+    else:
+        raise ValueError(f"the zoo builds {name!r}'s {fam.denoiser!r} and 'vae', not {component!r}")
     cls = getattr(diffusers, class_name)
     module = seeded(lambda: cls(**config), device, dtype, seed)
     _keep_fp32(module, dtype)
     return module
-
-
-def build_denoiser(
-    name: str,
-    size: str = "tiny",
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | str = torch.float32,
-    seed: int = 0,
-) -> torch.nn.Module:
-    """The denoiser of family ``name`` at ``size`` with random weights (``device="meta"``: no storage)."""
-    fam = family(name)
-    return _construct(fam.denoiser_class, fam.denoiser_config(check_size(size)), device, as_dtype(dtype), seed)
-
-
-def build_vae(
-    name: str,
-    size: str = "tiny",
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | str = torch.float32,
-    seed: int = 0,
-) -> torch.nn.Module:
-    """The VAE of family ``name`` at ``size`` with random weights."""
-    fam = family(name)
-    return _construct(fam.vae_class, fam.vae_config(check_size(size)), device, as_dtype(dtype), seed)
 
 
 def build_scheduler(name: str) -> SchedulerMixin:
@@ -105,8 +95,7 @@ def build(
     check_size(size)
     start = time.perf_counter()
     parts: dict[str, Any] = {
-        fam.denoiser: build_denoiser(name, size, device, dtype, seed),
-        "vae": build_vae(name, size, device, dtype, seed),
+        **{c: build_component(name, c, size, device, dtype, seed) for c in (fam.denoiser, "vae")},
         "scheduler": build_scheduler(name),
         **{k: getattr(diffusers, cls)(**kwargs) for k, (cls, kwargs) in fam.components.items()},
         **fam.pipeline_kwargs,
@@ -126,5 +115,5 @@ def parameter_counts(name: str, size: str = "full") -> dict[str, int]:
     """Parameters of the denoiser and the VAE of family ``name`` at ``size``, by component name,
     counted on the ``meta`` device (nothing allocated)."""
     fam = family(name)
-    modules = {fam.denoiser: build_denoiser(name, size, "meta"), "vae": build_vae(name, size, "meta")}
+    modules = {c: build_component(name, c, size, "meta") for c in (fam.denoiser, "vae")}
     return {k: sum(p.numel() for p in m.parameters()) for k, m in modules.items()}

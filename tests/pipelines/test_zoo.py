@@ -120,11 +120,20 @@ def test_call_kwargs_carry_geometry_steps_guidance_and_the_edit_image():
 
 
 def test_half_precision_keeps_the_modules_wan_keeps_in_float32():
-    wan = zoo.build_denoiser("wan", "tiny", device="meta", dtype=torch.bfloat16)
+    wan = zoo.build_component("wan", "transformer", "tiny", device="meta", dtype=torch.bfloat16)
     dtypes = {name: p.dtype for name, p in wan.named_parameters()}
     assert dtypes["condition_embedder.time_embedder.linear_1.weight"] == torch.float32
     assert dtypes["scale_shift_table"] == torch.float32
     assert dtypes["blocks.0.attn1.to_q.weight"] == torch.bfloat16
+
+
+def test_build_component_builds_the_denoiser_and_vae_by_their_pipeline_names_only():
+    sdxl = zoo.family("sdxl")
+    unet = zoo.build_component("sdxl", sdxl.denoiser, "tiny", device="meta")
+    vae = zoo.build_component("sdxl", "vae", "tiny", device="meta")
+    assert type(unet).__name__ == sdxl.denoiser_class and type(vae).__name__ == sdxl.vae_class
+    with pytest.raises(ValueError, match="'unet' and 'vae', not 'transformer'"):
+        zoo.build_component("sdxl", "transformer", "tiny", device="meta")
 
 
 @pytest.fixture(scope="module")
