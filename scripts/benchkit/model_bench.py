@@ -36,19 +36,21 @@ class Case:
 Variant = Callable[["ModelBench", CaseRow, Case], None]
 
 
+@dataclasses.dataclass(eq=False)
 class ModelBench:
-    def __init__(
-        self, pipe: Any, model: str, args: argparse.Namespace, device: torch.device, variants: Mapping[str, Variant]
-    ) -> None:
-        self.pipe = pipe
-        self.model = model
-        self.args = args
-        self.device = device
-        self.variants = variants
-        self.clock = Clock(device)
-        self.cfg = uses_cfg(model)
-        self.activation_mb: dict[tuple[int, int], float] = {}
-        self.calls: dict[tuple[int, int], tuple[tuple, dict]] = {}
+    pipe: Any
+    model: str
+    args: argparse.Namespace
+    device: torch.device
+    variants: Mapping[str, Variant]
+    clock: Clock = dataclasses.field(init=False)
+    cfg: bool = dataclasses.field(init=False)
+    activation_mb: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict, init=False)
+    calls: dict[tuple[int, int], tuple[tuple, dict]] = dataclasses.field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.clock = Clock(self.device)
+        self.cfg = uses_cfg(self.model)
 
     # -- one case ------------------------------------------------------------------------------
     def run_case(self, wh: tuple[int, int]) -> list[CaseRow]:

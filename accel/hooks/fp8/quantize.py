@@ -31,6 +31,7 @@ torchao's tensors into their inner tensors (:mod:`accel.hooks.state.weights`), s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -68,6 +69,7 @@ def _output_tensor(out: Any) -> torch.Tensor:
     return value
 
 
+@dataclasses.dataclass(eq=False)
 class Quantization:
     """What ``quantize=`` does to one pipeline's denoisers.
 
@@ -82,25 +84,17 @@ class Quantization:
         where: the call that was measured (size, batch, steps).
     """
 
-    def __init__(
-        self,
-        value: str | None,
-        quantizer: Quantizer | None,
-        budget: float,
-        roots: dict[str, torch.nn.Module],
-        loaded: dict[str, str],
-    ) -> None:
-        self.value = value
-        self.quantizer = quantizer
-        self.budget = budget
-        self.roots = roots
-        self.loaded = loaded
-        self.selection: Selection | None = None
-        self.where: str | None = None
-        # Float8 attention, where the denoisers' attention has a float8 version (attention="fa3").
-        self.attention: AttentionFloat8 = FlashAttentionFloat8()
-        self._calibrating = False
-        self._said_pending = False
+    value: str | None
+    quantizer: Quantizer | None
+    budget: float
+    roots: dict[str, torch.nn.Module]
+    loaded: dict[str, str]
+    selection: Selection | None = dataclasses.field(default=None, init=False)
+    where: str | None = dataclasses.field(default=None, init=False)
+    # Float8 attention, where the denoisers' attention has a float8 version (attention="fa3").
+    attention: AttentionFloat8 = dataclasses.field(default_factory=FlashAttentionFloat8, init=False)
+    _calibrating: bool = dataclasses.field(default=False, init=False, repr=False)
+    _said_pending: bool = dataclasses.field(default=False, init=False, repr=False)
 
     @property
     def pending(self) -> bool:
