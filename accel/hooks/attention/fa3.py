@@ -26,6 +26,7 @@ lacks: one warning line each, never a wrong result.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -247,31 +248,18 @@ def fa3_attention(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    *,
+    fp8: bool = False,
 ) -> torch.Tensor:
-    """diffusers' attention backend signature: FlashAttention-3 in bf16 (see the module docstring)."""
+    """diffusers' attention backend signature: FlashAttention-3 in bf16, or with ``fp8`` on float8
+    queries, keys and values with per-head scales, keys smoothed (see the module docstring); bf16 out."""
     why, key_c, value_c, used = _prepare(query, key, value, attn_mask, scale, is_causal, _DTYPES)
     if why is not None:
         return _fallback(
             why, _native(), query=query, key=key, value=value, attn_mask=attn_mask, scale=scale, is_causal=is_causal
         )
-    return _call(query, key_c, value_c, used, scale, is_causal)
-
-
-def fa3_fp8_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    is_causal: bool = False,
-) -> torch.Tensor:
-    """diffusers' attention backend signature: FlashAttention-3 on float8 queries, keys and
-    values with per-head scales, keys smoothed (see the module docstring); bf16 out."""
-    why, key_c, value_c, used = _prepare(query, key, value, attn_mask, scale, is_causal, _DTYPES)
-    if why is not None:
-        return _fallback(
-            why, _native(), query=query, key=key, value=value, attn_mask=attn_mask, scale=scale, is_causal=is_causal
-        )
+    if not fp8:
+        return _call(query, key_c, value_c, used, scale, is_causal)
     q8, q_scale = quantize_heads(query)
     k8, k_scale = quantize_heads(key_c, smooth=True)
     v8, v_scale = quantize_heads(value_c)
@@ -284,3 +272,7 @@ def fa3_fp8_attention(
         q_scale = q_scale_k
     out = _call(q8, k8, v8, used, scale, is_causal, (q_scale, k_scale, v_scale))
     return out.to(query.dtype)
+
+
+# The float8 backend: diffusers calls a backend with the attention's own arguments only.
+fa3_fp8_attention: Callable[..., torch.Tensor] = functools.partial(fa3_attention, fp8=True)
