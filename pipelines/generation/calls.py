@@ -337,10 +337,15 @@ def _layers(pipe: Any, stacks: Any, job: Job, output_type: str | None, non_finit
 
 
 def graph_replays(pipe: Any) -> int | None:
-    """Replays of the denoisers' graphs so far, or None where the accelerator does not tell."""
+    """Replays of the denoisers' graphs so far, or None where the accelerator does not tell.
+
+    The denoisers only (``accel.recipes``' components): a text encoder or decoder that replayed
+    while the denoiser ran eagerly must not make the call read as ``bcg``."""
     try:
-        return sum(s.replays for s in pipe.accel.stats(memory=False).values())
-    except Exception:  # an accel without stats(): what ran is then what was asked
+        accel = pipe.accel
+        stats = accel.stats(memory=False)
+        return sum(stats[name].replays for name in accel.recipes if name in stats)
+    except Exception:  # an accel without stats() or recipes: what ran is then what was asked
         return None
 
 

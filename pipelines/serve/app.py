@@ -97,7 +97,7 @@ def _answer(request: ImageRequest, images: list[EncodedImage]) -> Response:
         data.append(item)
     headers = _headers(request, images[0].tokens if images else None)
     body = {"created": int(time.time()), "data": data, "output_format": request.output_format,
-            "size": f"{request.width}x{request.height}"}  # fmt: skip
+            "size": next((g.size for g in images if g.size), f"{request.width}x{request.height}")}  # fmt: skip
     content = _json_body(body, [g.b64 for g in images])
     return Response(content, media_type="application/json", headers=headers)
 

@@ -54,13 +54,15 @@ _EDITS = itertools.count(1)  # each edit request's number: its batch key is its 
 class EncodedImage:
     """One image as the response carries it: its file in the format asked for, base64-encoded
     (ASCII bytes: the route writes them into the answer as they are), the seed it was made with,
-    its prompt's tokens as the text encoder read them (None: not counted), and which layer of its
-    image it is (a layered model's; None: the image itself)."""
+    its prompt's tokens as the text encoder read them (None: not counted), which layer of its
+    image it is (a layered model's; None: the image itself), and its size as made ("WxH"; a
+    pipeline that picks its own size from an input image may differ from the request's)."""
 
     b64: bytes
     seed: int
     tokens: TokenCount | None = None
     layer: int | None = None
+    size: str | None = None
 
     @property
     def b64_json(self) -> str:
@@ -86,7 +88,7 @@ class RenderedImage:
 
     def encode(self) -> EncodedImage:
         data = encode(self.image, self.text, self.output_format, self.output_compression)
-        return EncodedImage(base64.b64encode(data), self.seed, self.tokens)
+        return EncodedImage(base64.b64encode(data), self.seed, self.tokens, size=_size(self.image))
 
     def files(self) -> list[EncodedImage]:
         """The answer's files of this image: the image, or each of its layers in order, each
@@ -97,8 +99,14 @@ class RenderedImage:
         for k, layer in enumerate(self.layers):
             text = {**self.text, "layer": str(k), "layers": str(len(self.layers))}
             data = encode(layer, text, self.output_format, self.output_compression)
-            out.append(EncodedImage(base64.b64encode(data), self.seed, self.tokens, k))
+            out.append(EncodedImage(base64.b64encode(data), self.seed, self.tokens, k, _size(layer)))
         return out
+
+
+def _size(image: Any) -> str | None:
+    """A PIL image's "WxH" (None for anything without a PIL size)."""
+    size = getattr(image, "size", None)
+    return f"{size[0]}x{size[1]}" if isinstance(size, tuple) and len(size) == 2 else None
 
 
 def bucket_for(images: int, batch_sizes: Sequence[int] | None) -> int:

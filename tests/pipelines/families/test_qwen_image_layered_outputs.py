@@ -122,6 +122,7 @@ def test_bcg_serve_answers_every_layer_of_every_image(server, monkeypatch: pytes
         r = server.client.post("/v1/images/edits", data=form, files={"image": ("in.png", _png(_input()), "image/png")})
         assert r.status_code == 200, r.text
         data = r.json()["data"]
+        assert r.json()["size"] == "96x64"  # what the pipeline made from the 64x48 input, not the request's
         assert [(d["seed"], d["layer"]) for d in data] == [(SEED + i, k) for i in range(N) for k in range(LAYERS)]
         for d, pixels in zip(data, want, strict=True):
             image = _read(base64.b64decode(d["b64_json"]))

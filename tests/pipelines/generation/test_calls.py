@@ -121,3 +121,31 @@ def test_layered_stacks_are_cut_again_per_image_and_checked(output_type: str) ->
     nan = poisoned if output_type == "pt" else poisoned.permute(0, 2, 3, 1).numpy()
     with pytest.raises(RunError, match="NaN or infinite pixels"):
         call([nan[:4], nan[4:]])
+
+
+def test_a_call_reads_bcg_only_where_a_denoiser_replayed() -> None:
+    """The record's mode follows the denoisers: a text encoder's replay beside an eager denoiser
+    is an eager call, a denoiser's replay a ``bcg`` one, and an accel that cannot tell keeps what
+    was asked."""
+    from types import SimpleNamespace
+
+    from pipelines.generation.calls import graph_replays, mode_ran
+
+    counts = {"transformer": 0, "text_encoder": 0}
+
+    class Accel:
+        def __init__(self) -> None:
+            self.recipes = {"transformer": object()}
+
+        def stats(self, memory: bool = True) -> dict[str, Any]:
+            return {name: SimpleNamespace(replays=n) for name, n in counts.items()}
+
+    pipe = SimpleNamespace(accel=Accel())
+    before = graph_replays(pipe)
+    counts["text_encoder"] += 2
+    assert mode_ran(pipe, "bcg", before) == "eager"
+    before = graph_replays(pipe)
+    counts["transformer"] += 1
+    assert mode_ran(pipe, "bcg", before) == "bcg"
+    assert mode_ran(pipe, "eager", before) == "eager"
+    assert mode_ran(SimpleNamespace(), "bcg", graph_replays(SimpleNamespace())) == "bcg"
