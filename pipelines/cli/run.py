@@ -29,7 +29,7 @@ from ..generation.image_input import read_inputs
 from ..generation.model_flags import model_settings
 from ..generation.prepare import Workload, check_model, prepare_pipeline, resolve_device_and_dtype, warn_unused_warmup
 from ..generation.prompts import TruncationWarnings
-from ..generation.record import image_texts
+from ..generation.record import image_texts, record_size_made
 from ..generation.steps import StepWatch
 from .arguments import PROG, build_parser
 from .files import layer_files, save_image, sweep_stale_parts
@@ -220,7 +220,9 @@ def _run(args: argparse.Namespace) -> int:
                 raise RunError(f"{type(prepared.pipe).__name__} returned images, not a video's frames: "
                                "write them with --out x.png or a folder of PNGs")  # fmt: skip
             items = result.videos if every_frame and result.videos is not None else result.images
-            _record_size(items[0] if not every_frame else items[0][0], job, texts)
+            if made_size := record_size_made(items[0] if not every_frame else items[0][0], job, texts):
+                logger.warning("the pipeline made %dx%d images where %dx%d was asked (its own rule); the files "
+                               "record the size made", *made_size, job.width, job.height)  # fmt: skip
             stacks = result.layers or [None] * len(items)
             for item, stack, text, name, seed in zip(items, stacks, texts, file_names(job, _suffix(media, files)),
                                                      job.seeds):  # fmt: skip
@@ -279,19 +281,6 @@ def _run(args: argparse.Namespace) -> int:
 def _suffix(media: VideoOutput | None, files: ImageOutput) -> str:
     """The suffix of the run's files: the video container's (or the first frame's file), else the images' format's."""
     return media.suffix if media is not None else files.suffix
-
-
-def _record_size(image: Any, job: Any, texts: list[dict[str, str]]) -> None:
-    """The record's size made true where the pipeline made another than asked (one that rounds
-    or scales it by its own rule), with a warning."""
-    made = tuple(image.size)
-    if made == (job.width, job.height):
-        return
-    logger.warning("%s made %dx%d images where %dx%d was asked (its own rule); the files record the size made",
-                   "the pipeline", *made, job.width, job.height)  # fmt: skip
-    for text in texts:
-        text["resolution"] = f"{made[0]}x{made[1]}"
-        text["parameters"] = text["parameters"].replace(f"Size: {job.width}x{job.height}", f"Size: {made[0]}x{made[1]}")
 
 
 def _say_first_frame(single: Path | None) -> None:

@@ -76,6 +76,19 @@ def image_texts(job: Job, common: Mapping[str, str], mode: str, requested_mode: 
     return texts
 
 
+def record_size_made(image: Any, job: Job, texts: list[dict[str, str]]) -> tuple[int, int] | None:
+    """The records of ``job``'s images made true where the pipeline made another size than asked
+    (one that rounds or scales it by its own rule, or takes it from an input image): the size
+    made, or None where it is the one asked."""
+    made = tuple(image.size)
+    if made == (job.width, job.height):
+        return None
+    for text in texts:
+        text["resolution"] = f"{made[0]}x{made[1]}"
+        text["parameters"] = text["parameters"].replace(f"Size: {job.width}x{job.height}", f"Size: {made[0]}x{made[1]}")
+    return made[0], made[1]
+
+
 def parameters(text: Mapping[str, str]) -> str:
     """An image's record as AUTOMATIC1111's web UI writes its ``parameters`` text, which image
     browsers and other UIs read: the prompt, ``Negative prompt: ...``, then ``Key: value`` pairs."""

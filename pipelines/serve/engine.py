@@ -34,7 +34,7 @@ from pipelines.generation import CallSettings, Job, PreparedPipeline, RunError, 
 from pipelines.generation.calls import nan_hint
 from pipelines.generation.image_input import EDIT, ImageInput, fitted, flatten, mask_from
 from pipelines.generation.prompts import TokenCount, count_tokens
-from pipelines.generation.record import image_texts, quantized
+from pipelines.generation.record import image_texts, quantized, record_size_made
 from pipelines.lora import LoraSpec, activate
 
 from .admission import OutOfMemory
@@ -371,6 +371,8 @@ class Engine:
                           quantized(self.pipe), p.scheduler_name)  # fmt: skip
         tokens = self._tokens(plan)
         texts = image_texts(job, common, ran, p.settings.mode, tokens)
+        if images:  # a pipeline that picks its own size (Layered: from the input image) records it
+            record_size_made(images[0], job, texts)
         fmt, compression = r.output_format, r.output_compression
         stacks = layers if layers is not None else [None] * len(images)
         return [

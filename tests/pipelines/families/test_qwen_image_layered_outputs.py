@@ -128,6 +128,7 @@ def test_bcg_serve_answers_every_layer_of_every_image(server, monkeypatch: pytes
             image = _read(base64.b64decode(d["b64_json"]))
             assert image.mode == "RGBA" and np.array_equal(np.asarray(image), pixels), (attempt, d["seed"], d["layer"])
             assert image.text["layer"] == str(d["layer"]) and image.text["layers"] == str(LAYERS)
+            assert image.text["resolution"] == "96x64" and "Size: 96x64" in image.text["parameters"]
         after = server.metrics()
         assert after["bcg_serve_images_total"] - before["bcg_serve_images_total"] == N  # images; layers are files
     replay, eager = (f'bcg_serve_denoiser_calls_total{{kind="{k}"}}' for k in ("replay", "eager"))
