@@ -79,9 +79,9 @@ def image_texts(job: Job, common: Mapping[str, str], mode: str, requested_mode: 
 def record_size_made(image: Any, job: Job, texts: list[dict[str, str]]) -> tuple[int, int] | None:
     """The records of ``job``'s images made true where the pipeline made another size than asked
     (one that rounds or scales it by its own rule, or takes it from an input image): the size
-    made, or None where it is the one asked."""
-    made = tuple(image.size)
-    if made == (job.width, job.height):
+    made, or None where it is the one asked or ``image`` has no PIL size."""
+    made = getattr(image, "size", None)
+    if not isinstance(made, tuple) or len(made) != 2 or made == (job.width, job.height):
         return None
     for text in texts:
         text["resolution"] = f"{made[0]}x{made[1]}"
