@@ -154,7 +154,9 @@ def replica_series(name: str) -> dict[str, float]:
 
 
 def test_two_replicas_answer_a_burst_and_lose_nothing_when_one_is_killed(deployed: Any) -> None:
-    client = deployed("--min-replicas", "2", "--queue", "16")
+    # Room for the whole burst at one replica: while the killed one's requests are sent again, the
+    # survivor holds them all (admission is tested below, with a queue of 2).
+    client = deployed("--min-replicas", "2", "--queue", "32")
     assert running() == 2
     answers = burst(client, 24)
     assert [r.status_code for r in answers] == [200] * 24, [r.text for r in answers if r.status_code != 200]
