@@ -16,8 +16,9 @@ had merged the modulation's product and shift into one rounding: 4% of the value
 run in another order than ATen's LayerNorm, so a few values land one float8 step away
 (tests/cuda/test_fused_quant.py bounds how far and how often; on the CPU
 tests/hooks/fp8/test_norm_quant_kernel.py reads its PTX for sm_90 and runs it under Triton's
-interpreter). Used by a recipe's compiled form only, opted in and unverified on a GPU until that
-CUDA test passes (Qwen-Image: ``QwenImageRecipe.fused_norm_fp8``,
+interpreter; the CUDA test passes on an H100, samples/gpu-run-2026-12-06f/). Used by a recipe's
+compiled form only, opted in until its speed in a full step is measured (Qwen-Image:
+``QwenImageRecipe.fused_norm_fp8``,
 ``pipelines/families/qwen_image/fused_norms.py``), under ``compile=True``, whose rule is graphs
 equal to the same compiled model without graphs.
 """

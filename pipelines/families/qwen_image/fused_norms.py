@@ -1,7 +1,7 @@
 """Qwen-Image's second modulated LayerNorm written straight into its feed-forward's float8 input (``compile=True``, opted in).
 
-Off unless ``QwenImageRecipe.fused_norm_fp8`` is set: unverified on a GPU (its kernel failed
-tests/cuda/test_fused_quant.py on an H100 and was fixed on the CPU since; see
+Off unless ``QwenImageRecipe.fused_norm_fp8`` is set: its kernel passes
+tests/cuda/test_fused_quant.py on an H100, but its gain in a full step is not measured yet (see
 :mod:`accel.hooks.fp8.norm_quant`).
 
 In each block the image stream's ``img_norm2`` (LayerNorm, no affine), ``_modulate`` (``norm *

@@ -126,12 +126,12 @@ class QwenImageRecipe(Recipe):
     # inside it) measured faster than torchao's here. Z-Image keeps torchao's: there inductor fuses
     # the quantization into the SiLU-gated product and the RMS norm (both: docs/benchmarks.md).
     fp8_layers = "scaled-mm"
-    # Unverified on a GPU, so off: with compile=True and the library's float8 layers, the second
-    # modulated LayerNorm writing its feed-forward's float8 input in one Triton pass
-    # (fused_norms.py). Its kernel failed its tolerance on an H100 (samples/gpu-run-2026-12-06e/
-    # 9-kern.log: the modulation's product and shift contracted into one rounding, since launched
-    # without contraction); on only once tests/cuda/test_fused_quant.py passes on a GPU. Set it on
-    # the class (``QwenImageRecipe.fused_norm_fp8 = True``) before accelerate_pipeline to try it.
+    # Off until its gain in a full step is measured: with compile=True and the library's float8
+    # layers, the second modulated LayerNorm writing its feed-forward's float8 input in one Triton
+    # pass (fused_norms.py). Its kernel failed its tolerance on an H100 once (the modulation's
+    # product and shift contracted into one rounding); launched without contraction, it passes
+    # tests/cuda/test_fused_quant.py there (samples/gpu-run-2026-12-06f/). Set it on the class
+    # (``QwenImageRecipe.fused_norm_fp8 = True``) before accelerate_pipeline to try it.
     fused_norm_fp8 = False
 
     pads_text = True
