@@ -46,8 +46,9 @@ class CallSettings:
     neither); ``takes_max_area``: it also takes ``max_area``, to which it would scale them (FLUX.1
     Kontext's 1024x1024): set to the size asked, so that the size made is the size asked.
     ``layered``: the call takes ``layers`` and makes each image as that many RGBA layers (Qwen-Image
-    Layered): a front end writes or answers every layer, never one alone. ``notes``: the flags given that the pipeline does not use, each a line for the user who gave
-    them (a front end that plans a call per request, whose records say what ran, can pass them by).
+    Layered): a front end writes or answers every layer, never one alone. ``notes``: the flags
+    given that the pipeline does not use, each a line for the user who gave them (a front end that
+    plans a call per request, whose records say what ran, can pass them by).
     """
 
     steps: int
@@ -218,8 +219,8 @@ def generate_frames(pipe: Any, kwargs: dict[str, Any], job: Job, hint: str, cach
                     watch: StepWatch | None = None) -> Pixels:  # fmt: skip
     """One pipeline call -> its PIL images (:class:`Pixels`): for a video pipeline (output
     ``frames``, not ``images``) every frame of each video too, and for a layered pipeline (its
-    output a stack of layers per image, Qwen-Image Layered's) every layer of each image. RunError for out-of-memory or non-finite pixels; every frame is checked, since
-    a NaN anywhere says the call went wrong. ``cache``: the step cache applied (its description),
+    output a stack of layers per image, Qwen-Image Layered's) every layer of each image. RunError
+    for out-of-memory or non-finite pixels; every frame is checked, since a NaN anywhere says the call went wrong. ``cache``: the step cache applied (its description),
     if any: a cache hook that fails inside the call is told in one line with the cache named,
     since it, not the pipeline, is the suspect. ``watch``: sees every step's end where the
     pipeline takes ``callback_on_step_end`` (:class:`~pipelines.generation.steps.StepWatch`); a call it
