@@ -38,6 +38,8 @@ image_input which pipeline takes an input image (the model's own, or diffusers' 
 steps       ``StepWatch``: each denoising step's end (progress, a call stopped at a step boundary)
 calls       :class:`Job` and ``call_settings``: a call's settings against the model's defaults;
             one pipeline call to images, and the mode it ran in
+components  the parts swapped in before acceleration: ``--scheduler``, ``--transformer`` (a
+            single-file denoiser), ``--lora``
 prepare     ``prepare_pipeline`` and ``load_pipeline``: checked, built, limits, step cache,
             accelerated, warmed up; :class:`PreparedPipeline` and its ``generate``
 record      the text each image carries (A1111's ``parameters`` too)
