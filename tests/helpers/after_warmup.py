@@ -2,8 +2,9 @@
 no eager denoiser call and no miss; the text encoder captured once per signature".
 
 ``as_on_cuda(monkeypatch)`` runs accelerated pipelines on the CPU as on a GPU: emulated graphs
-(tests/helpers/emulator.py) that also refuse pageable host-to-device copies, and the recipes'
-call normalisation (``prepare``, which runs only for modules on CUDA) switched on.
+(tests/helpers/emulator.py) that also refuse pageable host-to-device copies (unless
+``host_copies=False``), and the recipes' call normalisation (``prepare``, which runs only for
+modules on CUDA) switched on. ``tiny(name)``: a tiny built-in pipeline without its progress bar.
 """
 
 from __future__ import annotations
@@ -18,14 +19,23 @@ import accel.hooks.graph_hook as graph_hook
 import accel.hooks.report as report
 from tests.helpers.emulator import emulate_pipelines
 
-__all__ = ["Counts", "as_on_cuda", "counts"]
+__all__ = ["Counts", "as_on_cuda", "counts", "tiny"]
 
 
-def as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def as_on_cuda(monkeypatch: pytest.MonkeyPatch, host_copies: bool = True) -> None:
     """Emulated graphs that refuse pageable copies, and recipes that normalise calls as on CUDA."""
-    emulate_pipelines(monkeypatch, host_copies=True)
+    emulate_pipelines(monkeypatch, host_copies=host_copies)
     monkeypatch.setattr(graph_hook, "module_device", lambda m: torch.device("cuda"))
     monkeypatch.setattr(report, "module_device", lambda m: torch.device("cuda"))
+
+
+def tiny(name: str) -> Any:
+    """The tiny built-in pipeline ``name``, its progress bar off."""
+    from pipelines.builders import build_pipeline
+
+    pipe = build_pipeline(name, "tiny")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,13 +17,12 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _Attention
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
 
 from accel import accelerate_pipeline
-from accel.hooks import graph_hook, report
 from accel.hooks.recipes import padding_gate
 from accel.hooks.recipes.mask_backends import backend_refusal, backends_in_use
 from accel.hooks.recipes.padding_gate import processors_dropping, refusal
 from pipelines.builders import build_pipeline, build_transformer
 from pipelines.families.qwen_image.recipe import QwenImageRecipe
-from tests.helpers.emulator import emulate_pipelines
+from tests.helpers.after_warmup import as_on_cuda, tiny
 from tests.helpers.generate import generate
 
 MASK = "encoder_hidden_states_mask"
@@ -72,12 +71,10 @@ def test_ulysses_padding_is_refused_in_one_line_while_a_processor_drops_the_mask
 
 @pytest.fixture
 def padded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    emulate_pipelines(monkeypatch)
+    as_on_cuda(monkeypatch, host_copies=False)
     # set_attention_backend sets diffusers' process-wide backend too: given back after the test.
     monkeypatch.setattr(_AttentionBackendRegistry, "_active_backend", _AttentionBackendRegistry._active_backend)
     # The recipe pads only where graphs run on CUDA: here, as there.
-    monkeypatch.setattr(graph_hook, "module_device", lambda m: torch.device("cuda"))
-    monkeypatch.setattr(report, "module_device", lambda m: torch.device("cuda"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -85,9 +82,7 @@ def padded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _pipe() -> Any:
-    pipe = build_pipeline("qwen-image", "tiny")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return tiny("qwen-image")
 
 
 def _call(pipe: Any, prompt: str = "a lighthouse in a storm") -> torch.Tensor:

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from accel import accelerate_pipeline
-from accel.hooks import graph_hook, report
 from accel.hooks.cfg_batch import apply_cfg_batch, remove_cfg_batch
-from pipelines.builders import build_pipeline, build_transformer
+from pipelines.builders import build_transformer
 from pipelines.families.qwen_image import modulation, recipe
 from pipelines.families.qwen_image.modulation import COMPUTE, REUSE, ModulationOnce
-from tests.helpers.emulator import emulate_pipelines
+from tests.helpers.after_warmup import as_on_cuda, tiny
 from tests.helpers.generate import generate
 
 STEPS = 3
@@ -25,10 +24,8 @@ STEPS = 3
 
 @pytest.fixture
 def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    emulate_pipelines(monkeypatch)
+    as_on_cuda(monkeypatch, host_copies=False)
     # The recipe routes calls only where graphs run on CUDA: here, as there.
-    monkeypatch.setattr(graph_hook, "module_device", lambda m: torch.device("cuda"))
-    monkeypatch.setattr(report, "module_device", lambda m: torch.device("cuda"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -36,9 +33,7 @@ def graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _pipe() -> Any:
-    pipe = build_pipeline("qwen-image", "tiny")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return tiny("qwen-image")
 
 
 def _call(pipe: Any, prompt: str = "a red fox in the snow", steps: int = STEPS) -> torch.Tensor:
