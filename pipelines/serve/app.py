@@ -38,7 +38,7 @@ from .errors import ServeError, error_body
 from .metrics import CONTENT_TYPE
 from .schema import ImageRequest, parse_request
 from .service import Service
-from .streaming import MEDIA_TYPE, ImageStream
+from .streaming import MEDIA_TYPE
 
 __all__ = ["create_app"]
 
@@ -150,7 +150,7 @@ def create_app(service: Service) -> FastAPI:
             checked = await parse(request)
             access.update(model=service.served.model, size=f"{checked.width}x{checked.height}", n=checked.n)
             if checked.stream:  # queued now (so its errors are JSON answers), then answered as events
-                stream = ImageStream(service, checked, arrived, access)
+                stream = await service.stream(checked, request.receive, arrived, access)
                 m.requests.labels("200").inc()
                 return StreamingResponse(stream.events(), media_type=MEDIA_TYPE, headers=_headers(checked, None))
             images = await service.generate(checked, request.receive, arrived, access)

@@ -33,6 +33,7 @@ from .engine import EncodedImage, RenderedImage
 from .errors import ServeError, one_line
 from .metrics import Metrics
 from .schema import ImageRequest, Served
+from .streaming import ImageStream
 from .worker import BatchFailed, DeviceWorker
 
 __all__ = ["Service", "encode_timed"]
@@ -174,6 +175,13 @@ class Service:
             raise ServeError(499, "the client closed the connection", code="client_closed")
         raise ServeError(504, f"not done within --timeout {self.timeout:g} s; the request was dropped",
                          code="timeout")  # fmt: skip
+
+    async def stream(self, request: ImageRequest, receive: Receive, arrived: float,
+                     access: dict[str, Any] | None = None) -> ImageStream:  # fmt: skip
+        """``request`` queued, to be answered as its events (:class:`~.streaming.ImageStream`);
+        ServeError where it cannot be (400, 429, 503). ``receive`` is unread here: the answer's
+        own iteration sees its client leave."""
+        return ImageStream(self, request, arrived, access)
 
     def submit(self, request: ImageRequest, arrived: float, access: dict[str, Any] | None = None,
                partial: Callable[[int, Any], None] | None = None) -> Work:  # fmt: skip

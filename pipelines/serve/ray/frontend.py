@@ -13,6 +13,9 @@ own answer (429, 504 ...). What is not the request's fault is dealt with here:
   ``--retries`` times, within the request's ``--timeout``; a request is never lost silently;
 * no replica yet (all still warming up): it waits in the handle's queue, as Ray does.
 
+A request with ``stream`` (``--batching continuous``) goes through Ray Serve's streaming handle:
+its replica makes bcg-serve's events and the frontend sends them on as they come (:mod:`.streams`).
+
 ``/ready`` is 200 once a replica has answered (the frontend learns the sizes warmed up and the
 model's defaults from it); ``/metrics`` is the frontend's own registry (requests by status,
 seconds to answer). The replicas' metrics are Ray's (:mod:`.mirror`). Each answer names the
@@ -29,10 +32,13 @@ import math
 import time
 import types
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..access import fields_of
 from ..errors import ServeError
+
+if TYPE_CHECKING:
+    from .streams import RemoteStream
 
 __all__ = ["RemoteService", "ReplicaHeaders", "frontend_class"]
 
@@ -43,8 +49,8 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 class RemoteService:
     """What :func:`~pipelines.serve.app.create_app` asks of a service (``phase``, ``served``,
-    ``metrics``, ``engine``, ``started``, ``busy``, ``generate``), answered by Generator replicas
-    through ``handle``."""
+    ``metrics``, ``engine``, ``started``, ``busy``, ``generate``, ``stream``), answered by Generator
+    replicas through ``handle``."""
 
     def __init__(self, handle: Any, config: Any, retries: int) -> None:
         from ..metrics import Metrics
@@ -56,7 +62,8 @@ class RemoteService:
         names = config.names or (config.settings.model,)
         self.served = Served(model=names[0], aliases=names[1:], sizes=config.resolutions, max_n=config.max_batch,
                              loras=tuple(s.name or "" for s in config.settings.loras),
-                             batch_sizes=config.batch_sizes, max_steps=config.max_steps)  # fmt: skip
+                             batch_sizes=config.batch_sizes, max_steps=config.max_steps,
+                             stream=config.batching == "continuous")  # fmt: skip
         self.metrics = Metrics(config.max_batch, lambda: 0, config.batch_sizes)
         self.phase = "starting"
         self.engine: Any = None
@@ -97,6 +104,40 @@ class RemoteService:
                        access: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip
         """``request``'s images from a replica, or :class:`ServeError`, as
         :meth:`pipelines.serve.service.Service.generate` answers."""
+        handle = self._handle(request, stream=False)
+        _, result = await self._send(lambda elapsed: handle.generate.remote(request, elapsed), _result, receive,
+                                     arrived, access)  # fmt: skip
+        return self._answered(result, access)
+
+    async def stream(self, request: Any, receive: Receive, arrived: float,
+                     access: dict[str, Any] | None = None) -> RemoteStream:  # fmt: skip
+        """``request`` queued at a replica, to be answered as its events (:class:`.streams.RemoteStream`),
+        or :class:`ServeError` where it cannot be, as :meth:`pipelines.serve.service.Service.stream`."""
+        from .streams import RemoteStream
+
+        handle = self._handle(request, stream=True)
+
+        async def send(receive: Receive = _never) -> Any:
+            response, head = await self._send(lambda elapsed: handle.generate_stream.remote(request, elapsed),
+                                              _head, receive, arrived, access)  # fmt: skip
+            self._took(head, access)
+            return response
+
+        return RemoteStream(self, await send(receive), send, arrived, access)
+
+    def _handle(self, request: Any, stream: bool) -> Any:
+        """The Generator's handle for ``request``: its adapter, if it names one, as Ray's multiplexed
+        model id (to a replica that holds it)."""
+        options: dict[str, Any] = {"stream": True} if stream else {}
+        if request.lora is not None:
+            options["multiplexed_model_id"] = request.lora
+        return self.handle.options(**options) if options else self.handle
+
+    async def _send(self, call: Callable[[float], Any], first: Callable[[Any], Awaitable[Any]], receive: Receive,
+                    arrived: float, access: dict[str, Any] | None) -> tuple[Any, Any]:  # fmt: skip
+        """``call(elapsed)``'s response and ``first(response)`` (its result, or a stream's head), sent
+        again to another replica where one dies under it, within ``--timeout``; ServeError for a
+        client that left (499), every replica full (429) or no answer in time (504)."""
         from ray.exceptions import ActorUnavailableError, RayActorError
         from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 
@@ -105,17 +146,22 @@ class RemoteService:
         if self.phase != "ready":
             raise ServeError(503, "the server is warming up (GET /ready says when it is done)", code="warming_up",
                              headers={"Retry-After": "5"})  # fmt: skip
-        handle = self.handle if request.lora is None else self.handle.options(multiplexed_model_id=request.lora)
         gone = asyncio.ensure_future(_disconnected(receive))
         try:
             for attempt in range(self.retries + 1):
                 left = self.config.timeout - (time.monotonic() - arrived)
                 if left <= 0:
                     break
-                response = handle.generate.remote(request, time.monotonic() - arrived)
-                answer = asyncio.ensure_future(_result(response))
+                response = call(time.monotonic() - arrived)
+                answer = asyncio.ensure_future(first(response))
                 # The replica answers its own timeout (504); this one is for a replica that cannot.
-                done, _ = await asyncio.wait({answer, gone}, timeout=left + 5, return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    done, _ = await asyncio.wait({answer, gone}, timeout=left + 5,
+                                                 return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                except asyncio.CancelledError:  # the route itself was cancelled (its client left)
+                    response.cancel()
+                    answer.cancel()
+                    raise
                 if answer not in done:
                     response.cancel()
                     answer.cancel()
@@ -132,34 +178,54 @@ class RemoteService:
                     continue
                 if access is not None and attempt:
                     access["tries"] = attempt + 1
-                return self._answered(result, access)
+                return response, result
         finally:
             gone.cancel()
         raise ServeError(504, f"not done within --timeout {self.config.timeout:g} s (its replica was lost "
                          f"{self.retries + 1} time(s) or did not answer)", code="timeout")  # fmt: skip
 
-    def _answered(self, result: dict[str, Any], access: dict[str, Any] | None) -> list[Any]:
+    def _took(self, result: dict[str, Any], access: dict[str, Any] | None) -> None:
+        """The replica that took a request, in ``access``; its error raised as :class:`ServeError`."""
         replica = result["replica"]
         self.replicas.add(replica)
         if access is not None:
             access["replica"] = replica
             access["adapter_loads"] = result.get("adapter_loads")
+            if result.get("steps") is not None:
+                access["steps"] = result["steps"]
         if "error" in result:
             status, message, param, code, headers = result["error"]
             raise ServeError(status, message, param=param, code=code, headers=headers)
+
+    def _answered(self, result: dict[str, Any], access: dict[str, Any] | None) -> list[Any]:
+        self._took(result, access)
         if access is not None:
-            access["steps"] = result.get("steps")
             times = result.get("times")
             if times is not None:
-                queued, device, encode = times
-                # What the access line reads of a request's work, as the replica measured it.
-                access["work"] = types.SimpleNamespace(arrived=1.0, taken=1.0 + queued, device_seconds=device,
-                                                       encode_seconds=encode)  # fmt: skip
+                access["work"] = work_of(times)
         return result["images"]
+
+
+def work_of(times: tuple[float, float, float], bucket: int | None = None) -> Any:
+    """What the access line reads of a request's work (:class:`~pipelines.serve.batcher.Work`), as its
+    replica measured it: seconds queued, on the device and encoding."""
+    queued, device, encode = times
+    return types.SimpleNamespace(arrived=1.0, taken=1.0 + queued, device_seconds=device, encode_seconds=encode,
+                                 bucket=bucket)  # fmt: skip
 
 
 async def _result(response: Any) -> Any:
     return await response
+
+
+async def _head(response: Any) -> Any:
+    return await response.__anext__()
+
+
+async def _never() -> dict[str, Any]:
+    """An ASGI receive whose client never leaves: for a stream sent again once its answer began,
+    whose client leaving ends the answer's own iteration."""
+    return await asyncio.get_running_loop().create_future()
 
 
 async def _disconnected(receive: Receive) -> None:

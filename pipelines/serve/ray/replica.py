@@ -10,17 +10,19 @@ once the device worker has stopped.
 
 A request's answer travels back to the frontend as a plain dict (:meth:`Replica.generate`): its
 images, or its error's status, message and headers; which replica made it and how often this
-replica has loaded its adapter.
+replica has loaded its adapter. A streamed one's events come through Ray's streaming call
+(``generate_stream``, :mod:`.streams`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..errors import ServeError
@@ -57,11 +59,10 @@ class Replica:
         names = config.names or (config.settings.model,)
         served = Served(model=names[0], aliases=names[1:], sizes=config.resolutions, max_n=config.max_batch,
                         loras=tuple(s.name or "" for s in self.catalog), batch_sizes=config.batch_sizes,
-                        max_steps=config.max_steps)  # fmt: skip
+                        max_steps=config.max_steps, stream=config.batching == "continuous")  # fmt: skip
         self.config = config
         self.slots: Any = None
-        # --batching continuous runs here as in bcg-serve; its streams do not cross Ray yet (served
-        # stream stays False: a request with stream is a 400 at the frontend).
+        # --batching continuous runs here as in bcg-serve, its streams carried by Ray (.streams).
         self.service = Service(served, Batcher(config.queue, config.max_batch, config.max_wait),
                                starter(built, device, dtype, setup=self._setup), config.timeout,
                                batching=config.batching)  # fmt: skip
@@ -197,6 +198,22 @@ def generator_class(max_models: int) -> type:
                 gone.set()
                 await asyncio.wait({task})
                 raise
+
+        async def generate_stream(self, request: Any, elapsed: float) -> AsyncIterator[Any]:
+            """A streamed request's head, events and tail (:func:`.streams.replica_events`), its
+            adapter pinned until it ends or is cancelled (its client left)."""
+            from .streams import replica_events
+
+            if request.lora is not None:
+                await self.adapter(request.lora)
+            # At once, with no await between: a load for another adapter may not take the slot.
+            unpin = self.replica.pin(request.lora)
+            try:
+                async with contextlib.aclosing(replica_events(self.replica, request, elapsed)) as events:
+                    async for item in events:
+                        yield item
+            finally:
+                unpin()
 
         async def describe(self) -> dict[str, Any]:
             return self.replica.describe()

@@ -300,3 +300,6 @@ def test_every_replica_full_is_a_429_saying_so(deployed: Any) -> None:
     assert error["message"].startswith("every replica's queue is full (2 requests waiting at each, and 2 more "
                                        "waiting for a replica)"), error  # fmt: skip
     assert generate(client, 1).status_code == 200
+    # --batching dynamic cannot stream: bcg-serve's 400, in one line.
+    refused = generate(client, 2, stream=True)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_stream", refused.text
