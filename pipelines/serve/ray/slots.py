@@ -192,10 +192,10 @@ class AdapterSlots:
             held = self._slot_of(name)
             with self._changed:
                 spec, held.pending = held.pending, None
+                if spec is not None:  # counted with the hand-over, so :meth:`loads_of` never misses it
+                    self.loads[name] = self.loads.get(name, 0) + 1
             if spec is not None:
                 self._swap(held, spec)
-                with self._changed:
-                    self.loads[name] = self.loads.get(name, 0) + 1
             slot = held.name
         if slot == self.active:
             return
@@ -262,6 +262,13 @@ class AdapterSlots:
             slot = self._slot_of(name)
             slot.pins -= 1
             self._changed.notify_all()
+
+    def loads_of(self, name: str) -> int:
+        """Hot-swaps of ``name`` since the start, one that is due (loaded, not yet swapped in)
+        counted: what a request for it that was just queued will have cost."""
+        with self._changed:
+            due = any(s.holds == name and s.pending is not None for s in self._slots)
+            return self.loads.get(name, 0) + due
 
     def holding(self) -> dict[str, str]:
         """Slot -> the adapter it holds for Ray (held ones only)."""

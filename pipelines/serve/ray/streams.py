@@ -53,7 +53,8 @@ async def replica_events(replica: Any, request: Any, elapsed: float) -> AsyncIte
         yield {"error": _error_of(e), "replica": replica.name}
         return
     lora, slots = request.lora, replica.slots
-    loads = slots.loads.get(lora, 0) if lora is not None and slots is not None else 0
+    # Read now, the swap maybe still due: the answer's headers go before its image is made.
+    loads = slots.loads_of(lora) if lora is not None and slots is not None else 0
     yield {"replica": replica.name, "steps": access.get("steps"), "adapter_loads": loads}
     # Closed explicitly: cancelled at a yield, the stream's own clean-up (giving the request up)
     # must run now, not when the collector finds it.

@@ -101,6 +101,10 @@ def test_a_hot_swapped_adapter_replays_the_slot_graphs_and_equals_the_adapter_lo
 def test_a_released_slot_waits_for_its_requests(catalog: tuple[LoraSpec, ...]) -> None:
     _, slots = slotted(catalog[:2], 1, graphs=False)
     assert slots.load("ink", timeout=1) == ("slot0", True)
+    # Its swap is due (the device worker's next call makes it): counted already, and once.
+    assert (slots.loads_of("ink"), slots.loads_of("oil")) == (1, 0)
+    slots.select("ink")
+    assert (slots.loads_of("ink"), slots.loads) == (1, {"ink": 1})
     slots.pin("ink")
     slots.release("ink")
     with pytest.raises(NoSlot, match=r"no adapter slot of this replica came free within 0\.2 s"):
