@@ -53,15 +53,15 @@ def sse(text: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def dropped_running() -> dict[str, float]:
-    """Per replica, requests it gave up while they ran (their client left), from Ray's metrics."""
+def series(name: str, **labels: str) -> dict[str, float]:
+    """Ray's metrics endpoint: ``name``'s value per Generator replica, of the samples with ``labels``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"http://127.0.0.1:{METRICS_PORT[0]}/metrics", timeout=10).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "ray_bcg_serve_dropped_total" and s.labels.get("reason") == "disconnected_running":
+            if s.name == name and s.labels.get("deployment") == "Generator" and labels.items() <= s.labels.items():
                 out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
     return out
 
@@ -117,19 +117,30 @@ def test_streams_cross_ray_as_bcg_serve_makes_them(
     assert holder["ink"] != holder["oil"]
 
     # A client that leaves mid-stream: 400 steps, gone after its first preview (step 100).
-    before = dropped_running()
+    dropped = "ray_bcg_serve_dropped_total"
+    before = series(dropped, reason="disconnected_running").get(holder["ink"], 0.0)
     long = {**BODY, "lora": "ink", "steps": 400, "stream": True, "partial_images": 3}
+    t0 = time.monotonic()
     with http.stream("POST", "/v1/images/generations", json=long) as r:
         assert r.status_code == 200 and r.headers["x-bcg-replica"] == holder["ink"]
         first = next(r.iter_lines())
         assert first == "event: image_generation.partial_image", first
+    hundred = time.monotonic() - t0
+    _wait(lambda: series(dropped, reason="disconnected_running").get(holder["ink"]) == before + 1, 30,
+          "the replica giving up the stream its client left")  # fmt: skip
+    # Nothing more is computed for it (its 300 steps left would take about 3 x `hundred`).
+    calls = "ray_bcg_serve_denoiser_calls_total"
+    time.sleep(1.5)  # Ray's metrics come every 0.5 s
+    stopped = series(calls)[holder["ink"]]
+    time.sleep(2)
+    assert series(calls)[holder["ink"]] == stopped, (
+        f"still computing for a client that left (100 steps: {hundred:.1f} s)"
+    )
+    import sys
 
-    def given_up() -> bool:
-        return dropped_running().get(holder["ink"], 0.0) == before.get(holder["ink"], 0.0) + 1
-
-    _wait(given_up, 30, "the replica giving up the stream its client left")
-    # Its one slot is free: the adapter's next request goes to it (a full holder would send it
-    # to the other replica, which would load the adapter).
+    sys.stderr.write(f"TIMING first preview after {hundred:.2f} s\n")
+    # The replica's one request slot is free: the adapter's next request goes to it (a full holder
+    # would leave it to the other replica, which would load the adapter).
     r = http.post("/v1/images/generations", json={**named[0], "stream": False})
     assert r.status_code == 200, r.text
     assert (r.headers["x-bcg-replica"], r.headers["x-bcg-adapter-loads"]) == (holder["ink"], "1")
