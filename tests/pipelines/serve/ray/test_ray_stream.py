@@ -136,9 +136,6 @@ def test_streams_cross_ray_as_bcg_serve_makes_them(
     assert series(calls)[holder["ink"]] == stopped, (
         f"still computing for a client that left (100 steps: {hundred:.1f} s)"
     )
-    import sys
-
-    sys.stderr.write(f"TIMING first preview after {hundred:.2f} s\n")
     # The replica's one request slot is free: the adapter's next request goes to it (a full holder
     # would leave it to the other replica, which would load the adapter).
     r = http.post("/v1/images/generations", json={**named[0], "stream": False})
