@@ -9,8 +9,8 @@ answers, in turn:
 * streamed requests naming adapters: each goes to the replica that loaded its adapter (which
   never loads it again), each image that plain bcg-serve's;
 * a client that leaves mid-stream: its replica gives the request up (Ray's metrics count it
-  dropped while running) and its one request slot is free at once (the next request for the
-  adapter goes to it, not to the other replica).
+  dropped while running), computes nothing more for it, and takes the adapter's next request
+  (one request at a time: a full holder would leave it to the other replica).
 
 (With --batching dynamic, ``stream`` is bcg-serve's 400: :mod:`.test_ray_app`'s last test.)
 """
