@@ -37,6 +37,10 @@ logger = logging.getLogger("bcg-serve")
 
 Head = dict[str, Any]
 
+# Seconds past --timeout the frontend waits for a replica's next item: the replica answers its own
+# timeout (a 504 event); this is for a replica that cannot.
+GRACE_S = 5.0
+
 
 def _error_of(e: ServeError) -> tuple[Any, ...]:
     return (e.status, e.message, e.param, e.code, e.headers)
@@ -81,10 +85,10 @@ class RemoteStream:
         self._finished = False
 
     async def _next(self) -> Any:
-        """The call's next item; StopAsyncIteration at its end, TimeoutError past ``--timeout`` (and
-        some seconds: the replica answers its own timeout, this one is for a replica that cannot)."""
+        """The call's next item; StopAsyncIteration at its end, TimeoutError past ``--timeout`` and
+        :data:`GRACE_S`."""
         left = self.service.config.timeout - (time.monotonic() - self.arrived)
-        return await asyncio.wait_for(self.response.__anext__(), timeout=max(left, 0.0) + 5)
+        return await asyncio.wait_for(self.response.__anext__(), timeout=max(left, 0.0) + GRACE_S)
 
     async def events(self) -> AsyncIterator[bytes]:
         """The events' bytes as the replica made them; an ``error`` event where the replica is lost
