@@ -23,6 +23,7 @@ slots      LoRA adapters hot-swapped into a replica's fixed adapter slots (multi
 mirror     the project's Prometheus metrics mirrored into Ray Serve's metrics, per replica
 replica    the Generator: one engine, its adapters multiplexed, its health
 frontend   the ingress: the routes, a request handed to a replica, retried where one died
+streams    a streamed request's events, made on a replica and carried by Ray's streaming calls
 deploy     the application bound, run on a Ray cluster (started here or joined), and stopped
 """
 
