@@ -32,13 +32,11 @@ import math
 import time
 import types
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..access import fields_of
 from ..errors import ServeError
-
-if TYPE_CHECKING:
-    from .streams import RemoteStream
+from .streams import RemoteStream, work_of
 
 __all__ = ["RemoteService", "ReplicaHeaders", "frontend_class"]
 
@@ -113,8 +111,6 @@ class RemoteService:
                      access: dict[str, Any] | None = None) -> RemoteStream:  # fmt: skip
         """``request`` queued at a replica, to be answered as its events (:class:`.streams.RemoteStream`),
         or :class:`ServeError` where it cannot be, as :meth:`pipelines.serve.service.Service.stream`."""
-        from .streams import RemoteStream
-
         handle = self._handle(request, stream=True)
 
         async def send(receive: Receive = _never) -> Any:
@@ -204,14 +200,6 @@ class RemoteService:
             if times is not None:
                 access["work"] = work_of(times)
         return result["images"]
-
-
-def work_of(times: tuple[float, float, float], bucket: int | None = None) -> Any:
-    """What the access line reads of a request's work (:class:`~pipelines.serve.batcher.Work`), as its
-    replica measured it: seconds queued, on the device and encoding."""
-    queued, device, encode = times
-    return types.SimpleNamespace(arrived=1.0, taken=1.0 + queued, device_seconds=device, encode_seconds=encode,
-                                 bucket=bucket)  # fmt: skip
 
 
 async def _result(response: Any) -> Any:

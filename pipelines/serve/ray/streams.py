@@ -24,14 +24,14 @@ import asyncio
 import contextlib
 import logging
 import time
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ..errors import ServeError, one_line
 from ..streaming import ImageStream, event_bytes
-from .frontend import work_of
 
-__all__ = ["RemoteStream", "replica_events"]
+__all__ = ["RemoteStream", "replica_events", "work_of"]
 
 logger = logging.getLogger("bcg-serve")
 
@@ -137,3 +137,11 @@ class RemoteStream:
         finally:
             if not self._finished:  # the client left (or the replica is late): the replica gives it up
                 self.response.cancel()
+
+
+def work_of(times: tuple[float, float, float], bucket: int | None = None) -> Any:
+    """What the access line reads of a request's work (:class:`~pipelines.serve.batcher.Work`), as its
+    replica measured it: seconds queued, on the device and encoding."""
+    queued, device, encode = times
+    return types.SimpleNamespace(arrived=1.0, taken=1.0 + queued, device_seconds=device, encode_seconds=encode,
+                                 bucket=bucket)  # fmt: skip
