@@ -36,7 +36,6 @@ video       a video model's every frame: WebP, GIF or MP4 by --out's suffix, the
             container's metadata (``read_video_text``), the frame rate
 progress    the run's step bar on a terminal, its progress lines elsewhere
 terminal    log lines above the progress bars, whichever library logs them
-processes   one process or those of an accelerate launch
 summary     the run's closing line
 run         ``main``: checks, prepare, generation, summary; exit statuses and signals
 """

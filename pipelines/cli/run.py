@@ -28,6 +28,7 @@ from ..generation.formats import format_of
 from ..generation.image_input import read_inputs
 from ..generation.model_flags import model_settings
 from ..generation.prepare import Workload, check_model, prepare_pipeline, resolve_device_and_dtype, warn_unused_warmup
+from ..generation.processes import Processes, check_parallel, detect_processes
 from ..generation.prompts import TruncationWarnings
 from ..generation.record import image_texts, record_size_made
 from ..generation.steps import StepWatch
@@ -35,7 +36,6 @@ from .arguments import PROG, build_parser
 from .files import layer_files, save_image, sweep_stale_parts
 from .jobs import file_names, plan_jobs, read_prompts_file, shard
 from .outputs import ImageOutput, Renames, check_out, plan_image_output, run_resolutions
-from .processes import Processes, detect_processes
 from .progress import Progress
 from .summary import shown, summary_json, summary_line, where_written
 from .terminal import bars_and_logs
@@ -152,11 +152,7 @@ def _run(args: argparse.Namespace) -> int:
     if procs.count > 1 and procs.device is not None and device.type != "cpu" and procs.device.type == device.type:
         device = procs.device  # each process on its own GPU
     jobs = plan_jobs(prompts, resolutions, args.batch_size, args.seed, count)
-    if args.parallel is not None and procs.count < 2:
-        raise InputError(
-            f"--parallel {args.parallel} computes each image on several processes: start this with accelerate launch "
-            "--num_processes 2 (or torchrun --nproc_per_node 2)"
-        )
+    check_parallel(args.parallel, procs)
     # --parallel: every process takes part in every job (same seeds); rank 0 writes the files.
     mine = list(jobs) if args.parallel is not None else shard(jobs, procs.index, procs.count)
     writes = args.parallel is None or procs.index == 0

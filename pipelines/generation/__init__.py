@@ -45,6 +45,7 @@ prepare     ``prepare_pipeline`` and ``load_pipeline``: checked, built, limits, 
 record      the text each image carries (A1111's ``parameters`` too)
 png         PNG bytes with text chunks, fast
 formats     an image as a PNG, JPEG or WebP file with its record, read back (``read_image_text``)
+processes   one process, or those of an accelerate launch or torchrun, and which one this is
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ access      the access log: a line and an id for every request
 app         the routes, on FastAPI
 startup     checks before the socket is bound; build, adapters and warm-up on the worker
 lifecycle   socket, uvicorn, signals and exit status
+ranks       --parallel: every rank builds and warms up; rank 0's calls sent to the others, which follow
 ray         the same app and routes as a Ray Serve application, one replica per GPU (``--ray``)
 ray_app     that application for ``serve run`` and KubeRay's ``RayService`` (its flags as ``argv``)
 """

@@ -6,7 +6,8 @@
 ``POST /v1/images/edits``   OpenAI's image edits (a multipart form, :mod:`.edits`), the same answer
 ``GET /v1/models``          the model served, its sizes, adapters and limits
 ``GET /v1/models/{id}``     the same entry, by its id or an alias; 404 for another model
-``GET /health``             200 while the process lives (its phase in the body)
+``GET /health``             200 while the process lives (its phase in the body); 503 once the
+                            ranks of ``--parallel`` cannot serve any more
 ``GET /ready``              200 while a request would be taken now; 503 while warming up,
                             stopping, with the queue full, or a call running past ``--timeout``
 ``GET /metrics``            Prometheus text format
@@ -212,8 +213,10 @@ def create_app(service: Service) -> FastAPI:
         return JSONResponse(model_entry())
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok", "phase": service.phase}
+    async def health() -> Response:
+        if service.lost is not None:  # alive, but it will never serve again: restart it
+            return JSONResponse(error_body(503, f"unhealthy: {service.lost}", code="ranks_lost"), status_code=503)
+        return JSONResponse({"status": "ok", "phase": service.phase})
 
     @app.get("/ready")
     async def ready() -> Response:

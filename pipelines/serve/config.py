@@ -156,11 +156,13 @@ POST /v1/images/edits takes OpenAI's multipart form (image, prompt, mask, n, siz
   requests behind it wait one step, not the whole call.
 
 One server owns one device: for several GPUs, --ray serves as a Ray Serve application, one
-replica per GPU (bcg-serve --ray --help; docs/serving-ray.md). SIGTERM stops accepting, finishes the running batch, answers the
+replica per GPU (bcg-serve --ray --help; docs/serving-ray.md). --parallel under torchrun (or
+accelerate launch) makes each image on every process: rank 0 serves HTTP, the others follow its
+calls (dynamic batching only). SIGTERM stops accepting, finishes the running batch, answers the
 waiting requests 503 and exits 0. It serves images: a video model is refused at start.
 exit status: 0 stopped, 1 the model failed to load or warm up, 2 bad input, 130 interrupted.""",
     )
-    add_model_arguments(p, named_loras=True, parallel=False)
+    add_model_arguments(p, named_loras=True)
     s = p.add_argument_group("server")
     s.add_argument("--resolutions", type=resolution, nargs="+", default=None, metavar="WxH",
                    help=f"the sizes served, WIDTHxHEIGHT; the first is a request's default (default "
@@ -259,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     if args.batching == "continuous" and settings.cache is not None:
         raise UsageError(f"--cache {args.cache} decides per pipeline call (its residuals and step counts are the "
                          "whole batch's), not per row: drop it for --batching continuous")  # fmt: skip
+    if args.batching == "continuous" and settings.parallel is not None:
+        raise UsageError(f"--batching continuous steps its running batches in one process: serve --parallel "
+                         f"{settings.parallel} with --batching dynamic")  # fmt: skip
     return ServeConfig(settings=settings, resolutions=sizes, batch_sizes=batch_sizes(args.batch_sizes, args.max_batch),
                        max_wait=args.max_wait_ms / 1000, queue=args.queue, timeout=args.timeout, host=args.host,
                        port=args.port, quiet=args.quiet, capture_on_miss=args.capture_on_miss,

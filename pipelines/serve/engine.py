@@ -227,6 +227,9 @@ class Engine:
         self.needs_image = False
         # Set by the start with --batching continuous: the pipeline's loop by steps (:mod:`pipelines.stepwise`).
         self.steps: Any = None
+        # Set by the start with --parallel, on rank 0: what sends each call to the other ranks
+        # (:class:`pipelines.serve.ranks.Relay`).
+        self.relay: Any = None
 
     def _taking(self, request: ImageRequest) -> ImageInput:
         """The pipeline that makes ``request``'s images from its input image; ServeError 400 where
@@ -311,7 +314,24 @@ class Engine:
         """One pipeline call for ``plans`` (one :class:`BatchKey`), at their bucket; per plan, its
         images, not yet encoded (the worker leaves that to the service's encoding threads).
         ``stop``: asked at the end of every denoising step; once true, the call ends there
-        (:class:`~pipelines.generation.CallStopped`), where the pipeline takes a step callback."""
+        (:class:`~pipelines.generation.CallStopped`), where the pipeline takes a step callback.
+        With ``--parallel`` every rank makes the call (:attr:`relay`)."""
+        if self.relay is not None:
+            return self.relay.lead(self, plans, stop)
+        return self.make_here(plans, stop)
+
+    @property
+    def lost(self) -> str | None:
+        """Why this engine can make no more calls (``--parallel``: a rank lost); None while it can."""
+        return None if self.relay is None else self.relay.lost
+
+    def close(self) -> None:
+        """The device worker is done: with ``--parallel``, the other ranks told to exit."""
+        if self.relay is not None:
+            self.relay.close()
+
+    def make_here(self, plans: Sequence[Plan], stop: Callable[[], bool] | None = None) -> list[list[RenderedImage]]:
+        """:meth:`make` in this process alone (a ``--parallel`` rank's side of the call)."""
         import torch
 
         first, p = plans[0], self.prepared

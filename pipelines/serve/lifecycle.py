@@ -4,7 +4,8 @@ The socket is bound before the model is built, so a port in use is said at once 
 answers during the warm-up. SIGTERM (and Ctrl-C) stop the server gracefully: the service stops
 accepting and answers what waits with 503, uvicorn closes the listening socket and waits for
 the running batch's answers, and the process exits 0 (130 after Ctrl-C). A model that fails to
-load or warm up ends the server with one line and status 1.
+load or warm up ends the server with one line and status 1. Under ``--parallel`` rank 0 does all
+this, and the other ranks follow its calls (:mod:`.ranks`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .config import PROG, ServeConfig, UsageError, parse_args
+from .ranks import agreed_start, follow, join, launch_rank
 
 __all__ = ["main", "serve"]
 
@@ -119,13 +121,16 @@ def serve(config: ServeConfig, start: Callable[[], Any], sock: socket.socket | N
             interrupted = True
     if service.fatal is not None:
         return service.fatal_status
+    if service.lost is not None:  # --parallel: a rank was lost while serving
+        logger.error("stopped; it could not serve since: %s", service.lost)
+        return 1
     logger.info("stopped")
     return INTERRUPTED if interrupted else 0
 
 
-def _setup_logging(quiet: bool) -> None:
+def _setup_logging(quiet: bool, tag: str = "") -> None:
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")  # fmt: skip
+                        format=f"%(asctime)s {tag}%(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")  # fmt: skip
     logging.getLogger().setLevel(logging.WARNING if quiet else logging.INFO)
 
 
@@ -140,11 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         # Before anything is bound or built: without the extra, serve() would fail on its first
         # import after the model had been built for seconds.
         require("serve", PROG)
-        _setup_logging(config.quiet)
+        parallel = config.settings.parallel
+        rank, world = launch_rank(parallel) if parallel is not None else (0, 1)
+        _setup_logging(config.quiet, f"[rank {rank}/{world}] " if world > 1 else "")
         from .startup import check, starter
 
-        sock = _bind(config.host, config.port)  # first: a port in use is said before torch is imported
+        # First: a port in use is said before torch is imported. Under --parallel rank 0 serves alone.
+        sock = _bind(config.host, config.port) if rank == 0 else None
         device, dtype = check(config)
+        ranks = join(parallel, device) if parallel is not None else None
     except (UsageError, GenerationError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return BAD_INPUT
@@ -153,4 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted\n")
         return INTERRUPTED
-    return serve(config, starter(config, device, dtype), sock)
+    if ranks is None:
+        return serve(config, starter(config, device, dtype), sock)
+    start = starter(config, ranks.device, dtype)
+    return serve(config, agreed_start(start, ranks), sock) if ranks.leads else follow(start, ranks)

@@ -10,7 +10,8 @@ going (not through the event loop), while the device makes the next call.
 
 Phases: ``starting`` (model loading and warm-up; generation answers 503), ``ready``,
 ``stopping`` (after SIGTERM: nothing new is queued, what waited is answered 503, the running
-batch finishes), ``failed`` (the start failed; the server exits).
+batch finishes), ``failed`` (the start failed; the server exits), ``lost`` (``--parallel``: a
+rank is gone; every request is answered 503 and ``/health`` too, so that it is restarted).
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ class Service:
         self.engine: Any = None
         self.started = time.time()
         worker = ContinuousWorker if batching == "continuous" else DeviceWorker
-        self.worker = worker(batcher, self.metrics, start, self._ready, self._failed, admission_wait=timeout)
+        self.lost: str | None = None  # --parallel: why the ranks can serve no more
+        self.worker = worker(batcher, self.metrics, start, self._ready, self._failed, admission_wait=timeout,
+                             on_lost=self._lost)  # fmt: skip
         # Where the files are encoded (:meth:`encode_when_made`); as many threads as asyncio's own pool.
         self._encoder = concurrent.futures.ThreadPoolExecutor(min(32, (os.cpu_count() or 1) + 4),
                                                               thread_name_prefix="bcg-serve-encode")  # fmt: skip
@@ -102,9 +105,25 @@ class Service:
         self.phase = "failed"
         logger.error("could not start: %s", reason)
 
+    def _lost(self, reason: str) -> None:
+        """The ranks of ``--parallel`` can make no more calls: what waits is answered 503 now, and
+        every request after it."""
+        if self.lost is not None:
+            return
+        self.lost = reason
+        was = self.phase
+        self.phase = "lost"
+        self.metrics.ready.set(0)
+        waiting = self.batcher.close()
+        for w in waiting:
+            w.future.set_exception(Closed())
+        self.metrics.dropped.labels("shutdown").inc(len(waiting))
+        logger.error("cannot serve any more (%s): %d waiting request(s) answered 503%s", reason, len(waiting),
+                     "; stop and restart the server" if was == "ready" else "")  # fmt: skip
+
     def stop(self) -> None:
         """Stop accepting; the waiting requests are answered 503 now, the running batch finishes."""
-        if self.phase in ("stopping", "failed"):
+        if self.phase in ("stopping", "failed", "lost"):
             return
         self.phase = "stopping"
         self.metrics.ready.set(0)
@@ -143,6 +162,8 @@ class Service:
         if self.phase == "starting":
             return ServeError(503, "the server is warming up (GET /ready says when it is done)", code="warming_up",
                               headers={"Retry-After": "5"})  # fmt: skip
+        if self.phase == "lost":
+            return ServeError(503, f"the server cannot serve any more: {self.lost}", code="ranks_lost")
         return ServeError(503, "the server is stopping", code="shutting_down")
 
     async def generate(self, request: ImageRequest, receive: Receive, arrived: float,

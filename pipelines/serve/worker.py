@@ -64,6 +64,7 @@ class DeviceWorker(threading.Thread):
         on_ready: Callable[[Any], None],
         on_fatal: Callable[[BaseException], None],
         admission_wait: float = 300.0,
+        on_lost: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(name="bcg-serve-device", daemon=True)
         self.batcher = batcher
@@ -71,6 +72,7 @@ class DeviceWorker(threading.Thread):
         self._start = start
         self._on_ready = on_ready
         self._on_fatal = on_fatal
+        self._on_lost = on_lost
         self.engine: Any = None
         self.batches = 0
         self.admission_wait = admission_wait
@@ -80,8 +82,13 @@ class DeviceWorker(threading.Thread):
 
     def run(self) -> None:
         if self.started():
-            while (batch := self.batcher.next_batch()) is not None:
-                self.serve(batch)
+            try:
+                while (batch := self.batcher.next_batch()) is not None:
+                    self.serve(batch)
+            finally:
+                close = getattr(self.engine, "close", None)
+                if close is not None:
+                    close()  # --parallel: the other ranks exit
 
     def started(self) -> bool:
         """The engine built and warmed up on this thread (``on_ready`` told); False where the start
@@ -116,6 +123,9 @@ class DeviceWorker(threading.Thread):
             logger.error("a batch of %d request(s), %d image(s), %s", len(batch), images, message)
             for w in batch:
                 w.future.set_exception(BatchFailed(message))
+            lost = getattr(self.engine, "lost", None)
+            if lost is not None and self._on_lost is not None:  # --parallel: a rank is gone, no call can run
+                self._on_lost(lost)
             return
         finally:
             m.observe_batch(time.monotonic() - t0)

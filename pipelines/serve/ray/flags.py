@@ -126,6 +126,8 @@ def parse_ray_args(argv: Sequence[str]) -> tuple[ServeConfig, RayConfig, list[st
     device = config.settings.device
     if device is not None and device.startswith("cuda:"):
         raise UsageError(f"--device {device}: Ray gives each replica its GPUs; give --device cuda (or cpu)")
+    if config.settings.parallel is not None:
+        raise UsageError("--parallel with --ray: not yet")
     if args.max_replicas is not None and args.max_replicas < args.min_replicas:
         raise UsageError(f"--max-replicas {args.max_replicas} is below --min-replicas {args.min_replicas}")
     gpus = args.gpus_per_replica

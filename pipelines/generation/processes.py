@@ -1,4 +1,8 @@
-"""Processes: one, or those of an accelerate launch, and which one this is."""
+"""Processes: one, or those of an accelerate launch or torchrun, and which one this is.
+
+Both front ends read it: ``bcg-generate`` shares its jobs out (or, with ``--parallel``, makes
+every image on every process), ``bcg-serve --parallel`` serves from rank 0 while the other ranks
+follow its calls."""
 
 from __future__ import annotations
 
@@ -7,11 +11,15 @@ import logging
 import os
 from typing import Any
 
-logger = logging.getLogger("bcg-generate")
+from .errors import InputError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class Processes:
+    """This process's ``index`` among ``count``, its ``device`` and accelerate's ``state`` (None alone)."""
+
     index: int = 0
     count: int = 1
     device: Any = None  # this process's device under accelerate
@@ -19,6 +27,7 @@ class Processes:
 
     @property
     def tag(self) -> str:
+        """The rank, as a log line's prefix (nothing for one process)."""
         return f"[rank {self.index}/{self.count}] " if self.count > 1 else ""
 
 
@@ -42,3 +51,12 @@ def detect_processes(cpu: bool) -> Processes:
         logger.warning("accelerate sees %d process(es), the launcher started %d", state.num_processes, world)
         return Processes(rank, world, None, None)
     return Processes(state.process_index, state.num_processes, state.device, state)
+
+
+def check_parallel(parallel: str | None, procs: Processes) -> None:
+    """InputError where ``--parallel`` was given to a process that runs alone."""
+    if parallel is not None and procs.count < 2:
+        raise InputError(
+            f"--parallel {parallel} computes each image on several processes: start this with accelerate launch "
+            "--num_processes 2 (or torchrun --nproc_per_node 2)"
+        )
