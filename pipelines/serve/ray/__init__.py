@@ -22,6 +22,7 @@ flags      the Ray flags beside bcg-serve's, checked as read; Ray's deployment o
 slots      LoRA adapters hot-swapped into a replica's fixed adapter slots (multiplexing's loads)
 mirror     the project's Prometheus metrics mirrored into Ray Serve's metrics, per replica
 replica    the Generator: one engine, its adapters multiplexed, its health
+followers  --parallel: a replica's other ranks, started by the replica, one per GPU
 frontend   the ingress: the routes, a request handed to a replica, retried where one died
 streams    a streamed request's events, made on a replica and carried by Ray's streaming calls
 deploy     the application bound, run on a Ray cluster (started here or joined), and stopped

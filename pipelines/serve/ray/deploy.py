@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import PROG, UsageError
-from .flags import deployment_options, help_text, parse_ray_args
+from .flags import deployment_options, help_text, parse_ray_args, replica_ranks
 
 __all__ = ["build_app", "main"]
 
@@ -45,7 +45,8 @@ def build_app(argv: Sequence[str]) -> Any:
     frontend = serve.deployment(frontend_class(), name="Frontend", num_replicas=ray.frontends,
                                 ray_actor_options={"num_cpus": 0},
                                 max_ongoing_requests=most + options["max_queued_requests"] + 16)  # fmt: skip
-    return frontend.bind(generator.bind(serve_argv), serve_argv, ray.retries)
+    ranks = replica_ranks(config.settings.parallel, ray.gpus_per_replica, config.settings.device)
+    return frontend.bind(generator.bind(serve_argv, ranks), serve_argv, ray.retries)
 
 
 _START_FAILED = "bcg-serve replica could not start: "

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config import PROG, ServeConfig, UsageError, build_parser, parse_args
 
-__all__ = ["RayConfig", "add_ray_arguments", "deployment_options", "parse_ray_args"]
+__all__ = ["RayConfig", "add_ray_arguments", "deployment_options", "parse_ray_args", "replica_ranks"]
 
 RAY_FLAG = "--ray"
 # Ray Serve's own default: a replica's LRU keeps this many adapters.
@@ -92,7 +92,8 @@ def add_ray_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="K", help="LoRA adapters a replica holds at once (its adapter slots; least recently used "
                    f"goes first; default {DEFAULT_MODELS_PER_REPLICA})")  # fmt: skip
     r.add_argument("--gpus-per-replica", type=_number(0), default=None, metavar="G",
-                   help="GPUs per replica (ray_actor_options.num_gpus; default 1, 0 with --device cpu)")  # fmt: skip
+                   help="GPUs per replica (ray_actor_options.num_gpus; default 1, 0 with --device cpu); with "
+                   "--parallel, one process each (default: the fewest the mode runs on, 2 or 4)")  # fmt: skip
     r.add_argument("--cpus-per-replica", type=_number(0), default=1.0, metavar="C",
                    help="CPUs per replica (ray_actor_options.num_cpus; default 1)")  # fmt: skip
     r.add_argument("--frontends", type=_number(1, int), default=1, metavar="N",
@@ -126,13 +127,16 @@ def parse_ray_args(argv: Sequence[str]) -> tuple[ServeConfig, RayConfig, list[st
     device = config.settings.device
     if device is not None and device.startswith("cuda:"):
         raise UsageError(f"--device {device}: Ray gives each replica its GPUs; give --device cuda (or cpu)")
-    if config.settings.parallel is not None:
-        raise UsageError("--parallel with --ray: not yet")
     if args.max_replicas is not None and args.max_replicas < args.min_replicas:
         raise UsageError(f"--max-replicas {args.max_replicas} is below --min-replicas {args.min_replicas}")
     gpus = args.gpus_per_replica
     if gpus is not None and gpus > 0 and device == "cpu":
         raise UsageError(f"--gpus-per-replica {gpus:g} with --device cpu: drop one of them")
+    if config.settings.parallel is not None:
+        replica_ranks(config.settings.parallel, gpus, device)  # checked now: one line before anything starts
+        if config.settings.loras:
+            raise UsageError("--lora with --ray --parallel: a replica's adapter slots are not kept on its other ranks "
+                             "yet; serve adapters from replicas of one GPU")  # fmt: skip
     ray = RayConfig(address=args.ray_address, app_name=args.app_name, min_replicas=args.min_replicas,
                     max_replicas=args.max_replicas, initial_replicas=args.initial_replicas,
                     target_ongoing_requests=args.target_ongoing_requests, upscale_delay=args.upscale_delay,
@@ -142,6 +146,26 @@ def parse_ray_args(argv: Sequence[str]) -> tuple[ServeConfig, RayConfig, list[st
                     retries=args.retries)  # fmt: skip
     autoscaling_config(config, ray)  # Ray's own checks, before anything starts
     return config, ray, rest
+
+
+# The fewest processes each --parallel mode runs on (accel.parallel's layouts), and whether it takes more.
+_FEWEST_RANKS = {"cfg": (2, False), "ulysses": (2, True), "cfg+ulysses": (4, True)}
+
+
+def replica_ranks(parallel: str | None, gpus: float | None, device: str | None) -> int:
+    """The processes of one replica: 1, or with ``--parallel`` one per GPU of ``--gpus-per-replica``
+    (default, and on a CPU: the fewest the mode runs on); UsageError where the mode cannot use them."""
+    if parallel is None:
+        return 1
+    fewest, more = _FEWEST_RANKS[parallel]
+    if gpus is None or device == "cpu":
+        return fewest
+    n = int(gpus)
+    if n != gpus or n < fewest or (n > fewest and not more) or (parallel == "cfg+ulysses" and n % 2):
+        need = {"cfg": "2", "ulysses": "2 or more", "cfg+ulysses": "an even number, 4 or more"}[parallel]
+        raise UsageError(f"--parallel {parallel} --gpus-per-replica {gpus:g}: a replica runs one process per GPU and "
+                         f"{parallel} needs {need}")  # fmt: skip
+    return n
 
 
 def autoscaling_config(config: ServeConfig, ray: RayConfig) -> dict[str, Any]:
@@ -187,7 +211,7 @@ def deployment_options(config: ServeConfig, ray: RayConfig) -> dict[str, Any]:
     frontend answers 429."""
     gpus = ray.gpus_per_replica
     if gpus is None:
-        gpus = 0.0 if config.settings.device == "cpu" else 1.0
+        gpus = 0.0 if config.settings.device == "cpu" else float(replica_ranks(config.settings.parallel, None, None))
     return {
         "ray_actor_options": {"num_gpus": gpus, "num_cpus": ray.cpus_per_replica},
         "autoscaling_config": autoscaling_config(config, ray),

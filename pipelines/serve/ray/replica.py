@@ -6,7 +6,9 @@ flags, its adapters the replica's slots (:mod:`.slots`). :func:`generator_class`
 Serve: the constructor returns once the warm-up is done (Ray routes nothing to a replica before
 its constructor returns: readiness is the warm-up), adapters are loaded through
 ``@serve.multiplexed`` (its LRU of ``--max-models-per-replica``), and ``check_health`` fails
-once the device worker has stopped.
+once the device worker has stopped. With ``--parallel`` the replica is rank 0 of processes it
+starts itself, one per GPU (:mod:`.followers`); its health fails once one of them is gone, and its
+stop ends them.
 
 A request's answer travels back to the frontend as a plain dict (:meth:`Replica.generate`): its
 images, or its error's status, message and headers; which replica made it and how often this
@@ -39,7 +41,7 @@ class Replica:
     """bcg-serve's engine and service for the flags ``argv`` (bcg-serve's own), started on a thread:
     :meth:`wait_ready` returns once warm, or raises the start's failure in one line."""
 
-    def __init__(self, argv: list[str], max_models: int, name: str = "") -> None:
+    def __init__(self, argv: list[str], max_models: int, name: str = "", ranks: int = 1) -> None:
         from ..batcher import Batcher
         from ..config import parse_args
         from ..schema import Served
@@ -62,10 +64,18 @@ class Replica:
                         max_steps=config.max_steps, stream=config.batching == "continuous")  # fmt: skip
         self.config = config
         self.slots: Any = None
+        self.followers: Any = None
+        start = starter(built, device, dtype, setup=self._setup)
+        if config.settings.parallel is not None:  # this process is rank 0 of the replica's processes
+            from ..ranks import agreed_start, join
+            from .followers import Followers
+
+            self.followers = Followers(argv, ranks)
+            joined = join(config.settings.parallel, device)
+            start = agreed_start(starter(built, joined.device, dtype, setup=self._setup), joined)
         # --batching continuous runs here as in bcg-serve, its streams carried by Ray (.streams).
-        self.service = Service(served, Batcher(config.queue, config.max_batch, config.max_wait),
-                               starter(built, device, dtype, setup=self._setup), config.timeout,
-                               batching=config.batching)  # fmt: skip
+        self.service = Service(served, Batcher(config.queue, config.max_batch, config.max_wait), start,
+                               config.timeout, batching=config.batching)  # fmt: skip
         self.service.start()
 
     def _setup(self, engine: Any) -> None:
@@ -90,9 +100,12 @@ class Replica:
 
     def check_health(self) -> None:
         """RuntimeError unless the replica would take a request (a full queue is healthy)."""
+        gone = self.followers.gone() if self.followers is not None else None
+        if gone is not None:
+            raise RuntimeError(f"replica {self.name}: {gone}")
         busy = self.service.busy()
         if busy is not None and busy[0] not in ("queue_full", "busy"):
-            raise RuntimeError(f"replica {self.name}: {busy[1]}")
+            raise RuntimeError(f"replica {self.name}: {self.service.lost or busy[1]}")
 
     def describe(self) -> dict[str, Any]:
         """What the frontend serves (the sizes warmed up, the adapters, the model's defaults), and
@@ -141,7 +154,12 @@ class Replica:
         return lambda: self.slots.unpin(lora)
 
     def stop(self) -> None:
+        """Stop taking requests; with --parallel, the follower ranks ended once the running call is done."""
         self.service.stop()
+        if self.followers is not None:
+            if self.service.engine is not None:  # its worker tells them to stop when its last call ends
+                self.service.worker.join(self.config.timeout)
+            self.followers.stop(grace=10.0)
 
 
 class _Held:
@@ -165,9 +183,9 @@ def generator_class(max_models: int) -> type:
     class Generator:
         """One bcg-serve engine on this replica's device, warm before its first request."""
 
-        async def __init__(self, argv: list[str]) -> None:
+        async def __init__(self, argv: list[str], ranks: int = 1) -> None:
             context = serve.get_replica_context()
-            self.replica = Replica(argv, max_models, name=context.replica_id.unique_id)
+            self.replica = Replica(argv, max_models, name=context.replica_id.unique_id, ranks=ranks)
             await asyncio.to_thread(self.replica.wait_ready)
             from .mirror import Mirror
 

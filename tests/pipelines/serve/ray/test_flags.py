@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from pipelines.serve import main
 from pipelines.serve.config import UsageError
-from pipelines.serve.ray.flags import deployment_options, help_text, parse_ray_args
+from pipelines.serve.ray.flags import deployment_options, help_text, parse_ray_args, replica_ranks
 
 MODEL = ["--model", "z-image", "--resolutions", "64x64", "--batch-sizes", "1", "2", "4"]
 
@@ -48,12 +49,39 @@ def test_the_flags_map_to_ray_serve_s_options() -> None:
         (["--autoscaling", "no_such_field=1"], "autoscaling_config: no_such_field"),
         (["--max-models-per-replica", "0"], "must be at least 1, got 0"),
         (["--queue", "0"], "--queue: must be at least 1"),
+        (
+            ["--parallel", "cfg", "--gpus-per-replica", "4"],
+            "--parallel cfg --gpus-per-replica 4: a replica runs one process per GPU and cfg needs 2",
+        ),
+        (["--parallel", "ulysses", "--gpus-per-replica", "1.5"], "ulysses needs 2 or more"),
+        (["--parallel", "cfg+ulysses", "--gpus-per-replica", "5"], "cfg+ulysses needs an even number, 4 or more"),
     ],
 )
 def test_a_bad_flag_is_one_line(flags: list[str], told: str) -> None:
     with pytest.raises(UsageError, match=None) as e:
         parse_ray_args([*MODEL, *flags])
     assert told in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_replica_of_several_processes_reserves_one_gpu_each(tmp_path: Path) -> None:
+    def gpus(*flags: str) -> tuple[float, int]:
+        config, ray, _ = parse_ray_args([*MODEL, "--model", "qwen-image", *flags])
+        ranks = replica_ranks(config.settings.parallel, ray.gpus_per_replica, config.settings.device)
+        return deployment_options(config, ray)["ray_actor_options"]["num_gpus"], ranks
+
+    assert gpus() == (1.0, 1)
+    assert gpus("--parallel", "cfg") == (2.0, 2)  # the fewest the mode runs on
+    assert gpus("--parallel", "cfg+ulysses") == (4.0, 4)
+    assert gpus("--parallel", "cfg+ulysses", "--gpus-per-replica", "6") == (6.0, 6)
+    assert gpus("--parallel", "ulysses", "--gpus-per-replica", "3") == (3.0, 3)
+    assert gpus("--parallel", "cfg", "--device", "cpu") == (0.0, 2)  # processes on the CPU, gloo
+    import torch
+    from safetensors.torch import save_file
+
+    lora = tmp_path / "a.safetensors"
+    save_file({"lora_A.weight": torch.zeros(1)}, str(lora))
+    with pytest.raises(UsageError, match="--lora with --ray --parallel: a replica's adapter slots are not kept"):
+        parse_ray_args([*MODEL, "--parallel", "cfg", "--lora", f"a={lora}"])
 
 
 def test_bcg_serve_ray_refuses_bad_input_in_one_line_with_status_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,8 @@ on the machine (loopback only), the tiny Z-Image on the CPU.
 * Requests naming two adapters, one slot a replica: after each adapter's first request, every
   request for it goes to the replica that loaded it (no replica loads an adapter twice), and each
   image equals the same request to one ``bcg-serve --lora``, bit for bit.
+* A replica of two processes (``--parallel cfg``: the replica and the follower it starts) answers
+  with the image of one ``bcg-serve``, byte for byte, and its follower ends with the application.
 * A sustained queue scales the replicas from 1 to 2 and, once it ends, back to 1; the seconds
   each took are logged.
 
@@ -18,6 +20,7 @@ cluster starts), so the autoscaler sees a queue within a second.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import socket
@@ -303,3 +306,35 @@ def test_every_replica_full_is_a_429_saying_so(deployed: Any) -> None:
     # --batching dynamic cannot stream: bcg-serve's 400, in one line.
     refused = generate(client, 2, stream=True)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_stream", refused.text
+
+
+def test_a_replica_of_two_ranks_answers_as_one_bcg_serve_does_and_ends_its_follower(
+    deployed: Any, tmp_path: Path
+) -> None:
+    import psutil
+
+    qwen = ["--model", "qwen-image", "--resolutions", "64x64"]
+    body = {"prompt": "a red fox", "size": "64x64", "seed": 3, "steps": 2, "guidance": 4.0, "negative_prompt": "blurry"}
+    one = ServerProcess([*MODEL, *qwen], tmp_path / "one.log")
+    try:
+        one.wait_ready()
+        want = one.generate(**body)
+    finally:
+        one.stop()
+    assert want.status_code == 200, want.text
+
+    def followers() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline", "environ"]):
+            with contextlib.suppress(psutil.Error, TypeError):
+                if "pipelines.serve" in p.info["cmdline"] and "--parallel" in p.info["cmdline"]:
+                    found.append(p)
+        return found
+
+    client = deployed(*qwen, "--parallel", "cfg")
+    assert len(followers()) == 1  # the replica's rank 1 (a rank 0 alone would wait for it forever)
+    got = client.post("/v1/images/generations", json=body)
+    assert got.status_code == 200, got.text
+    assert got.json()["data"][0]["b64_json"] == want.json()["data"][0]["b64_json"]
+    serve.delete(APP)
+    _wait(lambda: not followers(), 60, "the follower ended with its replica")
