@@ -4,17 +4,18 @@ Every rank builds and warms up the same engine: the build's parallel setup
 (``accelerate_pipeline(parallel=...)``) and the warm-up are collective, so the ranks run them in
 step, and then agree on how their starts went (one failed: every rank says which, in one line).
 Rank 0 then serves HTTP as one process does. Before each pipeline call its device worker sends
-the call's plans (prompts, sizes, steps, seeds, guidance, adapter, input image: everything that
-makes the call what it is) to the other ranks (:class:`Relay`), which make the same call
+the call's plans (prompts, size, steps, seeds, guidance, negative prompt, adapter, bucket:
+everything that makes the call what it is) to the other ranks (:class:`Relay`), which make the same call
 (:func:`follow`); at the end of every step rank 0 sends whether the call stops there (its
 requests all gave up), so every rank stops at the same step. Rank 0 answers; the others' images
 are dropped.
 
 The messages travel on a gloo group of their own (host-side, whatever backend the model's
 collectives use), whose timeout is long: a follower waits there for as long as the server is
-idle. A follower that dies is found by the next call, on rank 0, as a failed send or a
-:class:`~accel.ParallelError` of the parallel run (a lost peer, past ``parallel_timeout_s``):
-that request fails, and :attr:`Relay.lost` says the server can serve no more (503 from then on).
+idle. A follower that dies is found by the next call, on rank 0: a send that fails, or a call
+that fails with its parallel session broken (``pipe.accel.parallel.liveness``: a peer lost,
+within ``parallel_timeout_s``). That request fails, and :attr:`Relay.lost` says the server can
+serve no more (503 from then on).
 When rank 0's device worker ends (a stop, a drain) it sends ``stop`` and the followers exit 0;
 a follower whose rank 0 is gone exits 1.
 """
@@ -125,15 +126,13 @@ class Relay:
 
     def lead(self, engine: Any, plans: Sequence[Any], stop: Callable[[], bool] | None) -> Any:
         """``engine.make_here(plans, stop)`` on every rank; rank 0's images."""
-        from accel import ParallelError
-
         if self.lost is not None:
             raise RuntimeError(f"--parallel: {self.lost}")
         self._send((CALL, list(plans), stop is not None))
         try:
             return engine.make_here(plans, None if stop is None else self._stop_agreed(stop))
-        except ParallelError as e:  # a peer lost, or the ranks out of step: no call can be trusted now
-            self.lost = one_line(e)
+        except Exception:
+            self.lost = self.lost or broken(engine)  # a peer lost mid-call: no call can run now
             raise
 
     def close(self) -> None:
@@ -164,7 +163,6 @@ class Relay:
 def follow(start: Callable[[], Any], ranks: Ranks) -> int:
     """A follower: ``start`` (agreed with the other ranks), then rank 0's calls made here until it
     says stop. Returns the exit status: 0 told to stop, 1 start failed or rank 0 gone."""
-    from accel import ParallelError
     from pipelines.generation import CallStopped
 
     tag = f"rank {ranks.rank} of {ranks.world}"
@@ -173,10 +171,11 @@ def follow(start: Callable[[], Any], ranks: Ranks) -> int:
     except Exception as e:
         logger.error("%s: could not start: %s", tag, one_line(e))
         return 1
-    # Rank 0 drains its running call on SIGTERM and then says stop: a launcher that signals every
-    # rank (torchrun) must not end this one under that call.
+    # Rank 0 drains its running call on SIGTERM (and Ctrl-C) and then says stop: a launcher that
+    # signals every rank (torchrun) must not end this one under that call.
     with contextlib.suppress(ValueError):  # not the main thread: the caller handles signals
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches every rank
     logger.info("%s: following rank 0's calls", tag)
     calls = 0
     while True:
@@ -195,11 +194,20 @@ def follow(start: Callable[[], Any], ranks: Ranks) -> int:
             engine.make_here(plans, stop)
         except CallStopped:
             pass
-        except ParallelError as e:  # rank 0 failed the same call: out of step from here
-            logger.error("%s: %s; exiting", tag, one_line(e))
-            return 1
         except Exception as e:  # rank 0 answers for the call; this rank goes on with the next
+            why = broken(engine)
+            if why is not None:  # the ranks lost one another: rank 0 fails too
+                logger.error("%s: %s; exiting", tag, why)
+                return 1
             logger.warning("%s: a call failed here too: %s", tag, one_line(e))
+
+
+def broken(engine: Any) -> str | None:
+    """Why ``engine``'s parallel run can make no more calls (a peer lost, its process group gone),
+    as its session says; None while it can."""
+    session = getattr(vars(engine.pipe).get("accel"), "parallel", None)
+    liveness = getattr(session, "liveness", None)
+    return None if liveness is None else liveness.broken or liveness.ended
 
 
 def _why(error: BaseException) -> str:
