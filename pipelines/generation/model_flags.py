@@ -40,7 +40,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, named_loras: bool = 
     ``named_loras``: ``--lora`` takes ``NAME=FILE[:SCALE]``, adapters loaded at start and picked
     by name later (a server's requests), instead of ``FILE[:SCALE]``, adapters that all run.
     ``parallel``: whether ``--parallel`` is offered (one image on several processes; a front end
-    that serves from one device leaves it out).
+    that can only run in one process leaves it out).
     """
     options = accel_options()
     p = parser.add_argument_group("model and acceleration")
@@ -96,7 +96,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, named_loras: bool = 
             default=None,
             help="under accelerate launch / torchrun, compute each image on all processes together (cfg: the two "
             "guidance branches on 2 GPUs, exact; ulysses: diffusers' context parallelism; cfg+ulysses: both, 4+ "
-            "GPUs); every process runs every job with the same seeds, rank 0 writes the files",
+            "GPUs); every process runs every call with the same seeds; rank 0 writes the files (bcg-serve: rank 0 serves)",
         )
     p.add_argument(
         "--compile",

@@ -71,7 +71,11 @@ class Replica:
             from .followers import Followers
 
             self.followers = Followers(argv, ranks)
-            joined = join(config.settings.parallel, device)
+            try:
+                joined = join(config.settings.parallel, device)
+            except BaseException:
+                self.followers.stop(grace=0.0)
+                raise
             start = agreed_start(starter(built, joined.device, dtype, setup=self._setup), joined)
         # --batching continuous runs here as in bcg-serve, its streams carried by Ray (.streams).
         self.service = Service(served, Batcher(config.queue, config.max_batch, config.max_wait), start,
