@@ -34,14 +34,15 @@ WITHOUT_CFG = {"prompt": "a cat", "size": "64x64", "seed": 5, "steps": 2, "n": 2
 
 
 class Ranks:
-    """``bcg-serve --parallel cfg`` on 2 processes, logging to ``folder``."""
+    """``bcg-serve --parallel cfg`` with ``flags`` on 2 processes (CPU, else a GPU each), logging to
+    ``folder``."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, flags: list[str] = FLAGS, cpu: bool = True) -> None:
         script = folder / "serve.py"
         script.write_text("from pipelines.serve import main\nraise SystemExit(main())\n")
         self.folder = folder
-        self.procs = launch_ranks(str(script), 2, folder, *FLAGS, "--parallel", "cfg", "--port", "0")
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self._port()}", timeout=120)
+        self.procs = launch_ranks(str(script), 2, folder, *flags, "--parallel", "cfg", "--port", "0", cpu=cpu)
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self._port()}", timeout=600)
 
     def log(self, rank: int) -> str:
         return (self.folder / f"rank{rank}.log").read_text(errors="replace")
