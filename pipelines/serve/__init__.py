@@ -46,7 +46,8 @@ app         the routes, on FastAPI
 startup     checks before the socket is bound; build, adapters and warm-up on the worker
 lifecycle   socket, uvicorn, signals and exit status
 ranks       --parallel: every rank builds and warms up; rank 0's calls sent to the others, which follow
-ray         the same app and routes as a Ray Serve application, one replica per GPU (``--ray``)
+ray         the same app and routes as a Ray Serve application, one replica per GPU (``--ray``; with
+            ``--parallel``, one per N GPUs, its other ranks started by the replica)
 ray_app     that application for ``serve run`` and KubeRay's ``RayService`` (its flags as ``argv``)
 """
 
