@@ -42,7 +42,12 @@ class Ranks:
         script.write_text("from pipelines.serve import main\nraise SystemExit(main())\n")
         self.folder = folder
         self.procs = launch_ranks(str(script), 2, folder, *flags, "--parallel", "cfg", "--port", "0", cpu=cpu)
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self._port()}", timeout=600)
+        try:
+            port = self._port()
+        except BaseException:  # no fixture ends them yet
+            self.kill()
+            raise
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600)
 
     def log(self, rank: int) -> str:
         return (self.folder / f"rank{rank}.log").read_text(errors="replace")
@@ -74,7 +79,8 @@ class Ranks:
             raise AssertionError(f"rank {rank} did not exit within {timeout} s:\n{self.log(rank)[-3000:]}") from None
 
     def kill(self) -> None:
-        self.client.close()
+        if hasattr(self, "client"):
+            self.client.close()
         for p in self.procs:
             with contextlib.suppress(Exception):
                 p.kill()
