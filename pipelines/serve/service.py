@@ -113,24 +113,25 @@ class Service:
         self.lost = reason
         was = self.phase
         self.phase = "lost"
+        waiting = self._answer_waiting()
+        logger.error("cannot serve any more (%s): %d waiting request(s) answered 503%s", reason, len(waiting),
+                     "; stop and restart the server" if was == "ready" else "")  # fmt: skip
+
+    def _answer_waiting(self) -> list[Any]:
+        """Not ready, the queue closed, and every request still waiting answered 503 (returned)."""
         self.metrics.ready.set(0)
         waiting = self.batcher.close()
         for w in waiting:
             w.future.set_exception(Closed())
         self.metrics.dropped.labels("shutdown").inc(len(waiting))
-        logger.error("cannot serve any more (%s): %d waiting request(s) answered 503%s", reason, len(waiting),
-                     "; stop and restart the server" if was == "ready" else "")  # fmt: skip
+        return waiting
 
     def stop(self) -> None:
         """Stop accepting; the waiting requests are answered 503 now, the running batch finishes."""
         if self.phase in ("stopping", "failed", "lost"):
             return
         self.phase = "stopping"
-        self.metrics.ready.set(0)
-        waiting = self.batcher.close()
-        for w in waiting:
-            w.future.set_exception(Closed())
-        self.metrics.dropped.labels("shutdown").inc(len(waiting))
+        waiting = self._answer_waiting()
         logger.info("stopping: %d waiting request(s) answered 503; the running batch finishes", len(waiting))
 
     def busy(self) -> tuple[str, str] | None:
