@@ -11,6 +11,7 @@ config     the settings of a graph runner, read by each of its parts
 bindings   where a Python function lives (what a callable wraps, every namespace binding it)
 pool       a memory pool and capture stream that several graph runners share, and its counters
 sites      where a capture broke: the operation's line and the function around it
+containers the containers a call is given, found through its arguments, and what each holds
 copyback   a break's replay output copied into its boundary buffer; weak views of pool tensors
 marks      functions marked as eager breaks, and what a marked function answers to
 signature  call signatures: what must match for a captured graph to serve a call

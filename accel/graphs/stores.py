@@ -9,14 +9,15 @@ containers.
 
 Contract:
 
-* *Given containers* are the lists, dicts and deques in a call's arguments, the fields of its
-  dataclasses, and the attributes of its *request-scoped state*: objects of the types the runner
-  is given as state (``GraphRunner.state_types``, which recipes fill) and every plain object those
-  hold, at any depth of tuples, lists, dicts, namedtuples, dataclasses and state (what the call
-  signature opens; :mod:`accel.graphs.signature`). What they hold at entry is part of the
-  signature (a tensor's shape, a constant's value: ``None`` against a tensor, ``feat_idx``'s int),
-  so a replay meets them as the capture did. The same container given twice in one call is not
-  replayed (a capture sees two containers): such a call runs eagerly (:func:`given_twice`).
+* *Given containers* (found by :mod:`accel.graphs.containers`) are the lists, dicts and deques in a
+  call's arguments, the fields of its dataclasses, and the attributes of its *request-scoped state*:
+  objects of the types the runner is given as state (``GraphRunner.state_types``, which recipes
+  fill) and every plain object those hold, at any depth of tuples, lists, dicts, namedtuples,
+  dataclasses and state (what the call signature opens; :mod:`accel.graphs.signature`). What they
+  hold at entry is part of the signature (a tensor's shape, a constant's value: ``None`` against a
+  tensor, ``feat_idx``'s int), so a replay meets them as the capture did. The same container given
+  twice in one call is not replayed (a capture sees two containers): such a call runs eagerly
+  (:func:`given_twice`).
 * For every given container whose contents changed, the capture keeps its final contents (a
   list's items, a dict's keys and values, an object's attribute names and values, those the call
   added or deleted included), each item as one of:
@@ -85,154 +86,25 @@ of the output is refused, naming the field); and joining the guidance branches i
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import weakref
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
-from . import nodes, tree
+from . import tree
+from .containers import Given, Path, attributes_of, given_twice, has_attributes, label
 from .copyback import PoolMap, views_of_pool_tensors
 from .errors import BreakError
 from .signature import LITERALS
 
 __all__ = ["Given", "Recording", "Stores", "given_twice", "record"]
 
-Step = tuple[str, Any]  # ("index", i), ("key", k) or ("attr", name)
-Path = tuple[Step, ...]  # from the call's root (args, kwargs): its first step is index 0 or 1
 _UNSET = object()
 
 # How an item of a container's final contents is put back (see the module's contract).
 CONST, INPUT, OBJECT, OUTPUT, MADE = "constant", "input", "object", "output", "made"
-
-
-def label(path: Path) -> str:
-    """``args[1]['a']``, ``kwargs['feat_cache'][3]``: the field a path leads to."""
-    (_, root), *rest = path
-    text = "args" if root == 0 else "kwargs"
-    for how, what in rest:
-        text += f".{what}" if how == "attr" else f"[{what!r}]"
-    return text
-
-
-# --------------------------------------------------------------------------------------------
-# The containers a call is given
-# --------------------------------------------------------------------------------------------
-def _opened(node: Any, state: bool) -> bool:
-    """Whether the call signature walks into ``node`` (``state``: request-scoped state holds it,
-    or is it: plain objects are opened too)."""
-    kind = nodes.kind(node)
-    if kind is nodes.NAMEDTUPLE or kind is nodes.DATACLASS or (kind is nodes.OBJECT and state):
-        return True
-    return kind is nodes.BY_REGISTRY and type(node) in pytree.SUPPORTED_NODES
-
-
-def _has_attributes(node: Any) -> bool:
-    """A container whose contents are attributes: a dataclass (its fields) or a plain object (its ``__dict__``)."""
-    kind = nodes.kind(node)
-    return kind is nodes.DATACLASS or kind is nodes.OBJECT
-
-
-def _attributes(node: Any) -> list[tuple[str, Any]]:
-    if nodes.kind(node) is nodes.DATACLASS:
-        present = ((f.name, getattr(node, f.name, _UNSET)) for f in dataclasses.fields(node))
-        return [(n, v) for n, v in present if v is not _UNSET]
-    return list(vars(node).items())
-
-
-def _children(node: Any) -> list[tuple[Step, Any]]:
-    if _has_attributes(node):
-        items = [(("key", k), v) for k, v in dict.items(node)] if isinstance(node, dict) else []
-        return items + [(("attr", n), v) for n, v in _attributes(node)]
-    if isinstance(node, dict):
-        return [(("key", k), v) for k, v in node.items()]
-    if isinstance(node, (list, tuple, collections.deque)):
-        return [(("index", i), v) for i, v in enumerate(node)]
-    return []  # another registered container: nothing of it can be stored into
-
-
-def _mutable(node: Any) -> bool:
-    return isinstance(node, (list, dict, collections.deque)) or _has_attributes(node)
-
-
-def _find(node: Any, path: Path, out: list[tuple[Path, Any]], types: frozenset[type], state: bool = False) -> None:
-    if isinstance(node, torch.Tensor):
-        return
-    state = state or type(node) in types
-    if not _opened(node, state):
-        return
-    if _mutable(node):
-        out.append((path, node))
-    for step, child in _children(node):
-        _find(child, (*path, step), out, types, state)
-
-
-def _contents(container: Any) -> tuple[Any, ...]:
-    """What a container holds now, as a flat tuple of the objects themselves (a dict's keys or an
-    object's attribute names, then the values), compared by identity."""
-    if _has_attributes(container):
-        items = _attributes(container)
-        if isinstance(container, dict):  # a dict subclass with attributes: its items count too
-            items = list(dict.items(container)) + items
-        return (*(n for n, _ in items), *(v for _, v in items))
-    if isinstance(container, dict):
-        return (*container.keys(), *container.values())
-    if isinstance(container, (list, collections.deque)):
-        return tuple(container)
-    return tuple(v for _, v in _children(container))
-
-
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
-
-
-class Given:
-    """The containers one call is given, and what each held when it was taken.
-
-    The objects held are referenced strongly, so no identity is reused while it is compared.
-    """
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], state: frozenset[type] = frozenset()) -> None:
-        self.found: list[tuple[Path, Any]] = []
-        _find((args, kwargs), (), self.found, state)
-        self.held = [_contents(c) for _, c in self.found]
-
-    def changed(self) -> list[tuple[Path, Any, tuple[Any, ...]]]:
-        """(path, container, contents now) of every container whose contents changed."""
-        out = []
-        for (path, c), before in zip(self.found, self.held):
-            now = _contents(c)
-            if not _same(before, now):
-                out.append((path, c, now))
-        return out
-
-    @contextlib.contextmanager
-    def unchanged_by(self, what: str) -> Iterator[None]:
-        """Raise BreakError if the block (an eager break's run) stores into a given container."""
-        before = [_contents(c) for _, c in self.found]
-        yield
-        for (path, c), was in zip(self.found, before):
-            if not _same(was, _contents(c)):
-                raise BreakError(
-                    f"{what} stores into {label(path)}, a container given to the call: a replay runs the break "
-                    "on the capture's containers, not the caller's"
-                )
-
-
-def given_twice(args: tuple[Any, ...], kwargs: dict[str, Any], state: frozenset[type] = frozenset()) -> str | None:
-    """The field of a container given a second time in one call (the first found), else None."""
-    found: list[tuple[Path, Any]] = []
-    _find((args, kwargs), (), found, state)
-    seen: set[int] = set()
-    for path, c in found:
-        if id(c) in seen:
-            return label(path)
-        seen.add(id(c))
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,7 +194,7 @@ def record(
     stored = []
     for path, container, now in given.changed():
         where = label(path)
-        attributes = _has_attributes(container)
+        attributes = has_attributes(container)
         if attributes and isinstance(container, dict):
             raise BreakError(
                 f"{name}: the call stores into {where}, a {type(container).__name__} that is a dict with attributes: "
@@ -438,7 +310,7 @@ class Stores:
 
 def _set_attributes(obj: Any, names: tuple[str, ...], values: list[Any]) -> None:
     """Leave ``obj`` with exactly these attributes (a dataclass: these fields), as the call left its own."""
-    for n, _ in _attributes(obj):
+    for n, _ in attributes_of(obj):
         if n not in names:
             object.__delattr__(obj, n)
     for n, v in zip(names, values):
