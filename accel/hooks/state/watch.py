@@ -6,7 +6,8 @@ had then. :class:`Watch` tells whether any of that changed since it last looked.
 pipeline call for a denoiser and at every call of a component (:mod:`accel.hooks.state.follow`), never
 per step.
 
-The rule (one rule, not a list of cases; :mod:`accel.hooks.state.watch_rule` has its parts):
+The rule (one rule, not a list of cases; :mod:`accel.hooks.state.watch_rule` has its parts, and
+:mod:`accel.hooks.state.watch_values` how one value compares):
 
 * every module of the tree, every attention processor (a module's ``processor`` that is not a
   module) and every diffusers hook registry (``_diffusers_hook``) is watched through its
@@ -38,6 +39,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import watch_rule as rule
+from . import watch_values as values
 from .weights import storage_tensors, tensor_key
 
 __all__ = ["Look", "Watch"]
@@ -106,13 +108,13 @@ class _Plan:
         # Torch hooks are registered through handles numbered from one global counter: while it
         # has not moved, an empty hook dictionary is still empty, and a non-empty one can only
         # have lost a hook (its length). When it moved, every hook dictionary's length is
-        # compared, and the non-empty ones by what their hooks compute (rule.hook_keys), not by
+        # compared, and the non-empty ones by what their hooks compute (values.hook_keys), not by
         # handle: a hook registered again around every call is the same hook.
         self.hook_dicts = [s.d[k] for s in specs for k in rule.HOOK_DICTS if k in s.seen]
         self.hook_lens = [len(h) for h in self.hook_dicts]
         self.hooked = [h for h in self.hook_dicts if h]
         self.hooked_lens = [len(h) for h in self.hooked]
-        self.hooked_keys = [rule.hook_keys(h) for h in self.hooked]
+        self.hooked_keys = [values.hook_keys(h) for h in self.hooked]
         # Values whose class compares by value (a one-element tensor equals an equal one) and
         # objects whose own dictionary is watched: compared by identity, grouped by key.
         self.ident: list[tuple[Any, list[dict[str, Any]]]] = []
@@ -121,10 +123,10 @@ class _Plan:
         in_key: dict[tuple[str, bool], list[dict[str, Any]]] = {}
         for s in specs:
             for k, v in s.seen.items():
-                if rule.kind(v) == rule.CONTAINER:
-                    if any(rule.by_identity(x) for x in rule.contents(v)):
+                if values.kind(v) == values.CONTAINER:
+                    if any(values.by_identity(x) for x in values.contents(v)):
                         in_key.setdefault((k, isinstance(v, dict)), []).append(s.d)
-                elif rule.by_identity(v) or k in rule.OWNERS:
+                elif values.by_identity(v) or k in rule.OWNERS:
                     by_key.setdefault(k, []).append(s.d)
         self.ident = [(operator.itemgetter(k), ds) for k, ds in by_key.items()]
         self.ident_in = [(operator.itemgetter(k), ds, is_dict) for (k, is_dict), ds in in_key.items()]
@@ -150,7 +152,7 @@ class _Plan:
         if RemovableHandle.next_id != self.next_id:
             if list(map(len, self.hook_dicts)) != self.hook_lens:
                 return False
-            if list(map(rule.hook_keys, self.hooked)) != self.hooked_keys:
+            if list(map(values.hook_keys, self.hooked)) != self.hooked_keys:
                 return False
             self.next_id = RemovableHandle.next_id
         elif list(map(len, self.hooked)) != self.hooked_lens:
@@ -255,7 +257,7 @@ class Watch:
                         tensors.extend(storage_tensors(t))
             for key in rule.OWNERS:
                 owned = d.get(key)
-                if owned is None or rule.kind(owned) != rule.OBJECT or isinstance(owned, torch.nn.Module):
+                if owned is None or values.kind(owned) != values.OBJECT or isinstance(owned, torch.nn.Module):
                     continue
                 if id(owned) in seen_ids:
                     continue
@@ -282,7 +284,7 @@ def _getter(keys: tuple[str, ...]) -> Any:
 
 
 def _spec(path: str, obj: Any, d: dict[str, Any], keys: list[str]) -> _Spec:
-    seen = {k: rule.copy(d[k]) for k in keys}
+    seen = {k: values.copy(d[k]) for k in keys}
     # The fast check compares the non-empty parameter and buffer dictionaries too (a tensor
     # replaced), leaves hook dictionaries to _Plan (by the handle counter and what their hooks
     # compute) and leaves out empty child, parameter and buffer dictionaries: a module gains a first child or

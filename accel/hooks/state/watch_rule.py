@@ -1,10 +1,8 @@
-"""The rule of :mod:`accel.hooks.state.watch`: which values count, how they compare, what is skipped and why.
+"""The rule of :mod:`accel.hooks.state.watch`: which values count, what is skipped and why.
 
-Values in a watched ``__dict__`` are of three kinds (:func:`kind`): *plain* (numbers, strings,
-bools, None, dtypes, devices, enums, classes, tuples), compared by value; *containers* (dicts,
-lists, sets and their subclasses), compared by their shallow content, since PEFT keeps its scales,
-merged adapters, DoRA switches and active adapters in them and IP-Adapter processors keep scales
-in lists; and *objects*, compared by identity.
+How one value compares (plain by value, containers by content, objects by identity, hook
+dictionaries by what their hooks compute, an attribute by what its class gives) is
+:mod:`accel.hooks.state.watch_values`.
 
 Skipped, each for a reason (the harmless exceptions; the ones rewritten per call were found by
 calling unchanged pipelines many times with every step cache and with joined guidance branches):
@@ -37,26 +35,8 @@ handle, numbered from one global counter; an empty child, parameter or buffer di
 entry only under a name the forward did not read when it was captured (but a ``ModuleDict`` or
 ``ModuleList``, read by content, is compared even empty).
 
-Hook dictionaries are compared by what their hooks compute, in order (:func:`hook_keys`), not by
-the hooks' identities or handle numbers: a Python function by its code, the contents of its
-closure cells and its defaults (each by the rule above), a bound method by its object and its
-function. A hook a caller registers around every call and removes after (a pipeline's
-``register_forward_hook(lambda module, args, output: args[0])`` around each encode) is a new
-function object with a new handle each time, yet the same hook: each registration finds the state
-it had the time before, and its graphs. A hook of other code or other captured values, one added
-and left, one removed, is a change as before. Other callables (a ``functools.partial``, an object
-with ``__call__``) are compared by identity; the flags torch keeps beside a hook's handle
-(``with_kwargs``, ``always_called``) are not compared: they follow the hook's calling convention,
-which its code fixes.
-
 Process-wide, beside the dictionaries: diffusers' active attention backend, torch's global module
 hooks, and torch's settings that pick kernels (TF32, the SDPA kernel switches, autocast).
-
-An attribute of an object's own that holds the plain value its class gives (a class attribute
-along its MRO) is the same state as no attribute at all: reading it gives the same either way.
-diffusers' ``reset_attention_backend`` leaves every processor an ``_attention_backend = None`` of
-its own beside the class's ``None``; without this, switching a backend and back would be a third
-state, captured again, instead of the first one, replayed.
 
 Not watched, said plainly: class attributes and other module globals; the inside of objects held
 by identity (a RoPE table holder, a function's closure, a hook object's settings); a value
@@ -70,21 +50,14 @@ says so, and graphs are refused for its module.
 
 from __future__ import annotations
 
-import enum
 import functools
 import sys
-import types
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.nn.modules.module as torch_module
 
-PLAIN = "plain"
-CONTAINER = "container"
-OBJECT = "object"
-
-_PLAIN_TYPES = (int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum, type)
+from .watch_values import OBJECT, Same, as_class_gives, comparable, copy, hook_keys, kind, same, same_hooks, show
 
 WEIGHT_KEYS = ("_parameters", "_buffers")
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -152,40 +125,6 @@ _TORCH_GLOBAL_HOOKS = (
     "_global_backward_hooks",
     "_global_backward_pre_hooks",
 )
-
-
-def kind(v: Any) -> str:
-    if isinstance(v, (dict, list, set)):
-        return CONTAINER
-    if isinstance(v, _PLAIN_TYPES) or type(v) is tuple or isinstance(v, torch.Size):
-        return PLAIN
-    return OBJECT
-
-
-def by_identity(v: Any) -> bool:
-    """Whether ``v`` must be compared by identity beyond ``==``: an object whose class compares
-    by value, where ``==`` could call two different objects equal (a one-element tensor; a tensor
-    of more elements makes ``==`` raise, which counts as a change)."""
-    if kind(v) != OBJECT:
-        return False
-    if isinstance(v, torch.Tensor):
-        return v.numel() == 1
-    return type(v).__eq__ is not object.__eq__
-
-
-def contents(c: Any) -> Iterable[Any]:
-    return c.values() if isinstance(c, dict) else c
-
-
-def copy(v: Any) -> Any:
-    """``v`` as the snapshot keeps it: containers as shallow copies, anything else itself."""
-    if isinstance(v, dict):
-        return dict(v)
-    if isinstance(v, list):
-        return list(v)
-    if isinstance(v, set):
-        return set(v)
-    return v
 
 
 # Torch modules whose forward reads nothing of their own dictionary but their tensors and hooks
@@ -322,116 +261,9 @@ def global_differences(old: tuple[Any, ...], new: tuple[Any, ...]) -> list[str]:
     return [f"{name} changed ({show(o)} -> {show(n)})" for name, o, n in zip(names, old, new) if not same(o, n)]
 
 
-# -- comparing and describing ------------------------------------------------------------------
-class Same:
-    """Compares equal only to a :class:`Same` of the very same object (and keeps it alive)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Same) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-
-def _rec(v: Any) -> Any:
-    k = kind(v)
-    if k == PLAIN:
-        return v
-    if k == CONTAINER:
-        if isinstance(v, dict):
-            return {key: _rec(x) for key, x in v.items()}
-        items = [_rec(x) for x in v]
-        return items if isinstance(v, list) else ("set", frozenset(Same(x) for x in v))
-    return Same(v)
-
-
-def same(a: Any, b: Any) -> bool:
-    """``a`` and ``b`` as the watch compares them (plain by value, containers by content,
-    objects by identity)."""
-    if a is b:
-        return True
-    try:
-        return _rec(a) == _rec(b)
-    except Exception:  # a value whose == raises: not the same
-        return False
-
-
-_EMPTY_CELL = object()
-
-
-def _cell(cell: Any) -> Any:
-    try:
-        return _rec(cell.cell_contents)
-    except ValueError:  # a cell not yet filled
-        return Same(_EMPTY_CELL)
-
-
-def hook_key(fn: Any) -> Any:
-    """What a hook computes, comparable with ``==`` (see the module docstring): a function by its
-    code, closure contents and defaults; a bound method by its object and function; any other
-    callable by identity."""
-    if isinstance(fn, types.MethodType):
-        return ("method", Same(fn.__self__), hook_key(fn.__func__))
-    if isinstance(fn, types.FunctionType):
-        return (
-            "function",
-            Same(fn.__code__),
-            Same(fn.__globals__),
-            tuple(_cell(c) for c in fn.__closure__ or ()),
-            _rec(list(fn.__defaults__ or ())),
-            _rec(dict(fn.__kwdefaults__ or {})),
-        )
-    return Same(fn)
-
-
-def hook_keys(hooks: Any) -> Any:
-    """A hook dictionary by what its hooks compute, in the order they run (handle numbers left
-    out); a value that is no dictionary as the rule compares any other."""
-    if not isinstance(hooks, dict):
-        return _rec(hooks)
-    return tuple(hook_key(fn) for fn in hooks.values())
-
-
+# -- a look's record, and what changed between two looks -----------------------------------------
 def _rec_entry(key: str, v: Any) -> Any:
-    return hook_keys(v) if key in HOOK_DICTS else _rec(v)
-
-
-def same_hooks(a: Any, b: Any) -> bool:
-    """Two hook dictionaries as the watch compares them (:func:`hook_keys`)."""
-    try:
-        return bool(hook_keys(a) == hook_keys(b))
-    except Exception:  # a closure value whose == raises: not the same
-        return False
-
-
-_ABSENT = object()
-
-
-def class_value(obj: Any, key: str) -> Any:
-    """The plain value ``obj``'s class gives ``key`` where ``obj`` has no attribute of its own
-    (a class attribute found along the MRO), or ``_ABSENT`` (none, or not a plain value: a
-    method, a property)."""
-    for c in type(obj).__mro__:
-        if key in c.__dict__:
-            v = c.__dict__[key]
-            return v if kind(v) == PLAIN else _ABSENT
-    return _ABSENT
-
-
-def as_class_gives(obj: Any, key: str, v: Any) -> bool:
-    """Whether ``obj``'s own ``key`` holds the plain value its class gives anyway: reading the
-    attribute gives the same with or without it, so it is the same state as its absence
-    (diffusers' ``reset_attention_backend`` leaves ``processor._attention_backend = None``
-    where before there was only the class's ``None``)."""
-    if kind(v) != PLAIN:
-        return False
-    given = class_value(obj, key)
-    return given is not _ABSENT and same(v, given)
+    return hook_keys(v) if key in HOOK_DICTS else comparable(v)
 
 
 def record(specs: list[Any], globals_seen: tuple[Any, ...]) -> Any:
@@ -441,17 +273,7 @@ def record(specs: list[Any], globals_seen: tuple[Any, ...]) -> Any:
         s.path: (Same(s.obj), {k: _rec_entry(k, v) for k, v in s.seen.items() if not as_class_gives(s.obj, k, v)})
         for s in specs
     }
-    return (_rec(list(globals_seen)), state)
-
-
-def show(v: Any) -> str:
-    k = kind(v)
-    if k == OBJECT:
-        text = getattr(v, "__qualname__", None) if callable(v) and not hasattr(v, "__dict__") else None
-        text = text or type(v).__name__
-    else:
-        text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return (comparable(list(globals_seen)), state)
 
 
 def _children(path: str, old: dict[str, Any], new: dict[str, Any]) -> list[str]:
