@@ -22,7 +22,8 @@ What the stock forward needs (diffusers 0.42):
   right-padded (masked) to a multiple of the number of ranks where its length does not split.
 * The two calls join into one batch-2 call (``cfg_batch``) where each GPU's share of the image is
   at most :data:`BUCKET_MAX_IMAGE_TOKENS`: up to 768x768 on one GPU, up to 1024x1024 on two
-  Ulysses ranks (measured faster than apart there: docs/benchmarks.md).
+  Ulysses ranks (measured faster than apart there: docs/benchmarks.md). The calls themselves,
+  joined or stood in for, are :mod:`pipelines.families.qwen_image.guidance`.
 * Qwen-Image Layered (``QwenImageLayeredPipeline``, the same denoiser with a layer-indexed RoPE)
   is called by image and ``resolution``, not by size: :mod:`pipelines.families.qwen_image.layered`.
 """
@@ -38,11 +39,12 @@ from typing import Any
 
 import torch
 
-from accel import GenerationDefaults, Recipe, WarmupCase, eager_on_graph, patch, tree, unpatched
+from accel import GenerationDefaults, Recipe, WarmupCase, eager_on_graph, patch, unpatched
 
 from . import layered
 from .forms import QWEN_MODULE, qwen_rope_in_real_arithmetic
 from .fused_norms import fuse_norm_quantization
+from .guidance import CFG_BRANCHES, join_calls, output_like
 from .models import FAMILY
 from .modulation import ROLE_KWARG, ModulationOnce, modulation_once
 
@@ -54,11 +56,6 @@ BUCKET_MAX_IMAGE_TOKENS = 48 * 48
 PATCH_PIXELS = 16  # VAE factor 8 times patch size 2
 # The pipeline drops its system-prompt template (34 tokens) and truncates to this by default.
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
-# True CFG's two calls per step, by the cache_context the pipeline runs them under.
-CFG_BRANCHES = {"cond": 0, "uncond": 1}
-# A denoiser call's per-sample arguments, when two calls are joined into one batch.
-BATCHED_TENSORS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "guidance")
-PER_SAMPLE_LISTS = ("img_shapes", "txt_seq_lens")
 # What a warm-up call of a pipeline that must be given a prompt says (the text reaches the
 # denoiser as random embeddings of the case's length).
 WARMUP_PROMPT = "a photograph"
@@ -276,20 +273,7 @@ class QwenImageRecipe(Recipe):
         return CFG_BRANCHES.get(context) if context is not None else None
 
     def cfg_output_like(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        if not isinstance(hidden, torch.Tensor):
-            raise ValueError("qwen-image: a denoiser call without hidden_states cannot be split for parallel='cfg'")
-        # The forward ends in proj_out: its width, in the dtype the call computes in.
-        proj = module.proj_out
-        dtype = proj.weight.dtype
-        if torch.is_autocast_enabled(hidden.device.type):
-            dtype = torch.get_autocast_dtype(hidden.device.type)
-        out = hidden.new_empty((*hidden.shape[:-1], proj.out_features), dtype=dtype)
-        if kwargs.get("return_dict", True):
-            from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-            return Transformer2DModelOutput(sample=out)
-        return (out,)
+        return output_like(module, args, kwargs)
 
     def batch_cfg(
         self, module: torch.nn.Module, calls: list[tuple[tuple[Any, ...], dict[str, Any]]], *, degree: int = 1
@@ -312,20 +296,8 @@ class QwenImageRecipe(Recipe):
                 return None  # one GPU keeps exact text lengths here: output promised bit for bit
             buckets.append(bucket)
         first, second = (_pad_text(k, max(buckets)) for k in (first, second))
-        joined: dict[str, Any] = {}
-        for key, a in first.items():
-            b = second[key]
-            if key in BATCHED_TENSORS and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-                if a.dim() == 0 or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-                    return None
-                joined[key] = torch.cat([a, b])
-            elif key in PER_SAMPLE_LISTS and isinstance(a, list) and isinstance(b, list):
-                joined[key] = a + b
-            elif tree.tensors(a) or tree.tensors(b) or a != b:
-                return None  # a tensor or setting the recipe does not know how to join
-            else:
-                joined[key] = a
-        return (), joined
+        joined = join_calls(first, second)  # guidance.py
+        return ((), joined) if joined is not None else None
 
     def prepare_context_parallel(
         self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], degree: int
