@@ -63,8 +63,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
 # Third-party packages a layer must not import (the core is torch only).
 FORBIDDEN: dict[str, tuple[str, ...]] = {"accel.graphs": ("diffusers", "transformers", "accelerate")}
 # Modules of accel that pipelines may import besides accel's public names, and why.
+# Each imports the standard library only; the front ends load them by file, without accel's package
+# (pipelines.generation.constants' LIGHT_ACCEL_MODULES), an import this checker cannot see: hence the test
+# that every module loaded so is listed here.
 PUBLIC_MODULES = {
     "accel.hooks.options": "standard library only: the front ends read its constants and checks before torch is imported",
+    "accel.parallel.layout": "standard library only: bcg-serve --ray sizes a --parallel replica by its rule of how "
+    "many processes a mode runs on, before torch is imported",
 }
 OURS = ("accel", "pipelines")
 # The model families: one folder each (pipelines/families/<family>/), and what they may import of
@@ -478,6 +483,28 @@ def test_every_layer_exists() -> None:
         assert (ROOT.joinpath(*layer.split(".")) / "__init__.py").is_file(), layer
     for module in PUBLIC_MODULES:
         assert ROOT.joinpath(*module.split(".")).with_suffix(".py").is_file(), module
+
+
+def test_the_modules_pipelines_loads_by_file_are_public_and_standard_library_only() -> None:
+    """pipelines loads a few modules of accel by file, before torch (``accel_module`` of
+    pipelines/generation/constants.py, which names them in ``LIGHT_ACCEL_MODULES``): each is one of
+    :data:`PUBLIC_MODULES`, and each of those imports the standard library only."""
+    constants = ROOT / "pipelines" / "generation" / "constants.py"
+    light = next(
+        ast.literal_eval(node.value)
+        for node in ast.parse(constants.read_text(encoding="utf-8")).body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "LIGHT_ACCEL_MODULES" for t in node.targets)
+    )
+    unlisted = sorted(set(light) - set(PUBLIC_MODULES))
+    assert not unlisted, f"constants.py loads {', '.join(unlisted)} by file: list it in PUBLIC_MODULES, with why"
+    bad = []
+    for module in PUBLIC_MODULES:
+        path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+        for line, target, _names in _imports_of(path.read_text(encoding="utf-8"), module):
+            top = target.partition(".")[0]
+            if top not in sys.stdlib_module_names and top != "__future__":
+                bad.append(f"{path.relative_to(ROOT)}:{line}: imports {target}; it is loaded alone, before torch")
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize(

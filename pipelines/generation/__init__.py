@@ -22,7 +22,8 @@ imports no torch: the flags are read and checked before it loads.
 The modules, one job each:
 
 errors      :class:`InputError` and :class:`RunError`, each told in one line
-constants   the defaults and bounds of the flags, accel's options loaded without torch, the version
+constants   the defaults and bounds of the flags, accel's standard-library modules (its options,
+            the parallel modes' process counts) loaded without torch, the version
 extras      the optional extras, and the one line naming the install command of a missing one
 values      each flag's value, checked as it is read
 caches      ``--cache``: the step caches of diffusers and cache-dit, checked and applied

@@ -2,7 +2,8 @@
 
 ``--help`` and a mistyped option answer in a fraction of a second instead of the 3-5 s that
 torch, diffusers and accel's package take to import. So the option constants come from
-``accel/hooks/options.py`` (standard library only), loaded on its own, and the few limits the
+``accel/hooks/options.py`` and the parallel modes' process counts from ``accel/parallel/layout.py``
+(both standard library only), each loaded on its own (:func:`accel_module`), and the few limits the
 parser needs are mirrored from :mod:`pipelines.limits` (which imports torch), kept equal by a test.
 """
 
@@ -31,33 +32,45 @@ MAX_GUIDANCE = 100.0
 MEMORY_MARGIN = 1.5
 
 
+# accel's modules that need only the standard library: the front ends load each on its own, before
+# torch (:func:`accel_module`). tests/test_layering.py's PUBLIC_MODULES lists each of them too.
+LIGHT_ACCEL_MODULES = ("accel.hooks.options", "accel.parallel.layout")
+
+
 @cache
-def accel_options() -> ModuleType:
-    """``accel.hooks.options`` without running ``accel/__init__`` (which imports torch and diffusers).
+def accel_module(name: str) -> ModuleType:
+    """``name`` (one of :data:`LIGHT_ACCEL_MODULES`) without running ``accel/__init__`` (which
+    imports torch and diffusers).
 
     The file needs only the standard library, so it is executed on its own under a private name.
     Should it ever need the rest of accel, loading it alone fails and the real module is used:
-    slower, never wrong.
+    slower, never wrong. Where the real module is loaded already, that is the one returned.
     """
-    real = sys.modules.get("accel.hooks.options")
+    if name not in LIGHT_ACCEL_MODULES:
+        raise ValueError(f"{name} is not one of accel's standard-library modules ({', '.join(LIGHT_ACCEL_MODULES)})")
+    real = sys.modules.get(name)
     if real is not None:
         return real
-    name = "pipelines.generation._accel_options"
+    private = "pipelines.generation._" + name.replace(".", "_")
     try:
         package = importlib.util.find_spec("accel")  # a top-level find_spec imports nothing
         locations = list(package.submodule_search_locations or []) if package else []
-        spec = importlib.util.spec_from_file_location(name, Path(locations[0]) / "hooks" / "options.py")
+        path = Path(locations[0]).joinpath(*name.split(".")[1:]).with_suffix(".py")
+        spec = importlib.util.spec_from_file_location(private, path)
         if spec is None or spec.loader is None:
-            raise ImportError("accel/hooks/options.py not found")
+            raise ImportError(f"{path} not found")
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file runs
+        sys.modules[private] = module  # dataclasses look their module up while the file runs
         spec.loader.exec_module(module)
         return module
     except Exception:
-        sys.modules.pop(name, None)
-        import accel.hooks.options
+        sys.modules.pop(private, None)
+        return importlib.import_module(name)
 
-        return accel.hooks.options
+
+def accel_options() -> ModuleType:
+    """``accel.hooks.options`` (the option constants and checks) without torch: :func:`accel_module`."""
+    return accel_module("accel.hooks.options")
 
 
 @cache  # the metadata lookup scans the path (half a millisecond); every served image asks

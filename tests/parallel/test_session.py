@@ -60,14 +60,22 @@ def test_layouts() -> None:
     assert (lay.cfg, lay.ulysses, lay.branch, lay.ulysses_index) == (2, 4, 1, 1)
     assert lay.ulysses_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert lay.cfg_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    with pytest.raises(
-        ValueError, match="parallel='cfg' runs the two guidance branches on 2 processes, this launch has 4"
-    ):
+    with pytest.raises(ValueError) as e:
         plan_layout("cfg", 4, 0)
-    with pytest.raises(ValueError, match="needs an even number of processes, at least 4"):
-        plan_layout("cfg+ulysses", 2, 0)
-    with pytest.raises(ValueError, match="needs 2 or more processes"):
+    assert str(e.value) == (
+        "parallel='cfg' needs 2 processes (one per guidance branch), this launch has 4; use --nproc_per_node 2, "
+        "or parallel='cfg+ulysses' for 4 or more"
+    )
+    with pytest.raises(ValueError) as e:
+        plan_layout("cfg+ulysses", 5, 0)
+    assert str(e.value) == (
+        "parallel='cfg+ulysses' needs an even number of processes, at least 4 (2 x N/2), this launch has 5; "
+        "use parallel='cfg' on 2"
+    )
+    with pytest.raises(ValueError, match=r"^parallel='ulysses' needs 2 or more processes, this launch has 1$"):
         plan_layout("ulysses", 1, 0)
+    with pytest.raises(ValueError, match=r"^parallel must be one of cfg, ulysses, cfg\+ulysses; got 'tp'$"):
+        plan_layout("tp", 2, 0)
 
 
 def test_a_single_process_is_told_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:

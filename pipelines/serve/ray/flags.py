@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from ...generation.constants import accel_module
 from ..config import PROG, ServeConfig, UsageError, build_parser, parse_args
 
 __all__ = ["RayConfig", "add_ray_arguments", "deployment_options", "parse_ray_args", "replica_ranks"]
@@ -148,23 +149,20 @@ def parse_ray_args(argv: Sequence[str]) -> tuple[ServeConfig, RayConfig, list[st
     return config, ray, rest
 
 
-# The fewest processes each --parallel mode runs on (accel.parallel's layouts), and whether it takes more.
-_FEWEST_RANKS = {"cfg": (2, False), "ulysses": (2, True), "cfg+ulysses": (4, True)}
-
-
 def replica_ranks(parallel: str | None, gpus: float | None, device: str | None) -> int:
     """The processes of one replica: 1, or with ``--parallel`` one per GPU of ``--gpus-per-replica``
-    (default, and on a CPU: the fewest the mode runs on); UsageError where the mode cannot use them."""
+    (default, and on a CPU: the fewest the mode runs on); UsageError where the mode cannot use them.
+
+    How many processes a mode runs on is :mod:`accel.parallel.layout`'s rule, loaded without torch."""
     if parallel is None:
         return 1
-    fewest, more = _FEWEST_RANKS[parallel]
+    layout = accel_module("accel.parallel.layout")
     if gpus is None or device == "cpu":
-        return fewest
+        return layout.fewest_ranks(parallel)
     n = int(gpus)
-    if n != gpus or n < fewest or (n > fewest and not more) or (parallel == "cfg+ulysses" and n % 2):
-        need = {"cfg": "2", "ulysses": "2 or more", "cfg+ulysses": "an even number, 4 or more"}[parallel]
+    if n != gpus or not layout.runs_on(parallel, n):
         raise UsageError(f"--parallel {parallel} --gpus-per-replica {gpus:g}: a replica runs one process per GPU and "
-                         f"{parallel} needs {need}")  # fmt: skip
+                         f"{parallel} needs {layout.ranks_needed(parallel)}")  # fmt: skip
     return n
 
 

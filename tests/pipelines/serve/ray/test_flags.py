@@ -5,8 +5,10 @@ anything starts, and importing the front end imports neither Ray nor torch."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,10 @@ def test_the_flags_map_to_ray_serve_s_options() -> None:
             "--parallel cfg --gpus-per-replica 4: a replica runs one process per GPU and cfg needs 2",
         ),
         (["--parallel", "ulysses", "--gpus-per-replica", "1.5"], "ulysses needs 2 or more"),
-        (["--parallel", "cfg+ulysses", "--gpus-per-replica", "5"], "cfg+ulysses needs an even number, 4 or more"),
+        (
+            ["--parallel", "cfg+ulysses", "--gpus-per-replica", "5"],
+            "cfg+ulysses needs an even number of processes, at least 4",
+        ),
     ],
 )
 def test_a_bad_flag_is_one_line(flags: list[str], told: str) -> None:
@@ -103,6 +108,48 @@ def test_importing_the_ray_front_end_imports_neither_ray_nor_torch() -> None:
             "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_replica_s_processes_are_accel_s_layouts_read_without_torch() -> None:
+    """``replica_ranks`` asks accel.parallel's layout rule (loaded without accel's package, so
+    without torch): it takes exactly the GPU counts :func:`accel.parallel.plan_layout` lays out, and
+    by default the fewest of them, for every mode."""
+    from accel.hooks.options import PARALLEL_MODES
+    from accel.parallel import plan_layout
+
+    worlds = [*range(13), 2.5, 4.0]
+    code = f"""
+        import json, sys
+        from pipelines.serve.config import UsageError
+        from pipelines.serve.ray.flags import replica_ranks
+        answers = {{}}
+        for mode in {list(PARALLEL_MODES)!r}:
+            taken = []
+            for gpus in {worlds!r}:
+                try:
+                    taken.append(replica_ranks(mode, gpus, "cuda"))
+                except UsageError as e:
+                    assert str(e).startswith(f"--parallel {{mode}} --gpus-per-replica {{gpus:g}}: "), e
+            answers[mode] = [replica_ranks(mode, None, "cuda"), replica_ranks(mode, 6, "cpu"), taken]
+        print(json.dumps([answers, sorted(m for m in ("torch", "accel", "ray") if m in sys.modules)]))
+    """
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                         check=True)  # fmt: skip
+    answers, heavy = json.loads(out.stdout)
+    assert heavy == []
+
+    def lays_out(mode: str, world: float) -> bool:
+        try:
+            return world == int(world) and plan_layout(mode, int(world), 0).world == world
+        except ValueError:
+            return False
+
+    for mode in PARALLEL_MODES:
+        fitting = [int(w) for w in worlds if lays_out(mode, w)]
+        fewest, on_cpu, taken = answers[mode]
+        assert taken == fitting, mode
+        assert fewest == on_cpu == min(fitting), mode
+    assert {m: answers[m][0] for m in PARALLEL_MODES} == {"cfg": 2, "ulysses": 2, "cfg+ulysses": 4}
 
 
 def test_serve_run_builds_the_application_from_the_same_flags(monkeypatch: pytest.MonkeyPatch) -> None:
