@@ -31,9 +31,10 @@ edits       the multipart form of an edit, checked the same way, its image read
 errors      the one-line JSON error every non-200 answer is
 batcher     the bounded queue, and compatible requests joined into one call
 admission   which batch-size buckets fit the device's memory, at start and per call
+encode      an image as the file its request asked for (png, jpeg, webp)
+rendered    a call's images as made (PIL, with their text), and as the answer carries them (encoded)
 engine      a request planned against the model's defaults; a batch made into images at its
             bucket, its adapter picked
-encode      an image as the file its request asked for (png, jpeg, webp)
 warmup      every size at every bucket captured, timed and measured per bucket
 worker      the device worker: the one thread that calls the pipeline
 running     --batching continuous: which running batch a request's images join

@@ -34,9 +34,9 @@ from starlette.exceptions import HTTPException
 
 from .access import AccessLog, fields_of
 from .edits import MAX_EDIT_BYTES, parse_edit
-from .engine import EncodedImage
 from .errors import ServeError, error_body
 from .metrics import CONTENT_TYPE
+from .rendered import EncodedImage
 from .schema import ImageRequest, parse_request
 from .service import Service
 from .streaming import MEDIA_TYPE

@@ -9,7 +9,7 @@ that batch's bucket, and each image gets its own noise (its seed's generator) an
 own steps). Then one batch takes one step, inside the bracket of a pipeline call (the
 accelerator's checks, the adapter of its lane): the batch holding the oldest request. Rows whose
 steps are done leave; their images are decoded in a call of their bucket, made 8-bit on the
-device as the pipeline call's are, and handed on with their PNG text as :class:`~.engine.RenderedImage`,
+device as the pipeline call's are, and handed on with their PNG text as :class:`~.rendered.RenderedImage`,
 which the service encodes. A request whose client left or whose time ran out leaves its batch at
 the next boundary. An edit (its own input image) is one pipeline call, made between two steps. A
 failure fails the requests of the batch (or call) it happened in, and the worker goes on.

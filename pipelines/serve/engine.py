@@ -1,5 +1,5 @@
 """The pipeline side of the server: a request planned against the model's defaults, and a
-batch of planned requests made into PNGs by one pipeline call.
+batch of planned requests made into images by one pipeline call.
 
 The model's knowledge is the generation core's (:mod:`pipelines.generation`), as ``bcg-generate``'s
 is: a request's steps, guidance and negative prompt are resolved by
@@ -13,7 +13,8 @@ runs at the smallest bucket of at least k (``batch_sizes``), the rows added repe
 image (its prompt, negative prompt and seed, so its text length and batch key), then dropped. The
 call's shapes are then the bucket's, which the warm-up captured: an image equals the same request
 made in any other call of its bucket, bit for bit. A call that runs out of device memory is
-:class:`~.admission.OutOfMemory` (the worker makes its images again in smaller calls).
+:class:`~.admission.OutOfMemory` (the worker makes its images again in smaller calls). The images
+a call makes are :class:`~.rendered.RenderedImage`, encoded later into the answer's files.
 
 Only the device worker's thread calls :meth:`Engine.make` and :meth:`Engine.run`;
 :meth:`Engine.plan` reads only what is fixed once the engine exists, so the routes call it.
@@ -21,7 +22,6 @@ Only the device worker's thread calls :meth:`Engine.make` and :meth:`Engine.run`
 
 from __future__ import annotations
 
-import base64
 import copy
 import dataclasses
 import itertools
@@ -33,80 +33,21 @@ from typing import Any
 from pipelines.generation import CallSettings, Job, PreparedPipeline, RunError, StepWatch, call_settings, run_text
 from pipelines.generation.calls import nan_hint
 from pipelines.generation.image_input import EDIT, ImageInput, fitted, flatten, mask_from
-from pipelines.generation.prompts import TokenCount, count_tokens
+from pipelines.generation.prompts import count_tokens
 from pipelines.generation.record import image_texts, quantized, record_size_made
 from pipelines.lora import LoraSpec, activate
 
 from .admission import OutOfMemory
 from .batcher import BatchKey
-from .encode import encode
 from .errors import ServeError
+from .rendered import EncodedImage, RenderedImage
 from .schema import MAX_SEED, ImageRequest
 
-__all__ = ["EncodedImage", "Engine", "Plan", "RenderedImage", "TextCases", "bucket_for"]
+__all__ = ["Engine", "Plan", "TextCases", "bucket_for"]
 
 logger = logging.getLogger("bcg-serve")
 
 _EDITS = itertools.count(1)  # each edit request's number: its batch key is its own
-
-
-@dataclasses.dataclass(frozen=True)
-class EncodedImage:
-    """One image as the response carries it: its file in the format asked for, base64-encoded
-    (ASCII bytes: the route writes them into the answer as they are), the seed it was made with,
-    its prompt's tokens as the text encoder read them (None: not counted), which layer of its
-    image it is (a layered model's; None: the image itself), and its size as made ("WxH"; a
-    pipeline that picks its own size from an input image may differ from the request's)."""
-
-    b64: bytes
-    seed: int
-    tokens: TokenCount | None = None
-    layer: int | None = None
-    size: str | None = None
-
-    @property
-    def b64_json(self) -> str:
-        """The base64 as text (OpenAI's ``b64_json``)."""
-        return self.b64.decode("ascii")
-
-
-@dataclasses.dataclass(frozen=True)
-class RenderedImage:
-    """One image as its call made it (PIL), with its PNG text, seed, tokens and the file format
-    its request asked for. Encoding takes tens of milliseconds an image at 512x512 (PNG, zlib), so
-    the device worker hands these on and the service's encoding threads encode them
-    (:meth:`encode`): the device starts the next call meanwhile. ``layers``: a layered model's
-    image is its layers (RGBA), each answered as a file of its own (:meth:`files`)."""
-
-    image: Any
-    text: dict[str, str]
-    seed: int
-    tokens: TokenCount | None
-    output_format: str = "png"
-    output_compression: int | None = None
-    layers: Sequence[Any] | None = None
-
-    def encode(self) -> EncodedImage:
-        data = encode(self.image, self.text, self.output_format, self.output_compression)
-        return EncodedImage(base64.b64encode(data), self.seed, self.tokens, size=_size(self.image))
-
-    def files(self) -> list[EncodedImage]:
-        """The answer's files of this image: the image, or each of its layers in order, each
-        recording which layer it is."""
-        if self.layers is None:
-            return [self.encode()]
-        out = []
-        for k, layer in enumerate(self.layers):
-            text = {**self.text, "layer": str(k), "layers": str(len(self.layers))}
-            data = encode(layer, text, self.output_format, self.output_compression)
-            out.append(EncodedImage(base64.b64encode(data), self.seed, self.tokens, k, _size(layer)))
-        return out
-
-
-def _size(image: Any) -> str | None:
-    """A PIL image's "WxH" (None for anything without a PIL size)."""
-    size = getattr(image, "size", None)
-    return f"{size[0]}x{size[1]}" if isinstance(size, tuple) and len(size) == 2 else None
 
 
 def bucket_for(images: int, batch_sizes: Sequence[int] | None) -> int:

@@ -30,9 +30,9 @@ from prometheus_client import Histogram
 
 from .batcher import Batcher, Closed, QueueFull, Work
 from .continuous import ContinuousWorker
-from .engine import EncodedImage, RenderedImage
 from .errors import ServeError, one_line
 from .metrics import Metrics
+from .rendered import EncodedImage, RenderedImage
 from .schema import ImageRequest, Served
 from .streaming import ImageStream
 from .worker import BatchFailed, DeviceWorker

@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from .batcher import Closed
-from .engine import EncodedImage, RenderedImage
 from .errors import ServeError, error_body, one_line
+from .rendered import EncodedImage, RenderedImage
 from .schema import ImageRequest
 from .worker import BatchFailed, RequestGone
 

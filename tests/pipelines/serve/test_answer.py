@@ -20,8 +20,8 @@ from pipelines.generation.prompts import TokenCount
 from pipelines.serve import service as service_module
 from pipelines.serve.app import _answer
 from pipelines.serve.batcher import Batcher
-from pipelines.serve.engine import EncodedImage
 from pipelines.serve.errors import ServeError
+from pipelines.serve.rendered import EncodedImage
 from pipelines.serve.schema import ImageRequest, Served
 from pipelines.serve.service import Service
 from tests.pipelines.serve.test_engine import FakePipeline, engine, request

@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 
 from pipelines.serve.batcher import Batcher, Work
-from pipelines.serve.engine import EncodedImage
 from pipelines.serve.metrics import Metrics
+from pipelines.serve.rendered import EncodedImage
 from pipelines.serve.service import encode_timed
 from pipelines.serve.worker import DeviceWorker
 from tests.pipelines.serve.test_engine import FakePipeline, engine, request
