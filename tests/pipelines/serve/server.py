@@ -40,9 +40,10 @@ def decode(b64: str) -> Image.Image:
 
 
 class ServerProcess:
-    def __init__(self, argv: list[str], log: Path, command: list[str] | None = None) -> None:
+    def __init__(self, argv: list[str], log: Path, command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.log = log
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen([*(command or bcg_serve()), *argv, "--port", "0"], cwd=ROOT, env=env,
                                      stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
         self.url = f"http://127.0.0.1:{self._port()}"
