@@ -40,8 +40,9 @@ def decode(b64: str) -> Image.Image:
 
 
 class ServerProcess:
-    def __init__(self, argv: list[str], log: Path, command: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, argv: list[str], log: Path, command: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.log = log
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen([*(command or bcg_serve()), *argv, "--port", "0"], cwd=ROOT, env=env,

@@ -315,7 +315,9 @@ def test_a_replica_of_two_ranks_answers_as_one_bcg_serve_does_and_ends_its_follo
 
     qwen = ["--model", "qwen-image", "--resolutions", "64x64"]
     body = {"prompt": "a red fox", "size": "64x64", "seed": 3, "steps": 2, "guidance": 4.0, "negative_prompt": "blurry"}
-    one = ServerProcess([*MODEL, *qwen], tmp_path / "one.log")
+    # One thread, as the replica's ranks have (Ray gives a worker of one CPU OMP_NUM_THREADS=1): a CPU
+    # product's bits may depend on how many threads split it.
+    one = ServerProcess([*MODEL, *qwen], tmp_path / "one.log", env={"OMP_NUM_THREADS": "1"})
     try:
         one.wait_ready()
         want = one.generate(**body)
