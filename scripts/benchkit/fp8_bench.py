@@ -181,7 +181,9 @@ class Bench:
 
                 with contextlib.suppress(Exception):
                     cache_dit.disable_cache(self.pipe)
-            if self.cuda:
-                torch.cuda.empty_cache()
+            # The row's compiled code holds the weights it ran on (bf16 ones the next row
+            # quantizes away): let go before the next row's warm-up, which would run out of
+            # memory capturing beside them.
+            drop_compiled(self.cuda)
         say(json.dumps({k: v for k, v in row.items() if k != "report"}))
         return row
