@@ -20,6 +20,10 @@ __all__ = ["SPLIT", "markdown", "median_rows", "ratios", "warmup_rows"]
 # The server runs' split of a request's mean latency (serve_runs.split), by column.
 SPLIT = {"mean ms": "mean_ms", "queue ms": "queue_ms", "device ms": "device_ms", "encode ms": "encode_ms",
          "rest ms": "rest_ms"}  # fmt: skip
+SHAPE_NOTE = (
+    "rows / bucket: the mean rows of requests and the mean bucket of the device's runs, pipeline calls "
+    "(batched) or steps (continuous), from /metrics (bcg_serve_batch_size, bcg_serve_padded_rows)."
+)
 SPLIT_NOTE = (
     "The server runs' mean latency per request, split from /metrics scraped around the run: queue (arrival "
     "to its batch taken by the device worker), device (its batch's pipeline calls, Engine.make's host work "
@@ -100,19 +104,20 @@ def markdown(rows: Sequence[dict[str, Any]], warm: Sequence[dict[str, Any]], res
                   f"{w['peak_mib']} |" for w in warm]  # fmt: skip
         lines.append("")
     lines += [
-        "| variant | clients | batch | images/s | p50 ms | p95 ms | p99 ms | requests a call | "
+        "| variant | clients | batch | images/s | p50 ms | p95 ms | p99 ms | requests a call | rows / bucket | "
         + " | ".join(SPLIT)
         + " |",
-        "|---|---|---|---|---|---|---|---|" + "---|" * len(SPLIT),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(SPLIT),
     ]
     for r in rows:
         batch = r.get("batch") or r.get("max_batch") or ""
         split = " | ".join("" if r.get(k) is None else f"{r[k]:.1f}" for k in SPLIT.values())
         who = r["clients"] if r.get("arrival_rate") is None else f"open, {r['arrival_rate']:g}/s"
         p99 = f"{r['p99_ms']:.0f}" if r.get("p99_ms") is not None else ""
+        shape = f"{r['rows_mean']:.2f} / {r['bucket_mean']:.2f}" if r.get("runs") else ""
         lines.append(f"| {r['variant']} | {who} | {batch} | {r['images_per_s']:.2f} | {r['p50_ms']:.0f} | "
-                     f"{r['p95_ms']:.0f} | {p99} | {r['requests_per_call'] or ''} | {split} |")  # fmt: skip
-    lines += ["", SPLIT_NOTE]
+                     f"{r['p95_ms']:.0f} | {p99} | {r['requests_per_call'] or ''} | {shape} | {split} |")  # fmt: skip
+    lines += ["", SPLIT_NOTE, "", SHAPE_NOTE]
     calls = [f"{r['variant']} at {r['clients']} client(s): {' '.join(map(str, r['call_images']))}" for r in rows
              if r.get("call_images")]  # fmt: skip
     if calls:

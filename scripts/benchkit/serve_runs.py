@@ -87,7 +87,9 @@ def split(before: dict[str, float], after: dict[str, float], latencies: Sequence
     """Milliseconds per request, means over a run's ``latencies`` (seconds, the client's), between
     two scrapes: ``queue`` (arrival to its batch taken), ``device`` (its batch's pipeline calls),
     ``encode`` (its images' files), ``rest`` (the mean latency less those), and ``server``
-    (arrival to its images encoded, the server's own measure: the rest less HTTP and JSON)."""
+    (arrival to its images encoded, the server's own measure: the rest less HTTP and JSON); and
+    the device's ``runs`` (pipeline calls, or continuous batching's steps), their mean bucket
+    (``bucket_mean``) and mean rows of requests (``rows_mean``)."""
 
     def grew(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -97,10 +99,17 @@ def split(before: dict[str, float], after: dict[str, float], latencies: Sequence
         return 1000 * grew(f"{name}_sum") / count if count else 0.0
 
     total = 1000 * sum(latencies) / len(latencies)
+    # Per pipeline call (dynamic) or per step (continuous): the bucket it ran at and the rows that
+    # were requests'. Small buckets at saturation are where continuous batching loses images/s.
+    runs = grew("bcg_serve_batch_size_count")
+    bucket = grew("bcg_serve_batch_size_sum") / runs if runs else 0.0
+    shape = dict(
+        runs=runs, bucket_mean=bucket, rows_mean=bucket - grew("bcg_serve_padded_rows_total") / runs if runs else 0.0
+    )
     parts = dict(queue=mean("bcg_serve_queue_seconds"), device=mean("bcg_serve_device_seconds"),
                  encode=mean("bcg_serve_encode_seconds", per=len(latencies)))  # fmt: skip
     out = dict(mean_ms=total, **{f"{k}_ms": v for k, v in parts.items()}, rest_ms=total - sum(parts.values()),
-               server_ms=mean("bcg_serve_request_seconds"))  # fmt: skip
+               server_ms=mean("bcg_serve_request_seconds"), **shape)  # fmt: skip
     return {k: round(v, 2) for k, v in out.items()}
 
 

@@ -48,6 +48,12 @@ def test_a_tiny_run_writes_every_variant(tmp_path: Path, few_threads: None) -> N
             r["images"], abs=0.01
         )
     assert set(rows[("unbatched", 4, None)]["call_images"]) == {1}
+    for key in (("batched", 4, None), ("unbatched", 4, None)):  # the calls, as /metrics counted them
+        r = rows[key]
+        assert r["runs"] == len(r["call_images"]), r
+        assert r["rows_mean"] == pytest.approx(sum(r["call_images"]) / len(r["call_images"]), abs=0.01), r
+        assert r["rows_mean"] <= r["bucket_mean"] <= 4, r
+    assert rows[("unbatched", 4, None)]["bucket_mean"] == 1.0
     ratios = result["ratios"]
     assert {"batched_over_unbatched_4_clients", "batched_4_over_pipeline_images_per_s",
             "batched_1_p50_over_pipeline_p50"} <= set(ratios)  # fmt: skip
@@ -57,7 +63,7 @@ def test_a_tiny_run_writes_every_variant(tmp_path: Path, few_threads: None) -> N
     assert (
         "| batched | 4 | 4 |" in table and "| pipeline | 1 |" in table and "batched_over_unbatched_4_clients" in table
     )
-    assert "| mean ms | queue ms | device ms | encode ms | rest ms |" in table
+    assert "| rows / bucket | mean ms | queue ms | device ms | encode ms | rest ms |" in table
     b4 = rows[("batched", 4, None)]
     assert f"| {b4['mean_ms']:.1f} | {b4['queue_ms']:.1f} | {b4['device_ms']:.1f} | {b4['encode_ms']:.1f} | " in table
     assert f"batched at 4 client(s): {' '.join(map(str, b4['call_images']))}" in table
@@ -118,6 +124,10 @@ def test_continuous_and_open_loop_arrivals_run_side_by_side(tmp_path: Path, few_
     for r in rows.values():
         assert r["images"] == 6 and 0 < r["p50_ms"] <= r["p95_ms"] <= r["p99_ms"], r
     assert rows[("continuous", 2, None)]["requests_per_call"] is None  # no pipeline calls: steps
+    for key in (k for k in rows if k[0] == "continuous"):  # its steps: 6 one-step requests, rows of at most 2
+        r = rows[key]
+        assert 3 <= r["runs"] <= 6 and 1.0 <= r["rows_mean"] <= r["bucket_mean"] <= 2.0, r
+        assert r["runs"] * r["rows_mean"] == pytest.approx(6, abs=0.05), r  # each request's one step, once
     ratios = result["ratios"]
     assert {"continuous_over_batched_2_clients", f"continuous_over_batched_p50_at_{slow:g}_per_s",
             "continuous_over_batched_p99_at_40_per_s"} <= set(ratios)  # fmt: skip
