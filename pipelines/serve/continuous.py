@@ -188,6 +188,9 @@ class ContinuousWorker(DeviceWorker):
             return
         finally:
             self.call_started = None
+        # The wait for the step before counts as this one's: a step's device time, not the host's
+        # time to queue it (the first step after another batch's last takes that one's wait).
+        self._pace()
         took = time.monotonic() - t0
         after = engine.denoiser_counts()
         replays, eager = after[0] - before[0], after[1] - before[1]
@@ -201,7 +204,6 @@ class ContinuousWorker(DeviceWorker):
         for p in previews:
             self._preview(p)
         self.rounds += 1
-        self._pace()
         if done:
             self._leave(done)
 
