@@ -236,3 +236,26 @@ def test_batches_take_their_steps_first_come_first_served(emulated: pytest.Monke
     assert work["a"].bucket == work["b"].bucket == 1
     for k, m in made.items():
         assert all(np.array_equal(a, b) for a, b in zip(pixels(m), static(engine, request[k], 1))), k
+
+
+def test_a_steps_wait_for_the_device_counts_as_its_device_time(
+    emulated: pytest.MonkeyPatch, running: list[Running]
+) -> None:
+    """On a GPU the worker waits, after queueing a step, for the step before it (``_pace``); that
+    wait is the device's time and is counted in the request's device seconds, not left to "the
+    rest" of its latency. A CPU has no wait: here one is made, 50 ms a step."""
+    import time
+
+    engine = continuous_engine("z-image", (1,), sizes=((32, 32),))
+    waits: list[float] = []
+
+    def pace(self: ContinuousWorker) -> None:
+        time.sleep(0.05)
+        waits.append(0.05)
+
+    emulated.setattr(ContinuousWorker, "_pace", pace)
+    run = Running(engine, 1)
+    running.append(run)
+    run.submit(ImageRequest("a red fox", 1, 32, 32, seed=1, steps=3)).future.result(30)
+    assert len(waits) == 3  # one a step
+    assert run.metrics.registry.get_sample_value("bcg_serve_device_seconds_sum") >= sum(waits)
