@@ -100,7 +100,7 @@ def split(before: dict[str, float], after: dict[str, float], latencies: Sequence
 
     total = 1000 * sum(latencies) / len(latencies)
     # Per pipeline call (dynamic) or per step (continuous): the bucket it ran at and the rows that
-    # were requests'. Small buckets at saturation are where continuous batching loses images/s.
+    # were requests': whether continuous batching ran small buckets at saturation.
     runs = grew("bcg_serve_batch_size_count")
     bucket = grew("bcg_serve_batch_size_sum") / runs if runs else 0.0
     shape = dict(
