@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import bcg, stores, tree
+from . import bcg, containers, stores, tree
 from .branches import Chain, GraphTree
 from .config import RunnerConfig
 from .copyback import PoolMap
@@ -151,7 +151,7 @@ def attempt(
                 with torch.cuda.stream(pool.stream), pool.measure_eager():
                     for _ in range(config.warmup_runs):
                         args, kwargs = sig.rebuild(static_inputs)
-                        given = stores.Given(args, kwargs, sig.state)
+                        given = containers.Given(args, kwargs, sig.state)
                         with bcg.rerun(memo):
                             out = fn(*args, **kwargs)
                         restore()
@@ -160,7 +160,7 @@ def attempt(
                 pool.stream.synchronize()
                 pool.make_room()
                 args, kwargs = sig.rebuild(static_inputs)
-                given = stores.Given(args, kwargs, sig.state)
+                given = containers.Given(args, kwargs, sig.state)
                 watch = given.unchanged_by if given.found else None
                 handle = pool.handle_for(graph)
                 with bcg.capture(graph, pool=handle, stream=pool.stream, memo=memo, watch=watch):
@@ -231,7 +231,7 @@ def verify(
 
 def _containers(args: tuple[Any, ...], kwargs: dict[str, Any], state: frozenset[type]) -> list[Any]:
     """The containers a call was given, which it may have stored into."""
-    return [c for _, c in stores.Given(args, kwargs, state).found]
+    return [c for _, c in containers.Given(args, kwargs, state).found]
 
 
 def _same_leaf(a: Any, b: Any) -> bool:

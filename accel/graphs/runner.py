@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import bcg, stores
+from . import bcg, containers
 from .branches import PathMiss, path_label
 from .capture import CaptureScope, Target, capture_session
 from .config import RunnerConfig
@@ -205,7 +205,7 @@ class GraphRunner:
     ) -> Any:
         """Replay ``entry`` for this call (``copied``: its inputs are in the static inputs already)."""
         if entry.tree.stores:
-            twice = stores.given_twice(args, kwargs, entry.signature.state)
+            twice = containers.given_twice(args, kwargs, entry.signature.state)
             if twice is not None:
                 raise _GivenTwice(twice)
         kept = entry.state_bytes_kept

@@ -17,7 +17,7 @@ Contract:
   hold at entry is part of the signature (a tensor's shape, a constant's value: ``None`` against a
   tensor, ``feat_idx``'s int), so a replay meets them as the capture did. The same container given
   twice in one call is not replayed (a capture sees two containers): such a call runs eagerly
-  (:func:`given_twice`).
+  (:func:`accel.graphs.containers.given_twice`).
 * For every given container whose contents changed, the capture keeps its final contents (a
   list's items, a dict's keys and values, an object's attribute names and values, those the call
   added or deleted included), each item as one of:
@@ -94,12 +94,12 @@ from typing import Any
 import torch
 
 from . import tree
-from .containers import Given, Path, attributes_of, given_twice, has_attributes, label
+from .containers import Given, Path, attributes_of, has_attributes, label
 from .copyback import PoolMap, views_of_pool_tensors
 from .errors import BreakError
 from .signature import LITERALS
 
-__all__ = ["Given", "Recording", "Stores", "given_twice", "record"]
+__all__ = ["Recording", "Stores", "record"]
 
 _UNSET = object()
 

@@ -31,7 +31,6 @@ def output_like(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     if not isinstance(hidden, torch.Tensor):
         raise ValueError("qwen-image: a denoiser call without hidden_states cannot be split for parallel='cfg'")
-    # The forward ends in proj_out: its width, in the dtype the call computes in.
     proj = module.proj_out
     dtype = proj.weight.dtype
     if torch.is_autocast_enabled(hidden.device.type):
