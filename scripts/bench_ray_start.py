@@ -7,7 +7,7 @@ replica that scales up on a node that ran one before). Writes ray_start.json and
 after each run (scripts/benchkit/ray_start.py says what each column is).
 
     python scripts/bench_ray_start.py --out out/ray-start -- --model z-image --size full \\
-        --resolutions 512x512 --steps 9 --batch-sizes 1 2 4 8 --compile
+        --resolutions 512x512 --batch-sizes 1 2 4 8 --compile
 """
 
 from __future__ import annotations
