@@ -256,6 +256,7 @@ class ModelSettings:
     auto_breaks: bool = True
     loras: tuple[LoraSpec, ...] = ()
     quantize: str | None = None
+    max_entries: int | None = None  # graphs kept per denoiser (None: the library's default)
     transformer: Path | None = None
     scheduler: str | None = None
 
@@ -295,6 +296,8 @@ class ModelSettings:
             options["cfg_batch"] = False
         if self.quantize is not None:
             options["quantize"] = self.quantize
+        if self.max_entries is not None:
+            options["max_entries"] = self.max_entries
         return options
 
 

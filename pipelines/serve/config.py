@@ -25,6 +25,7 @@ __all__ = [
     "UsageError",
     "batch_sizes",
     "build_parser",
+    "graphs_kept",
     "parse_args",
     "served_names",
 ]
@@ -60,6 +61,17 @@ def _seconds(text: str) -> float:
 
 def _gib(text: str) -> int:
     return int(positive(text, "GiB") * 2**30)
+
+
+# Graphs a denoiser keeps per size, bucket and adapter state the warm-up captures: its text lengths,
+# guidance on and off, steps (tiny Z-Image: 9); the library's own default for a whole denoiser.
+GRAPHS_PER_CASE = 32
+
+
+def graphs_kept(sizes: int, buckets: int, adapters: int) -> int:
+    """Graphs each denoiser keeps: room for all the warm-up captures (no adapter and each of
+    ``adapters``, every size at every bucket), so none is evicted and captured again by a request."""
+    return GRAPHS_PER_CASE * sizes * buckets * (1 + adapters)
 
 
 def batch_sizes(given: list[int] | None, max_batch: int | None) -> tuple[int, ...]:
@@ -256,6 +268,8 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     if len(set(names)) != len(names):
         raise UsageError(f"--lora: each adapter needs a name of its own, got {', '.join(map(str, names))}")
     sizes = tuple(dict.fromkeys(args.resolutions or [resolution(DEFAULT_RESOLUTION)]))
+    buckets = batch_sizes(args.batch_sizes, args.max_batch)
+    settings = dataclasses.replace(settings, max_entries=graphs_kept(len(sizes), len(buckets), len(settings.loras)))
     if args.capture_on_miss and settings.mode == "eager":
         raise UsageError("--capture-on-miss captures graphs, which --mode eager never does: drop one of them")
     if args.batching == "continuous" and settings.cache is not None:
@@ -264,7 +278,7 @@ def parse_args(argv: list[str] | None = None) -> ServeConfig:
     if args.batching == "continuous" and settings.parallel is not None:
         raise UsageError(f"--batching continuous steps its running batches in one process: serve --parallel "
                          f"{settings.parallel} with --batching dynamic")  # fmt: skip
-    return ServeConfig(settings=settings, resolutions=sizes, batch_sizes=batch_sizes(args.batch_sizes, args.max_batch),
+    return ServeConfig(settings=settings, resolutions=sizes, batch_sizes=buckets,
                        max_wait=args.max_wait_ms / 1000, queue=args.queue, timeout=args.timeout, host=args.host,
                        port=args.port, quiet=args.quiet, capture_on_miss=args.capture_on_miss,
                        memory_budget=args.memory_budget, names=served_names(settings.model, args.served_model_name),

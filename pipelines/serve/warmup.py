@@ -196,10 +196,20 @@ def warm_up(engine: Any, sizes: Sequence[Size], batch_sizes: Sequence[int]) -> W
     names = ", ".join(f"{w}x{h}" for w, h in sizes)
     buckets = " ".join(map(str, sorted(batch_sizes)))
     t0 = time.perf_counter()
-    for lora in (None, *engine.adapters.names()):
+    states = [None, *engine.adapters.names()]
+    # With compiled blocks each adapter state compiles its own versions of them (peft's flags are
+    # guarded), and a version compiled after graphs were captured drops them (GraphHook.follow_weights).
+    # Where a later state compiled after an earlier one captured, a second round captures again what
+    # that dropped (its calls otherwise replay), so no request captures at its first call.
+    compiled_after_capture = False
+    for again, lora in [(again, lora) for again in (False, True) for lora in states]:
+        if again and not compiled_after_capture:
+            break
         engine.adapters.select(lora)
-        logger.info("warming up %s at batch sizes %s%s%s", names, buckets,
-                    ", with and without guidance" if len(cfg) == 2 else "", f", adapter {lora!r}" if lora else "")  # fmt: skip
+        logger.info("warming up %s at batch sizes %s%s%s%s", names, buckets,
+                    ", with and without guidance" if len(cfg) == 2 else "", f", adapter {lora!r}" if lora else "",
+                    " (again: a later adapter state compiled)" if again else "")  # fmt: skip
+        graphs = compiled_graphs()
         try:
             with clock.timing():
                 report = pipe.accel.warmup(list(sizes), **kwargs)
@@ -208,6 +218,7 @@ def warm_up(engine: Any, sizes: Sequence[Size], batch_sizes: Sequence[int]) -> W
             where = f" at {w}x{h}" if w is not None else ""
             raise RunError(f"out of memory capturing graphs for batch {batch}{where}: lower --batch-sizes or "
                            "--resolutions (or set --memory-budget below what this device has)") from None  # fmt: skip
+        compiled_after_capture = compiled_after_capture or (captured and compiled_graphs() > graphs)
         captured = captured or (report.skipped is None and report.total_captures > 0)
         for i, row in enumerate(report.rows, 1):
             what = report.skipped or f"{row.captures} graph(s), {row.resident_bytes / 2**20:.1f} MiB"

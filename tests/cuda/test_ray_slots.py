@@ -3,7 +3,8 @@ model, three random LoRAs at scales 1, 0.7 and 1.3, two slots): after the warm-u
 adapter is a hot-swap that captures nothing and, with ``--compile``, compiles nothing; every call
 replays the slot's graphs; and each image equals the same request to bcg-serve's own engine with
 the adapters loaded the ordinary way, bit for bit without compile (compiled: within 2 levels, the
-gap printed).
+gap printed). A scale that bfloat16 rounds (0.7 and 1.3) is within 16 levels without compile
+(docs/serving-ray.md says why).
 
 The replica is pipelines/serve/ray/replica.py's ``Replica`` (Ray-free: no Ray needed here).
 """
@@ -68,10 +69,14 @@ def test_a_hot_swap_replays_the_slot_graphs_and_equals_the_plain_load(tmp_path: 
         d = np.abs(got - want)
         sys.stderr.write(f"{'compiled ' if compiled else ''}{name} hot-swapped: "
                          f"{'bit for bit' if not d.any() else f'max {d.max()} levels'} against the plain load\n")  # fmt: skip
-        # Without compile the kernels are the same, the scale a float32 scalar either way: bit for bit.
-        # Compiled, inductor reads the slot's scale from memory where it folds the plain load's
-        # constant into its kernel: the same float32 arithmetic, promised only within rounding.
-        assert d.max() <= (2 if compiled else 0), f"{name}: max {d.max()} levels from bcg-serve's plain load"
+        # Without compile the kernels are the same, but the slot multiplies by its scale tensor
+        # rounded to bfloat16 where the plain load multiplies by the float32 number: bit for bit
+        # where that rounding is exact. Compiled, inductor reads the slot's scale from memory where it
+        # folds the plain load's constant into its kernel: promised only within rounding.
+        scale = slots.specs(name)[0].scale
+        exact = float(torch.tensor(scale, dtype=torch.bfloat16)) == scale
+        bound = 2 if compiled else 0 if exact else 16
+        assert d.max() <= bound, f"{name}: max {d.max()} levels from bcg-serve's plain load (bound {bound})"
     assert engine.pipe.accel.stats()["transformer"].captures == captures, "a hot-swap was captured again"
     if compiled:
         # The reference compiled its own graphs after the replica's warm-up; count the replica's calls alone.

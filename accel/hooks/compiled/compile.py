@@ -59,6 +59,9 @@ COMPILE_OPTIONS: dict[str, Any] = dict(fullgraph=True, dynamic=True)
 INDUCTOR_OPTIONS: dict[str, Any] = {}
 
 
+# Versions dynamo may compile of one block's code during compiled calls (tracing_settings says why).
+RECOMPILE_LIMIT = 64
+
 # The library's post-grad pass (accel.hooks.compiled.same_calls), under this inductor setting.
 PASS_SETTING = "post_grad_custom_pre_pass"
 
@@ -158,15 +161,23 @@ def tracing_settings() -> Iterator[None]:
       its text RoPE table, so the next resolution with the same block variant (unpadded text:
       above 768x768 with the recipe, anywhere in the stock pipeline) failed that guard and
       compiled again (CPU inductor, tiny stock Qwen-Image at 1024, 768 and 512: 4 graphs -> 2).
+    * Room for every variant. One block class compiles a version per variant its calls take
+      (blocks with and without modulation or a text mask, batch 1 against larger batches), times
+      the adapter states a server warms (no adapter, each LoRA or slot: peft's Python flags are
+      guarded): tiny Z-Image with one LoRA took more than dynamo's default 8, and ``fullgraph``
+      makes the ninth a failed warm-up. Each version costs warm-up time only (the calls after it
+      replay graphs), so the limit is :data:`RECOMPILE_LIMIT`.
 
     Only for the duration of a call (the rest of the process keeps the defaults), through
     :mod:`accel.graphs.patches`, so calls in several threads put the defaults back whatever order
     they end in. Entered on every call of a compiled module, replays included.
     """
     why = "dynamo settings for a compiled module's call"
+    limit = torch._dynamo.config.recompile_limit
     with (
         patch(torch._dynamo.config, "specialize_float", True, why=why),
         patch(torch.fx.experimental._config, "use_duck_shape", False, why=why),
+        patch(torch._dynamo.config, "recompile_limit", max(RECOMPILE_LIMIT, limit), why=why),
     ):
         yield
 

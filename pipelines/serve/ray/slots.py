@@ -200,6 +200,9 @@ class AdapterSlots:
         if slot == self.active:
             return
         if slot is None:
+            # The same Python state whichever slot ran last: peft keeps its active adapter while
+            # disabled, and graphs are captured per state (another would capture at its first call).
+            self._denoiser().set_adapter(self._slots[0].name)
             self.pipe.disable_lora()
         else:
             self.pipe.enable_lora()

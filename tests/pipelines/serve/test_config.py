@@ -28,3 +28,18 @@ def test_defaults_and_limits_of_the_servers_flags() -> None:
     for argv, says in ((["--max-steps", "0"], "must be at least 1"), (["--served-model-name", "a b"], "one word")):
         with pytest.raises(UsageError, match=says):
             parse_args(argv)
+
+
+def test_the_denoiser_keeps_every_graph_the_warm_up_captures(tmp_path: Path) -> None:
+    from pipelines.serve.config import GRAPHS_PER_CASE
+    from tests.helpers.lora_files import make_lora_file
+
+    for name in ("a", "b"):
+        make_lora_file("z-image", tmp_path / f"{name}.safetensors", seed=1)
+    one = parse_args(["--model", "z-image"]).settings.max_entries
+    config = parse_args(["--model", "z-image", "--resolutions", "512x512", "1024x1024", "--batch-sizes", "1", "2",
+                         "4", "--lora", f"a={tmp_path / 'a.safetensors'}",
+                         "--lora", f"b={tmp_path / 'b.safetensors'}:0.5"])  # fmt: skip
+    assert config.settings.max_entries == GRAPHS_PER_CASE * 2 * 3 * 3
+    assert config.settings.accelerate_options()["max_entries"] == config.settings.max_entries
+    assert one is not None and one >= GRAPHS_PER_CASE
