@@ -140,6 +140,10 @@ class Adapters:
     def select(self, name: str | None) -> None:
         """Run adapter ``name`` alone (None: none) in the calls that follow."""
         if name != self.active:
+            if name is None and self._by_name:
+                # All active as loaded, then off: the same Python state whichever adapter ran last
+                # (peft keeps its active adapters while disabled, and graphs are captured per state).
+                activate(self.pipe, list(self._by_name.values()))
             activate(self.pipe, self.specs(name))
             self.active = name
 

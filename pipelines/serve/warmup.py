@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import time
@@ -202,7 +203,7 @@ def warm_up(engine: Any, sizes: Sequence[Size], batch_sizes: Sequence[int]) -> W
     # Where a later state compiled after an earlier one captured, a second round captures again what
     # that dropped (its calls otherwise replay), so no request captures at its first call.
     compiled_after_capture = False
-    for again, lora in [(again, lora) for again in (False, True) for lora in states]:
+    for again, lora in itertools.product((False, True), states):
         if again and not compiled_after_capture:
             break
         engine.adapters.select(lora)
