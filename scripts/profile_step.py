@@ -4,9 +4,11 @@ float8 included, the floor it implies, and the call outside the denoiser.
 
 The pipeline is set up the way a user would: ``build_pipeline(model, size)``, then
 ``accelerate_pipeline(pipe, compile=..., quantize=...)`` and ``pipe.accel.warmup([resolution], ...)``
-(Z-Image as Turbo: guidance 0; Qwen-Image with true CFG and a negative prompt). One real pipeline
-call then records, with a forward pre-hook, the denoiser calls of its step 0 (one for Z-Image, two
-for Qwen-Image: the conditional and the unconditional branch). A *step* below is those calls.
+(Z-Image as Turbo: guidance 0; Qwen-Image with true CFG and a negative prompt; Qwen-Image 2.1
+without guidance, its prefix K/V cache on). One real pipeline call then records, with a forward
+pre-hook, the denoiser calls of its step 0 (one for Z-Image, two for Qwen-Image: the conditional
+and the unconditional branch); for Qwen-Image 2.1, of its step 1, the kind of 39 of its 40 steps
+(step 0 also fills the cache). A *step* below is those calls.
 
 ``--batch N`` (default 1): the shapes a server runs. The warm-up captures at batch size N
 (``batch_sizes=[N]``, as the server warms a bucket) and every pipeline call below makes N images as
@@ -89,8 +91,11 @@ from benchkit.settings import NEGATIVE, PROMPT, SEED, parse_resolution, res_name
 from benchkit.step_floors import floors, record_step
 from benchkit.timeline import summarize
 
-MODELS = ("z-image", "qwen-image", "flux")
-# pipe_kwargs' steps for Qwen-Image: only step 0 runs, so the count changes no call's shapes.
+MODELS = ("z-image", "qwen-image", "qwen-image-2.1", "flux")
+# The step recorded: Qwen-Image 2.1's step 0 fills its prefix K/V cache (text tokens in every
+# block), and each later step reads it (image tokens only), so step 1 is the step of 39 in 40.
+RECORD_STEP = {"qwen-image-2.1": 1}
+# pipe_kwargs' steps: only the recorded step runs, so the count changes no call's shapes.
 _RECORD_ARGS = argparse.Namespace(steps_e2e=2)
 
 
@@ -162,17 +167,21 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, float]:
     return pipe, time.perf_counter() - t0
 
 
-def linear_calls(pipe: Any, args: argparse.Namespace, device: torch.device) -> tuple[dict, dict]:
-    """Step 0's Linear and attention calls of the stock denoiser (before anything is compiled or quantized)."""
-    from benchkit.calls import record_step0_calls
+def _step(args: argparse.Namespace) -> int:
+    return RECORD_STEP.get(args.model, 0)
 
-    calls = record_step0_calls(pipe, args.model, args.resolution, _RECORD_ARGS, device, args.batch)
+
+def linear_calls(pipe: Any, args: argparse.Namespace, device: torch.device) -> tuple[dict, dict]:
+    """The recorded step's Linear and attention calls of the stock denoiser (before anything is compiled or quantized)."""
+    from benchkit.calls import record_step_calls
+
+    calls = record_step_calls(pipe, args.model, args.resolution, _RECORD_ARGS, device, args.batch, _step(args))
     return record_step(pipe.transformer, lambda: [pipe.transformer(*a, **k) for a, k in calls])
 
 
 def setup(args: argparse.Namespace, pipe: Any, device: torch.device, quantize: str | None) -> tuple[list, dict]:
-    """Accelerate and warm up; step 0's recorded denoiser calls and the setup's costs."""
-    from benchkit.calls import accelerate, compiled_blocks, record_step0_calls
+    """Accelerate and warm up; the recorded step's denoiser calls and the setup's costs."""
+    from benchkit.calls import accelerate, compiled_blocks, record_step_calls
 
     from pipelines.builders import describe
 
@@ -191,7 +200,7 @@ def setup(args: argparse.Namespace, pipe: Any, device: torch.device, quantize: s
         )
     warmup_s = time.perf_counter() - t0
     say(f"warm-up in {warmup_s:.1f} s: {report.total_captures} graph(s), compile {report.total_compile_seconds:.1f} s")
-    calls = record_step0_calls(pipe, args.model, args.resolution, _RECORD_ARGS, device, args.batch)
+    calls = record_step_calls(pipe, args.model, args.resolution, _RECORD_ARGS, device, args.batch, _step(args))
     quantization = pipe.accel.quantization
     costs = {
         "describe": describe(pipe),
@@ -353,7 +362,7 @@ def config(args: argparse.Namespace, main: dict[str, Any]) -> dict[str, Any]:
         "warmup_calls": args.warmup_calls,
         "calls_per_step": len(main["calls"]),
         "calls": main["calls"],
-        "profiled": "the denoiser calls of step 0 of a pipeline call, made directly through pipe.transformer "
+        "profiled": f"the denoiser calls of step {_step(args)} of a pipeline call, made directly through pipe.transformer "
         "(graph hook, runner replay); each step synchronised inside its window",
     }
 

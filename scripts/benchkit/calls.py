@@ -114,33 +114,44 @@ def batch_kwargs(
     return kw
 
 
-def record_step0_calls(
-    pipe: Any, model: str, wh: tuple[int, int], args: argparse.Namespace, device: torch.device, batch: int = 1
+def record_step_calls(
+    pipe: Any,
+    model: str,
+    wh: tuple[int, int],
+    args: argparse.Namespace,
+    device: torch.device,
+    batch: int = 1,
+    step: int = 0,
 ) -> list[tuple[tuple, dict]]:
-    """Every ``pipe.transformer`` call of step 0 of a real pipeline run of ``batch`` images
-    (:func:`batch_kwargs`), arguments cloned."""
+    """Every ``pipe.transformer`` call of step ``step`` (0 unless said) of a real pipeline run of
+    ``batch`` images (:func:`batch_kwargs`), tensors cloned, other arguments shared: a later step's
+    calls of Qwen-Image 2.1 keep the prefix K/V cache that its step 0 filled."""
     calls: list[tuple[tuple, dict]] = []
+    at = [0]
 
     def pre_hook(module: Any, a: tuple, k: dict) -> None:
-        calls.append((tree.clone(a), tree.clone(k)))
+        if at[0] == step:
+            calls.append((tree.clone(a), tree.clone(k)))
 
     def stop(pipe_: Any, i: int, t: Any, cb_kwargs: dict) -> dict:
-        raise _Stop
+        at[0] = i + 1
+        if i >= step:
+            raise _Stop
+        return {}
 
+    kwargs = batch_kwargs(model, wh, args, device, batch)
+    if kwargs["num_inference_steps"] <= step:
+        raise ValueError(f"step {step} of a call of {kwargs['num_inference_steps']} steps")
     handle = pipe.transformer.register_forward_pre_hook(pre_hook, with_kwargs=True)
     try:
         with torch.no_grad():
-            pipe(
-                **batch_kwargs(model, wh, args, device, batch),
-                output_type="latent",
-                callback_on_step_end=stop,
-            )
+            pipe(**kwargs, output_type="latent", callback_on_step_end=stop)
     except _Stop:
         pass
     finally:
         handle.remove()
     if not calls:
-        raise RuntimeError("the pipeline made no transformer call in step 0")
+        raise RuntimeError(f"the pipeline made no transformer call in step {step}")
     return calls
 
 

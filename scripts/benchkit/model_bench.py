@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .calls import accelerate, denoiser_name, describe_call, record_step0_calls, text_tokens
+from .calls import accelerate, denoiser_name, describe_call, record_step_calls, text_tokens
 from .measure import Clock, free_memory, max_abs_diff
 from .phases import measure_breakdown
 from .rows import CaseRow, SeriesPoint, err_text, rnd, summary
@@ -56,7 +56,7 @@ class ModelBench:
     def run_case(self, wh: tuple[int, int]) -> list[CaseRow]:
         rows = {v: CaseRow.new(self.model, wh, v) for v in self.args.variants}
         try:
-            calls = record_step0_calls(self.pipe, self.model, wh, self.args, self.device)
+            calls = record_step_calls(self.pipe, self.model, wh, self.args, self.device)
         except Exception as exc:
             traceback.print_exc()
             for r in rows.values():

@@ -169,6 +169,21 @@ def test_qwen_image_batch_2_makes_both_guidance_calls_at_batch_2(tmp_path, monke
     assert result["config"]["batch"] == 2 and result["config"]["calls_per_step"] == 2
 
 
+def test_qwen_image_21_profiles_a_step_that_reads_the_prefix_cache(tmp_path, monkeypatch) -> None:
+    """Step 0 fills the K/V prefix (text tokens in every block); the profiled step is step 1, of the
+    kind of 39 of 40 steps: its call reads the cache, and its products run on image tokens only."""
+    script = _load()
+    argv = ["--model", "qwen-image-2.1", *TINY, "--steps", "1", "--no-outside"]
+    result, _, steps = _spied_run(script, monkeypatch, argv, tmp_path)
+    ((_, k),) = steps[0]  # no guidance: one call a step
+    assert k["kv_cache_mode"] == "cached" and k["kv_cache"] is not None
+    assert k["kv_cache"].get_layer(0).k is not None  # filled by the recording call's step 0
+    image_tokens = k["hidden_states"].shape[1]
+    blocks = [g for g in result["gemms"] if g["example"].startswith("transformer_blocks.")]
+    assert blocks and {g["m"] for g in blocks} == {image_tokens}  # the blocks see no text rows
+    assert "step 1 of a pipeline call" in result["config"]["profiled"]
+
+
 def test_batch_kwargs_give_each_image_its_prompt_and_generator() -> None:
     from benchkit.calls import batch_kwargs
     from benchkit.settings import NEGATIVE, PROMPT, SEED
