@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import fnmatch
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -100,12 +101,18 @@ class AttentionLayer:
         self.use(quantized=False)
 
 
-def attention_layers(roots: Mapping[str, torch.nn.Module], backends: AttentionFloat8) -> list[AttentionLayer]:
+def attention_layers(
+    roots: Mapping[str, torch.nn.Module],
+    backends: AttentionFloat8,
+    keep: Mapping[str, Sequence[str]] | None = None,
+) -> tuple[list[AttentionLayer], list[str]]:
     """The candidates: every attention module of ``roots`` whose processor is its own and runs
-    ``backends.bf16`` now."""
+    ``backends.bf16`` now; and the names of those that ``keep`` (fnmatch patterns of module
+    paths, by component, as for the Linear layers) keeps in bf16."""
     several = len(roots) > 1
-    layers = []
+    layers, kept = [], []
     for component, root in roots.items():
+        patterns = (keep or {}).get(component, ())
         through, _ = dispatching_processors(root)
         owners: dict[int, int] = {}
         for _, processor in through:
@@ -113,8 +120,11 @@ def attention_layers(roots: Mapping[str, torch.nn.Module], backends: AttentionFl
         for path, processor in through:
             if owners[id(processor)] == 1 and backends.takes(processor):
                 name = f"{component}.{path}" if several else path
+                if any(fnmatch.fnmatchcase(path, p) for p in patterns):
+                    kept.append(name)
+                    continue
                 layers.append(AttentionLayer(name, root.get_submodule(path), processor, backends))
-    return layers
+    return layers, kept
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@
 
 Where the denoisers' attention runs a backend with a float8 version (``attention``:
 :mod:`accel.hooks.fp8.attention_layers`), each attention module is a candidate too, measured on
-the same calls and ranked with the Linear layers by its own output's error.
+the same calls and ranked with the Linear layers by its own output's error, unless the recipe's
+``fp8_keep`` names it.
 
 The calls are the caller's (``run``): one pipeline call, the same every time, returning its final
 latents. Counts and errors are the same on every run of the same call on the same device.
@@ -277,7 +278,8 @@ def select_layers(
         kept_by_recipe += [f"{component}.{n}" if several else n for n in kept]
         not_taken += [f"{component}.{n}" if several else n for n in skipped]
     layers = _layers(roots, chosen)
-    attentions = attention_layers(roots, attention) if attention is not None else []
+    attentions, kept_attention = attention_layers(roots, attention, keep) if attention is not None else ([], [])
+    kept_by_recipe += kept_attention
     runs = 0
 
     def call() -> torch.Tensor:

@@ -173,9 +173,10 @@ class Recipe:
         padding_refused: set by the graph hook: why padding must not run now (a processor does
             not take ``pad_mask_kwarg``, a backend refuses masks), or None. While it is set :meth:`prepare` and
             :meth:`batch_cfg` are not called, and :meth:`prepare_context_parallel` must not pad.
-        fp8_keep: ``quantize="fp8"``: fnmatch patterns of the Linear layers (qualified names in
-            the denoiser) kept in bf16 before anything is measured: those its float8 images are
-            known to need in bf16 (:mod:`accel.hooks.fp8.layer_select`).
+        fp8_keep: ``quantize="fp8"``: fnmatch patterns of the Linear layers and attention
+            modules (qualified names in the denoiser) kept in bf16 before anything is measured:
+            those its float8 images are known to need in bf16, or that are measured slower in
+            float8 (:mod:`accel.hooks.fp8.layer_select`).
         fp8_layers: ``quantize="fp8"``: the kind of float8 layer the model measured fastest with,
             a key of :data:`accel.hooks.fp8.layer_kinds.FP8_LAYERS` (``"scaled-mm"``: the library's
             own layers, whose activations are quantized in one pass); None: torchao's.

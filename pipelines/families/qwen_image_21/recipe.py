@@ -366,6 +366,10 @@ class QwenImage21Recipe(GenericRecipe):
         "modulation.*",
         "norm_out.linear",
         "proj_out",
+        # With attention="fa3", the attention too (bf16 FlashAttention-3): quantizing the queries
+        # and the prefix and step's keys and values every step costs more than the float8 kernel
+        # saves at this model's sizes (docs/benchmarks.md).
+        "transformer_blocks.*.attn",
     )
 
     def __init__(self) -> None:

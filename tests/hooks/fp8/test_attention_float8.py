@@ -61,7 +61,7 @@ def _select(pipe: Any, budget: float, levels: int = 64):  # type: ignore[no-unty
 @torch.no_grad()
 def test_attention_on_flashattention3_is_a_candidate_measured_with_the_linear_layers(wheel: None) -> None:
     pipe = _pipe()
-    assert attention_layers({"transformer": pipe.transformer}, FlashAttentionFloat8()) == []  # not on FA3
+    assert attention_layers({"transformer": pipe.transformer}, FlashAttentionFloat8()) == ([], [])  # not on FA3
     held = backends.set_backend(pipe.transformer, backends.FA3)
     ref = _run(pipe)
     sel = _select(pipe, budget=1.0)
@@ -82,6 +82,31 @@ def test_a_budget_no_float8_meets_keeps_the_attention_in_bf16_too(wheel: None) -
     sel = _select(pipe, budget=1e-9)
     assert sel.attention == () and set(sel.attention_kept) == set(ATTENTION)
     assert _backends(pipe) == {backends.FA3: list(ATTENTION)}
+    held()
+
+
+@torch.no_grad()
+def test_a_recipe_keep_pattern_keeps_attention_in_bf16_and_says_so(wheel: None) -> None:
+    """Qwen-Image 2.1's recipe keeps its attention in bf16 (float8 measured slower there): no
+    attention is a candidate, the report names them kept by the recipe, the Linear layers still go."""
+    from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
+
+    pipe = build_pipeline("qwen-image-2.1", "tiny", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    names = [n for n, m in pipe.transformer.named_modules() if n.endswith(".attn")]
+    held = backends.set_backend(pipe.transformer, backends.FA3)
+    assert [a.name for a in attention_layers({"transformer": pipe.transformer}, FlashAttentionFloat8())[0]] == names
+    sel = select_layers(
+        {"transformer": pipe.transformer},
+        GridQuantizer(levels=64),
+        {"transformer": QwenImage21Recipe.fp8_keep},
+        lambda: generate(pipe, steps=2),
+        1.0,
+        FlashAttentionFloat8(),
+    )
+    assert sel.attention == () and sel.attention_backend is None and set(names) <= set(sel.kept_by_recipe)
+    assert _backends(pipe) == {backends.FA3: names}
+    assert any(n.startswith("transformer_blocks.") for n in sel.quantized)  # the block's Linear layers
     held()
 
 
