@@ -83,7 +83,7 @@ def main() -> int:
         "FA3 bf16 attention": _ms(lambda: fa3.fa3_attention(q, kc, vc)),
         "FA3 float8 attention (kernel only)": _ms(lambda: fa3._call(q8, k8, v8, None, None, False, (qs, ks, vs))),
     }
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | per layer, median of 50 back to back")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | per layer, mean of 50 back to back")
     for name, ms in rows.items():
         print(f"  {name}: {ms * 1000:.1f} us")
     return 0
