@@ -109,6 +109,7 @@ class Selection:
         attention: the attention modules whose attention runs in float8.
         attention_kept: those measured worst and kept in bf16, worst first.
         attention_backend: what runs the float8 attention (None: no attention was a candidate).
+        attention_by_recipe: the attention modules the recipe keeps in bf16 (never candidates).
     """
 
     quantized: tuple[str, ...]
@@ -126,6 +127,7 @@ class Selection:
     attention: tuple[str, ...] = ()
     attention_kept: tuple[str, ...] = ()
     attention_backend: str | None = None
+    attention_by_recipe: tuple[str, ...] = ()
     attention_layers: tuple[AttentionLayer, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
 
@@ -279,7 +281,6 @@ def select_layers(
         not_taken += [f"{component}.{n}" if several else n for n in skipped]
     layers = _layers(roots, chosen)
     attentions, kept_attention = attention_layers(roots, attention, keep) if attention is not None else ([], [])
-    kept_by_recipe += kept_attention
     runs = 0
 
     def call() -> torch.Tensor:
@@ -365,5 +366,6 @@ def select_layers(
         attention=tuple(a.name for a in attentions if a.name not in back),
         attention_kept=tuple(w.name for w in worst[:k] if isinstance(w, AttentionLayer)),
         attention_backend=attention.name if attentions and attention is not None else None,
+        attention_by_recipe=tuple(kept_attention),
         attention_layers=tuple(a for a in attentions if a.name not in back),
     )

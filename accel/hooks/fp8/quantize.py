@@ -177,6 +177,8 @@ class Quantization:
             attention = (
                 f", {len(s.attention)} attention layers in float8 ({len(s.attention_kept)} in bf16)"
                 if s.attention_backend
+                else f", attention in bf16 (the recipe's {len(s.attention_by_recipe)})"
+                if s.attention_by_recipe
                 else ""
             )
             return (
@@ -224,6 +226,8 @@ class Quantization:
                 f"({s.attention_backend}: float8 queries, keys and values, per-head scales, keys smoothed)"
                 f"{kept_attention}: {_names(s.attention, 3)}"
             )
+        elif s.attention_by_recipe:
+            lines.append(f"    attention: {len(s.attention_by_recipe)} layers kept in bf16 by the recipe")
         return lines
 
 

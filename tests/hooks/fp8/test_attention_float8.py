@@ -104,7 +104,8 @@ def test_a_recipe_keep_pattern_keeps_attention_in_bf16_and_says_so(wheel: None) 
         1.0,
         FlashAttentionFloat8(),
     )
-    assert sel.attention == () and sel.attention_backend is None and set(names) <= set(sel.kept_by_recipe)
+    assert sel.attention == () and sel.attention_backend is None and sel.attention_by_recipe == tuple(names)
+    assert not set(names) & set(sel.kept_by_recipe)  # that list is of Linear layers
     assert _backends(pipe) == {backends.FA3: names}
     assert any(n.startswith("transformer_blocks.") for n in sel.quantized)  # the block's Linear layers
     held()
@@ -163,6 +164,31 @@ def test_the_warmup_selects_float8_attention_replays_it_and_restore_takes_it_out
     assert torch.equal(graphed, eager)
     pipe.accel.restore()
     assert backends.FA3_FP8 not in _backends(pipe) and backends.FA3 not in _backends(pipe)
+
+
+@torch.no_grad()
+def test_qwen_image_21_warms_up_float8_layers_with_bf16_fa3_attention_and_says_so(
+    wheel: None, graphs: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_grid(monkeypatch, levels=64)
+    pipe = build_pipeline("qwen-image-2.1", "tiny", dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    accelerate_pipeline(pipe, attention="fa3", quantize="fp8", fp8_budget=1.0)
+    pipe.accel.warmup((64, 64), prompts=["a lighthouse in a storm"], progress=False)
+    sel = pipe.accel.quantization.selection
+    names = ["transformer_blocks.0.attn", "transformer_blocks.1.attn"]
+    assert sel is not None and sel.quantized and sel.attention == () and list(sel.attention_by_recipe) == names
+    assert _backends(pipe) == {backends.FA3: names}
+    assert "    attention: 2 layers kept in bf16 by the recipe" in pipe.accel.report()
+    assert ", attention in bf16 (the recipe's 2);" in pipe.accel.quantization.summary()
+    runner = pipe.accel.runners["transformer"]
+    replays = runner.counts.replays
+    graphed = generate(pipe, "a lighthouse in a storm", steps=3)
+    assert runner.counts.replays > replays
+    runner.enabled = False
+    assert torch.equal(graphed, generate(pipe, "a lighthouse in a storm", steps=3))
+    runner.enabled = True
+    pipe.accel.restore()
 
 
 @torch.no_grad()
