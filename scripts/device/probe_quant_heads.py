@@ -21,7 +21,7 @@ QUERIES, PREFIX, HEADS, DIM = 4096, 69, 32, 128
 def _two_reductions(x, smooth: bool = False):  # the other form
     import torch
 
-    from accel.hooks.attention.fa3 import E4M3_MAX
+    from accel.hooks.attention import fa3
 
     b, t, h, d = x.shape
     if smooth:
@@ -29,7 +29,7 @@ def _two_reductions(x, smooth: bool = False):  # the other form
         x = x.float() - torch.matmul(weights, x.reshape(b, t, h * d)).view(b, 1, h, d).float()
     else:
         x = x.float()
-    scale = (x.abs().amax(dim=3).amax(dim=1) / E4M3_MAX).clamp_min(1e-12)
+    scale = (x.abs().amax(dim=3).amax(dim=1) / fa3.E4M3_MAX).clamp_min(1e-12)
     return (x / scale[:, None, :, None]).to(torch.float8_e4m3fn), scale
 
 
