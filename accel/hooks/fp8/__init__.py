@@ -5,7 +5,8 @@ per-layer selection measured on a calibration call under ``fp8_budget``, and the
 installation applies at its first warm-up.
 
 The modules: ``quantizers`` (what ``quantize=`` does to one Linear layer, and what it refuses),
-``row_quant`` and ``row_quant_kernel`` (activations quantized per row in one pass),
+``row_quant`` and ``row_quant_kernel`` (activations quantized per row in one pass, after a GELU
+or a SwiGLU's product where asked),
 ``norm_quant`` and ``norm_quant_kernel`` (a modulated LayerNorm that writes its float8 rows),
 ``scaled_mm`` (float8 Linear layers through one opaque op), ``layer_kinds`` (which kind a model
 gets), ``attention_layers`` (float8 attention as layers of the selection), ``layer_select`` (the
@@ -16,7 +17,7 @@ the other subpackages.
 """
 
 from . import layer_kinds, quantizers, row_quant
-from .row_quant import quantize_rows_e4m3, quantize_rows_reference
+from .row_quant import quantize_rows_e4m3, quantize_rows_reference, quantize_silu_mul_rows_e4m3
 from .scaled_mm import ScaledMMFloat8, quantize_rows
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "quantize_rows",
     "quantize_rows_e4m3",
     "quantize_rows_reference",
+    "quantize_silu_mul_rows_e4m3",
     "quantizers",
     "row_quant",
 ]

@@ -1,4 +1,4 @@
-"""Per-row float8 quantization of activations in one pass: :func:`quantize_rows_e4m3`.
+"""Per-row float8 quantization of activations in one pass: :func:`quantize_rows_e4m3`, :func:`quantize_silu_mul_rows_e4m3`.
 
 A float8 product's input is quantized per row: its largest magnitude, a scale from it, then every
 value divided, clamped and cast to e4m3. Written as tensor ops, inductor compiles that to a
@@ -19,16 +19,36 @@ on, without writing it out: equal to the two ops in real arithmetic, with a fast
 division that leave a few values in 10,000 one float8 step away from them. A feed-forward hands
 it the GELU only with ``compile=True`` (:mod:`accel.hooks.compiled.fused`), whose rule is graphs
 equal to the same compiled model without graphs.
+
+:func:`quantize_silu_mul_rows_e4m3` does the same for a SwiGLU feed-forward's down projection
+(Qwen-Image 2.1's ``out(silu(gate_layer(x)) * proj(x))``): it reads the two up projections' rows
+and quantizes ``silu(gate) * up`` without writing the product out. Inductor's kernel for those
+ops, the product and its quantization, read each row twice: 163 us of Qwen-Image 2.1's float8
+step per block on an H100 at 1024x1024 (samples/gpu-run-2026-12-07c/h100-2/profile-q21/).
+Its SiLU uses the fast exponential, as the compiled model's own SiLU does; handed it only with
+``compile=True`` (the family's compiled forms).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .quantizers import ZERO_ROW_FLOOR
 
-__all__ = ["E4M3", "E4M3_MAX", "MAX_ROW", "quantize_rows_e4m3", "quantize_rows_reference", "row_floor"]
+__all__ = [
+    "E4M3",
+    "E4M3_MAX",
+    "MAX_ROW",
+    "launch",
+    "quantize_rows_e4m3",
+    "quantize_rows_reference",
+    "quantize_silu_mul_rows_e4m3",
+    "quantize_silu_mul_rows_reference",
+    "row_floor",
+]
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)
@@ -74,9 +94,45 @@ def quantize_rows_e4m3(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.
         raise ValueError(f"quantize_rows_e4m3 takes (rows, K), got shape {tuple(x.shape)}")
     if not _one_pass(x):
         return quantize_rows_reference(x, gelu_tanh)
-    import triton
-
     from .row_quant_kernel import quantize_rows_kernel
+
+    with torch.cuda.device(x.device):
+        return launch(quantize_rows_kernel, x, gelu_tanh=gelu_tanh)
+
+
+def quantize_silu_mul_rows_reference(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu(gate) * up`` quantized per row as :func:`quantize_rows_reference` does: the input of
+    a SwiGLU feed-forward's down projection, with the SiLU and the product each in the inputs'
+    dtype, as the modules compute them."""
+    return quantize_rows_reference(F.silu(gate) * up)
+
+
+@torch.library.custom_op("bcg_diffusers::quantize_silu_mul_rows_e4m3", mutates_args=())
+def quantize_silu_mul_rows_e4m3(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_silu_mul_rows_reference`: ``silu(gate) * up`` (rows, K) as e4m3 rows and
+    their float32 scales, without writing the product out. One pass on CUDA, where the SiLU's
+    exponential is the fast one (as a compiled model's own SiLU): a few values in 10,000 land one
+    float8 step from the tensor ops."""
+    if gate.dim() != 2 or up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(
+            f"quantize_silu_mul_rows_e4m3 takes gate and up (rows, K) of one dtype, got {tuple(gate.shape)} "
+            f"{gate.dtype} and {tuple(up.shape)} {up.dtype}"
+        )
+    if not (_one_pass(gate) and _one_pass(up)):
+        return quantize_silu_mul_rows_reference(gate, up)
+    from .row_quant_kernel import quantize_rows_kernel
+
+    with torch.cuda.device(gate.device):
+        return launch(quantize_rows_kernel, gate, up=up)
+
+
+def launch(
+    kernel: Any, x: torch.Tensor, up: torch.Tensor | None = None, gelu_tanh: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``kernel`` (:func:`~accel.hooks.fp8.row_quant_kernel.quantize_rows_kernel`, or the same
+    function under Triton's interpreter) over the rows of ``x`` as the ops do: one program per row;
+    with ``up``, of ``silu(x) * up``."""
+    import triton
 
     rows, k = x.shape
     q = torch.empty((rows, k), dtype=E4M3, device=x.device)
@@ -85,24 +141,31 @@ def quantize_rows_e4m3(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.
         block = triton.next_power_of_2(k)
         # Measured best on an H100 (scripts/device/probe_row_kernel.py): the GELU's arithmetic
         # wants more warps per row than the plain quantization's bytes do.
-        warps = 4 if block <= 4096 else 16 if gelu_tanh and block > 8192 else 8
-        with torch.cuda.device(x.device):
-            quantize_rows_kernel[(rows,)](
-                x,
-                q,
-                scale,
-                k,
-                x.stride(0),
-                FLOOR=row_floor(x.dtype),
-                QMAX=E4M3_MAX,
-                INV_QMAX=_INV_QMAX,
-                GELU_TANH=gelu_tanh,
-                BLOCK=block,
-                num_warps=warps,
-            )
+        warps = 4 if block <= 4096 else 16 if (gelu_tanh or up is not None) and block > 8192 else 8
+        kernel[(rows,)](
+            x,
+            x if up is None else up,
+            q,
+            scale,
+            k,
+            x.stride(0),
+            x.stride(0) if up is None else up.stride(0),
+            FLOOR=row_floor(x.dtype),
+            QMAX=E4M3_MAX,
+            INV_QMAX=_INV_QMAX,
+            GELU_TANH=gelu_tanh,
+            SILU_MUL=up is not None,
+            BLOCK=block,
+            num_warps=warps,
+        )
     return q, scale
 
 
 @quantize_rows_e4m3.register_fake
 def _(x: torch.Tensor, gelu_tanh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape, dtype=E4M3), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+@quantize_silu_mul_rows_e4m3.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return gate.new_empty(gate.shape, dtype=E4M3), gate.new_empty((gate.shape[0], 1), dtype=torch.float32)

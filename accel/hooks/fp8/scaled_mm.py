@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from .quantizers import Quantizer, check_bf16_weights, check_fp8_device
-from .row_quant import E4M3_MAX, quantize_rows_e4m3
+from .row_quant import E4M3_MAX, quantize_rows_e4m3, quantize_silu_mul_rows_e4m3
 from .row_quant import quantize_rows_reference as quantize_rows
 
 __all__ = ["E4M3_MAX", "Float8RowwiseLinear", "ScaledMMFloat8", "quantize_rows", "scaled_mm_rowwise"]
@@ -88,6 +88,13 @@ class Float8RowwiseLinear(torch.nn.Module):
         quantization instead of written out (a feed-forward's down projection; see
         :mod:`accel.hooks.compiled.fused`)."""
         return self._product(pre, gelu_tanh=True)
+
+    def forward_after_silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``self(silu(gate) * up)``, with the SiLU and the product computed inside the input's
+        quantization instead of written out (a SwiGLU feed-forward's down projection; see
+        :func:`~accel.hooks.fp8.row_quant.quantize_silu_mul_rows_e4m3`)."""
+        xq, xs = quantize_silu_mul_rows_e4m3(gate.reshape(-1, self.in_features), up.reshape(-1, self.in_features))
+        return self.forward_quantized(xq, xs, tuple(gate.shape[:-1]))
 
     def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
         """The product of an input quantized already (rows of e4m3 values and their float32 scales,

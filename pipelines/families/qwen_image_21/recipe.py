@@ -48,6 +48,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVC
 from accel import GenerationDefaults, GenericRecipe, eager_on_graph
 
 from ..qwen_image.forms import qwen_rope_in_real_arithmetic
+from .fused_ffn import fuse_swiglu_quantization
 from .models import FAMILY
 
 __all__ = [
@@ -387,10 +388,12 @@ class QwenImage21Recipe(GenericRecipe):
         return forward
 
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
-        # The same complex rotary product as Qwen-Image's (pipelines/families/qwen_image/forms.py).
+        # The same complex rotary product as Qwen-Image's (pipelines/families/qwen_image/forms.py);
+        # a float8 down projection of the library's takes the SwiGLU into its quantization (fused_ffn.py).
         if type(module).__module__ != MODULE:
             return lambda: None
-        return qwen_rope_in_real_arithmetic(MODULE)
+        undo = [qwen_rope_in_real_arithmetic(MODULE), fuse_swiglu_quantization(module)]
+        return lambda: [u() for u in reversed(undo)] and None
 
     def component_breaks(self) -> dict[str, tuple[str, ...]]:
         return {"text_encoder": TEXT_ENCODER_BREAKS}

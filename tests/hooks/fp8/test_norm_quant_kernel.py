@@ -18,13 +18,8 @@ tests/cuda/test_fused_quant.py (under 1e-3 of the values and 1% of the scales ap
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,12 +27,12 @@ import torch.nn.functional as F
 from accel.hooks.fp8 import norm_quant
 from accel.hooks.fp8.norm_quant import modulated_norm_rows_reference
 from accel.hooks.fp8.row_quant import quantize_rows_reference
+from tests.helpers.interpreted import apart, faithful, run_child
 
 try:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime import interpreter
 
     from accel.hooks.fp8.norm_quant_kernel import LAUNCH_OPTIONS, modulated_norm_rows_kernel
 except ImportError:  # the CPU environment leaves Triton out (docs/development.md)
@@ -80,28 +75,7 @@ def test_on_an_h100_the_modulation_rounds_its_product_before_the_shift() -> None
     assert "div.full.f32" not in ptx  # the norm's mean and variance divide correctly rounded
 
 
-# -- under Triton's interpreter -----------------------------------------------------------------
-# Triton picks the interpreter when a function is decorated (its own library's functions too, at
-# its import), so the kernel runs under it in a child process started with TRITON_INTERPRET=1.
-_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8e4nv": torch.float8_e4m3fn}
-_BITS = {8: (np.int8, torch.int8), 16: (np.int16, torch.int16), 32: (np.int32, torch.int32)}
-
-
-def _faithful(convert: Any) -> Any:
-    """The interpreter's float conversion, rounding to nearest even (torch's) between float32,
-    bf16 and e4m3 as the GPU's ``cvt.rn`` does; any other pair as the interpreter has it."""
-
-    def conversion(data: np.ndarray, src: Any, dst: Any, rounding: Any) -> np.ndarray:
-        nearest = (None, interpreter._ir.ROUNDING_MODE.RTNE)
-        if str(src) not in _TORCH or str(dst) not in _TORCH or rounding not in nearest:
-            return convert(data, src, dst, rounding)
-        np_in, _ = _BITS[src.primitive_bitwidth]
-        _, torch_out = _BITS[dst.primitive_bitwidth]
-        bits = torch.from_numpy(np.ascontiguousarray(data).view(np_in).copy())
-        out = bits.view(_TORCH[str(src)]).to(_TORCH[str(dst)]).view(torch_out).numpy()
-        return out.view(getattr(np, f"uint{dst.primitive_bitwidth}")).reshape(data.shape)
-
-    return conversion
+# -- under Triton's interpreter (tests/helpers/interpreted.py) --------------------------------------
 
 
 def _inputs(shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,44 +89,26 @@ def _inputs(shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, to
     return x, shift, scale
 
 
-def _apart(q: torch.Tensor, s: torch.Tensor, want_q: torch.Tensor, want_s: torch.Tensor) -> tuple[float, float]:
-    """The share of float8 values that differ, and of rows whose scale does."""
-    differ = (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean().item()
-    return differ, (s != want_s).float().mean().item()
-
-
 def _interpret() -> dict[str, Any]:
     """In the child: the kernel under the interpreter against the reference, per shape, with
     the interpreter's conversions as they are and made faithful."""
+    from triton.runtime import interpreter
+
     assert isinstance(modulated_norm_rows_kernel, interpreter.InterpretedFunction)
     out: dict[str, Any] = {}
-    convert = interpreter._convert_float
-    for faithful in (False, True):
-        interpreter._convert_float = _faithful(convert) if faithful else convert
-        for shape in SHAPES:
-            x, shift, scale = _inputs(shape)
-            q, s = norm_quant.launch(modulated_norm_rows_kernel, x, shift, scale, EPS)
-            want_q, want_s = modulated_norm_rows_reference(x, shift, scale, EPS)
-            assert q.shape == want_q.shape and s.shape == want_s.shape
-            out[f"{'faithful' if faithful else 'as it is'} {shape}"] = _apart(q, s, want_q, want_s)
-    interpreter._convert_float = convert
+    for on in (False, True):
+        with faithful(on):
+            for shape in SHAPES:
+                x, shift, scale = _inputs(shape)
+                q, s = norm_quant.launch(modulated_norm_rows_kernel, x, shift, scale, EPS)
+                want_q, want_s = modulated_norm_rows_reference(x, shift, scale, EPS)
+                out[f"{'faithful' if on else 'as it is'} {shape}"] = apart(q, s, want_q, want_s)
     return out
 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, Any]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = Path(__file__).resolve().parents[3]
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.hooks.fp8.test_norm_quant_kernel"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child("tests.hooks.fp8.test_norm_quant_kernel")
 
 
 @needs_triton
@@ -190,7 +146,7 @@ def test_one_rounding_for_the_product_and_the_shift_is_what_the_h100_showed() ->
         want_q, want_s = modulated_norm_rows_reference(x, shift, scale, EPS)
     finally:
         torch.set_num_threads(threads)
-    differ, scales = _apart(q, s, want_q, want_s)
+    differ, scales = apart(q, s, want_q, want_s)
     assert 0.02 < differ < 0.08 and 0.1 < scales < 0.35, (differ, scales)
 
 

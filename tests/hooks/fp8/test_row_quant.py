@@ -3,11 +3,18 @@ Triton kernel runs on CUDA only: tests/cuda/test_fp8.py compares its bits with t
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from accel.hooks.fp8.row_quant import E4M3_MAX, quantize_rows_e4m3, quantize_rows_reference
+from accel.hooks.fp8.row_quant import (
+    E4M3_MAX,
+    quantize_rows_e4m3,
+    quantize_rows_reference,
+    quantize_silu_mul_rows_e4m3,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -45,3 +52,33 @@ def test_the_op_is_one_opaque_call_to_dynamo_and_takes_rows_only() -> None:
     assert torch.ops.bcg_diffusers.quantize_rows_e4m3.default in seen
     with pytest.raises(ValueError, match=r"takes \(rows, K\), got shape \(2, 5, 32\)"):
         quantize_rows_e4m3(torch.randn(2, 5, 32))
+
+
+def test_silu_mul_off_cuda_is_the_modules_arithmetic_then_the_rows_and_refuses_a_mismatch() -> None:
+    g = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(2, 7, 64, generator=g).to(torch.bfloat16) * 4).unbind(0)
+    q, scale = quantize_silu_mul_rows_e4m3(gate, up)
+    # Qwen-Image 2.1's feed-forward as diffusers writes it, then the rows' quantization.
+    want_q, want_scale = quantize_rows_reference(torch.nn.SiLU()(gate) * up)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+    assert not torch.equal(q.view(torch.uint8), quantize_rows_reference(F.silu(gate) * gate)[0].view(torch.uint8))
+    with pytest.raises(ValueError, match=r"gate and up \(rows, K\) of one dtype, got \(7, 64\).*\(7, 32\)"):
+        quantize_silu_mul_rows_e4m3(gate, up[:, :32])
+    with pytest.raises(ValueError, match="of one dtype"):
+        quantize_silu_mul_rows_e4m3(gate, up.float())
+    seen: list[object] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(quantize_silu_mul_rows_e4m3, backend=backend, fullgraph=True)(gate, up)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[1], scale)
+    # One opaque call, its two results read from it, no ATen op.
+    assert [t for t in seen if t is not operator.getitem] == [
+        torch.ops.bcg_diffusers.quantize_silu_mul_rows_e4m3.default
+    ]

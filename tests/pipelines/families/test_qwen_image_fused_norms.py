@@ -114,14 +114,28 @@ def test_an_attention_input_and_the_text_stream_stay_diffusers(monkeypatch: pyte
 def test_dynamo_traces_a_block_with_the_form_in_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     torch._dynamo.reset()
     t, args = _blocks(monkeypatch)
-    fuse_gelu_epilogues(t)
-    fuse_norm_quantization(t)
+    # Both undos held: a patch nothing holds is undone (accel.graphs.patches).
+    undo = [fuse_gelu_epilogues(t), fuse_norm_quantization(t)]
     block = t.transformer_blocks[0]
-    with torch.no_grad():
-        eager = block(**args)
-        compiled = torch.compile(block, backend="eager", fullgraph=True)(**args)
+    seen: list[object] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    try:
+        with torch.no_grad():
+            eager = block(**args)
+            compiled = torch.compile(block, backend=backend, fullgraph=True)(**args)
+    finally:
+        torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
     assert isinstance(block.img_mlp.net[2], Float8RowwiseLinear)
+    # The form is what dynamo traced: the fused norm's op, and no GELU written out.
+    assert torch.ops.bcg_diffusers.modulated_norm_rows_e4m3.default in seen
+    assert F.gelu not in seen and torch.ops.aten.gelu.default not in seen
+    for u in reversed(undo):
+        u()
 
 
 @torch.no_grad()
@@ -129,9 +143,9 @@ def test_layers_measured_through_their_forward_take_the_unfused_path(monkeypatch
     """quantize="fp8"'s selection measures a float8 layer by wrapping its forward: the block then
     calls that forward (its error measured), not the fused op."""
     t, args = _blocks(monkeypatch)
-    fuse_gelu_epilogues(t)
-    fuse_norm_quantization(t)
+    undo = [fuse_gelu_epilogues(t), fuse_norm_quantization(t)]  # held, or they are undone at once
     block = t.transformer_blocks[0]
+    assert "forward" in vars(block.img_mlp) and "_modulate" in vars(block)
     up = block.img_mlp.net[0].proj
     seen = []
     stock = up.forward
@@ -140,6 +154,8 @@ def test_layers_measured_through_their_forward_take_the_unfused_path(monkeypatch
     monkeypatch.setattr(accel, "modulated_norm_rows_e4m3", lambda *a: calls.append(1))
     block(**args)
     assert seen and not calls
+    for u in reversed(undo):
+        u()
 
 
 @torch.no_grad()
@@ -149,7 +165,7 @@ def test_the_recipe_fuses_only_when_opted_in(monkeypatch: pytest.MonkeyPatch) ->
     from pipelines.families.qwen_image.recipe import QwenImageRecipe
 
     t, args = _blocks(monkeypatch)
-    fuse_gelu_epilogues(t)
+    undo_gelu = fuse_gelu_epilogues(t)  # held, or it is undone at once
     calls = []
     op = norm_quant.modulated_norm_rows_e4m3
     monkeypatch.setattr(accel, "modulated_norm_rows_e4m3", lambda *a: calls.append(1) or op(*a))
@@ -167,3 +183,4 @@ def test_the_recipe_fuses_only_when_opted_in(monkeypatch: pytest.MonkeyPatch) ->
     assert calls == [1] and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     undo()
     assert "_modulate" not in vars(block)
+    undo_gelu()
