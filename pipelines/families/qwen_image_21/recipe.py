@@ -14,7 +14,8 @@ latents. So the recipe runs the forward with that preamble factored out:
   the flex ``BlockMask``) with diffusers' own helpers. Its host values (``prefix_len``, the
   segments) are part of its output's structure, so a call with another layout replays (or
   captures) a chain of its own instead of failing. Layouts are remembered by the masks' values,
-  so a replayed step pays one small device-to-host read, not the preamble.
+  so a replayed step pays a lookup, not the preamble; a mask tensor's values are read to the host
+  once per call (the pipeline hands every step the same masks), so the steps never wait on it.
 * everything after it (input projections, timestep and modulation, the block loop, the output
   norm and projection) is the stock forward's code, captured as one segment. The blocks and
   their attention processors are diffusers' own, called with the same arguments: the prefill's
@@ -36,9 +37,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import sys
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -53,7 +56,9 @@ from .models import FAMILY
 
 __all__ = [
     "LAYOUTS_KEPT",
+    "LAYOUT_KWARG",
     "MODULE",
+    "TOKENS_KEPT",
     "Layout",
     "LayoutMemo",
     "LayoutQuery",
@@ -69,6 +74,12 @@ MODULE = "diffusers.models.transformers.transformer_qwenimage21"
 # 1024x1024 (its RoPE table), and a process sees few distinct layouts (one per prompt length and
 # condition-image size).
 LAYOUTS_KEPT = 16
+# Mask values told apart by their layout tokens; a call whose token was forgotten gets a new one,
+# a signature of its own.
+TOKENS_KEPT = 1024
+# The keyword the recipe adds to each call (route_call) and the forward takes out again: the
+# number of the call's mask values, so that the layout break need not read them.
+LAYOUT_KWARG = "_bcg_layout"
 
 
 _QWEN3_VL = "transformers.models.qwen3_vl.modeling_qwen3_vl"
@@ -119,15 +130,54 @@ def _host_bytes(t: torch.Tensor | None) -> Hashable:
     return (tuple(t.shape), t.dtype, t.detach().cpu().numpy().tobytes())
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place write), or None where it keeps none (an
+    inference tensor)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 class LayoutMemo:
     """The layouts of one transformer, by the values of the masks and shapes they came from
     (least recently used forgotten first). The same object comes back for the same values, so
-    a graph whose boundary buffer it is keeps reading what it was captured with."""
+    a graph whose boundary buffer it is keeps reading what it was captured with.
+
+    A mask's values are read once per tensor and version (:meth:`host_key`): the pipeline hands
+    the same mask tensors to every step of a call, and reading them at every step would make the
+    host wait there for the GPU to finish the step before, leaving the GPU idle while it launches
+    the next one."""
 
     def __init__(self, limit: int = LAYOUTS_KEPT) -> None:
         self.limit = limit
         self._layouts: collections.OrderedDict[Hashable, Layout] = collections.OrderedDict()
+        self._read: collections.OrderedDict[int, tuple[weakref.ref[torch.Tensor], int, Hashable]] = (
+            collections.OrderedDict()
+        )
+        self._tokens: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
+        self._by_token: dict[int, Hashable] = {}
+        self._numbers = itertools.count()  # never reused: a forgotten token names nothing
         self.computed = 0
+        self.host_reads = 0
+
+    def host_key(self, t: torch.Tensor | None) -> Hashable:
+        """:func:`_host_bytes` of ``t``, read again only for another tensor, or after an in-place
+        write to this one (a tensor that keeps no version is read every time)."""
+        if t is None:
+            return None
+        version = _version(t)
+        seen = self._read.get(id(t))
+        if seen is not None and version is not None and seen[0]() is t and seen[1] == version:
+            self._read.move_to_end(id(t))
+            return seen[2]
+        key = _host_bytes(t)
+        self.host_reads += 1
+        if version is not None:
+            self._read[id(t)] = (weakref.ref(t), version, key)
+            while len(self._read) > 2 * self.limit:
+                self._read.popitem(last=False)
+        return key
 
     def get(self, key: Hashable, compute: Callable[[], Layout]) -> Layout:
         layout = self._layouts.get(key)
@@ -141,8 +191,26 @@ class LayoutMemo:
             self._layouts.move_to_end(key)
         return layout
 
+    def masks_token(self, img_mask: torch.Tensor | None, encoder_hidden_states_mask: torch.Tensor | None) -> int:
+        """A number for the masks' values, the same for the same values (within the last
+        :data:`TOKENS_KEPT` told apart): the call's :data:`LAYOUT_KWARG`."""
+        key = (self.host_key(img_mask), self.host_key(encoder_hidden_states_mask))
+        token = self._tokens.get(key)
+        if token is None:
+            token = self._tokens[key] = next(self._numbers)
+            self._by_token[token] = key
+            while len(self._tokens) > TOKENS_KEPT:
+                self._by_token.pop(self._tokens.popitem(last=False)[1], None)
+        self._tokens.move_to_end(key)
+        return token
+
+    def masks_key(self, token: int | None) -> Hashable | None:
+        """The masks' key a :meth:`masks_token` stands for (None: not one of the kept)."""
+        return self._by_token.get(token) if token is not None else None
+
     def clear(self) -> None:
         self._layouts.clear()
+        self._read.clear()
 
     def __len__(self) -> int:
         return len(self._layouts)
@@ -204,12 +272,17 @@ def token_layout(
     img_mask: torch.Tensor,
     encoder_hidden_states_mask: torch.Tensor | None,
     query: LayoutQuery,
+    token: int | None = None,
 ) -> Layout:
     """The call's :class:`Layout`: remembered by the masks' values, computed on a miss. An eager
     break keyed on its output (``prefix_len`` and the segments are host values the segments
-    after it were captured for)."""
-    key = (_host_bytes(img_mask), _host_bytes(encoder_hidden_states_mask), query)
-    return memo.get(key, lambda: _compute_layout(module, img_mask, encoder_hidden_states_mask, query))
+    after it were captured for). ``token``: the masks' values as the recipe read them from the
+    pipeline's own tensors before the call (:meth:`QwenImage21Recipe.route_call`); without it the
+    masks handed here are read."""
+    masks = memo.masks_key(token)
+    if masks is None:
+        masks = (memo.host_key(img_mask), memo.host_key(encoder_hidden_states_mask))
+    return memo.get((*masks, query), lambda: _compute_layout(module, img_mask, encoder_hidden_states_mask, query))
 
 
 def _forward(
@@ -225,6 +298,7 @@ def _forward(
     kv_cache: Any = None,
     kv_cache_mode: str | None = None,
     return_dict: bool = True,
+    layout_token: int | None = None,
 ) -> Any:
     """diffusers 0.42's ``QwenImage21Transformer2DModel.forward`` (below its LoRA-scale
     decorator), its layout taken from :func:`token_layout`; every other line as stock."""
@@ -252,7 +326,7 @@ def _forward(
         segments=prefill and not all(flex),
         block_mask=prefill and any(flex),
     )
-    layout = token_layout(memo, self, img_mask, encoder_hidden_states_mask, query)
+    layout = token_layout(memo, self, img_mask, encoder_hidden_states_mask, query, layout_token)
 
     hidden_states = self.img_in(hidden_states)
     encoder_hidden_states = self.txt_in(encoder_hidden_states)
@@ -338,9 +412,10 @@ def layout_forward(fn: Callable[..., Any], memo: LayoutMemo) -> Callable[..., An
 
     @functools.wraps(fn)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        token = kwargs.pop(LAYOUT_KWARG, None)
         if torch.is_grad_enabled() and module.gradient_checkpointing:
             return fn(*args, **kwargs)  # training: the stock forward, checkpointing as it does
-        return scaled(module, *args, **kwargs)
+        return scaled(module, *args, layout_token=token, **kwargs)
 
     return forward
 
@@ -386,6 +461,14 @@ class QwenImage21Recipe(GenericRecipe):
             )
             return fn
         return forward
+
+    def route_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # The masks' values read from the pipeline's own tensors, once per call (the same tensors
+        # come at every step): the layout break then reads nothing, so no step waits on the GPU.
+        if args or not isinstance(kwargs.get("img_mask"), torch.Tensor):
+            return args, kwargs
+        token = self.layouts.masks_token(kwargs["img_mask"], kwargs.get("encoder_hidden_states_mask"))
+        return args, {**kwargs, LAYOUT_KWARG: token}
 
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
         # The same complex rotary product as Qwen-Image's (pipelines/families/qwen_image/forms.py);

@@ -20,6 +20,7 @@ from PIL import Image
 from accel import accelerate_pipeline
 from pipelines.builders import build_pipeline
 from pipelines.families.qwen_image_21.recipe import LayoutMemo, QwenImage21Recipe, layout_forward
+from tests.helpers.after_warmup import as_on_cuda
 from tests.helpers.emulator import emulate_pipelines
 
 pytestmark = pytest.mark.usefixtures("few_threads")
@@ -32,7 +33,8 @@ PROMPTS = ("a red fox in the snow", "a cat", "a lighthouse on a cliff at dusk, o
 
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    emulate_pipelines(monkeypatch)
+    # As on a GPU: the recipe's per-call routing (the masks' layout token) runs too.
+    as_on_cuda(monkeypatch)
     return monkeypatch
 
 
@@ -125,6 +127,30 @@ def test_a_forward_that_is_not_diffusers_own_runs_stock(caplog) -> None:
     assert "not diffusers 0.42's QwenImage21Transformer2DModel.forward" in caplog.text
 
 
+def test_a_mask_is_read_to_the_host_once_per_tensor_and_version() -> None:
+    """Every step of a call hands the layout the same mask tensors: reading their values again would
+    make the host wait for the GPU at every step. A write to a mask, or another tensor, reads it."""
+    memo = LayoutMemo()
+    mask = torch.tensor([[True, False, True]])
+    first = memo.host_key(mask)
+    assert memo.host_key(mask) == first and memo.host_reads == 1
+    mask[0, 1] = True  # in place: its version moves on, so it is read again
+    moved = memo.host_key(mask)
+    assert moved != first and memo.host_reads == 2
+    same_values = mask.clone()
+    assert memo.host_key(same_values) == moved and memo.host_reads == 3
+    assert memo.host_key(None) is None and memo.host_reads == 3
+    with torch.inference_mode():
+        kept_no_version = torch.tensor([[True, True]])
+    assert memo.host_key(kept_no_version) == memo.host_key(kept_no_version) and memo.host_reads == 5
+    # The tensor gone, another may take its id: the dead reference is never taken for it.
+    ident = id(same_values)
+    del same_values
+    other = torch.tensor([[False, False, False]])
+    if id(other) == ident:
+        assert memo.host_key(other) != moved
+
+
 # --------------------------------------------------------------------------------------------
 # The pipeline, accelerated, against the stock pipeline
 # --------------------------------------------------------------------------------------------
@@ -178,6 +204,23 @@ def test_after_warmup_three_calls_replay_every_step_bit_for_bit(emulated, image:
     assert pipe.accel.stats()["text_encoder"].replays >= len(PROMPTS) * (1 + cfg)
 
 
+def test_a_replayed_call_reads_its_masks_once_not_at_every_step(emulated) -> None:
+    pipe = _pipe()
+    accelerate_pipeline(pipe)
+    pipe.accel.warmup([(SIDE, SIDE)], prompts=[PROMPTS[0]], progress=False)
+    memo = pipe.accel.recipes["transformer"].layouts
+    seed = _seeds(1)[0]
+    for guidance in [{}, dict(true_cfg_scale=4.0, negative_prompt=" ")]:
+        reads = []
+        for steps in (2, 5):
+            before, computed = memo.host_reads, memo.computed
+            _call(pipe, PROMPTS[0], seed, steps=steps, **guidance)
+            reads.append(memo.host_reads - before)
+            assert memo.computed == computed  # every layout remembered from the warm-up
+        # Each branch's image mask (and text mask, where it has one) once, whatever the steps.
+        assert reads[0] == reads[1] and 1 + bool(guidance) <= reads[0] <= 2 * (1 + bool(guidance)), reads
+
+
 def _documented(pipe) -> tuple[list[torch.Tensor], tuple[int, int, int], tuple[int, int, int]]:
     """Stock images of the warm-up's own prompt (accel's DEFAULT_WARMUP_PROMPT) with guidance off
     and on, then ``warmup([(w, h)])`` as the README writes it and the same calls accelerated:
@@ -205,10 +248,17 @@ def test_the_documented_warmup_captures_what_its_calls_replay(emulated) -> None:
     assert after == before
 
 
-def test_same_shapes_another_layout_is_a_chain_of_its_own(emulated) -> None:
-    """The layout's host values (prefix length, segments) are part of the layout break's output
-    structure: a call whose masks lay the tokens out otherwise, at the same shapes, captures a chain
-    of its own instead of replaying the first one's."""
+@pytest.mark.parametrize("routed", [True, False], ids=["routed", "masks-read-in-the-break"])
+def test_same_shapes_another_layout_is_a_graph_of_its_own(monkeypatch: pytest.MonkeyPatch, routed: bool) -> None:
+    """A call whose masks lay the tokens out otherwise, at the same shapes, replays graphs of its
+    own, not the first layout's. Routed (as on a GPU), the masks' token is part of the call's
+    signature: an entry of its own. Without the routing the layout break reads the masks, and its
+    host values (prefix length, segments), part of its output's structure, pick a chain of its own
+    within the one entry."""
+    if routed:
+        as_on_cuda(monkeypatch)
+    else:
+        emulate_pipelines(monkeypatch)
     pipe = _pipe()
     model = pipe.transformer
     g = torch.Generator().manual_seed(_seeds(1)[0])
@@ -225,10 +275,14 @@ def test_same_shapes_another_layout_is_a_chain_of_its_own(emulated) -> None:
     for a, b in zip(got, [*want, want[0]]):
         assert torch.equal(a, b)
     st = pipe.accel.stats()["transformer"]
-    # One signature, two chains: the second layout captured its own on its first call, and the
-    # third call (the first layout again) replayed, switching back.
-    assert st.entries == 1 and len(st.paths_per_entry[0]) == 2, st
-    assert (st.captures, st.path_captures, st.path_switches, st.eager_calls) == (2, 1, 1, 0), st
+    # The second layout captured its own on its first call; the third call (the first layout
+    # again) replayed the first's. (A capture replays what it captured: 2 replays with them.)
+    assert (st.captures, st.replays, st.eager_calls) == (2, 3, 0), st
+    if routed:
+        assert st.entries == 2 and st.path_switches == 0, st
+    else:
+        assert st.entries == 1 and len(st.paths_per_entry[0]) == 2, st
+        assert (st.path_captures, st.path_switches) == (1, 1), st
 
 
 @pytest.mark.parametrize("kv", [False, True])
