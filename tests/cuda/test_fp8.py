@@ -131,6 +131,25 @@ def test_one_pass_quantization_after_a_gelu_is_within_one_float8_step_of_the_two
     assert differ < 1e-3 and (scale == want_scale).float().mean().item() > 0.99
 
 
+@torch.no_grad()
+def test_one_pass_silu_mul_quantization_is_within_one_float8_step_of_the_tensor_ops() -> None:
+    """Qwen-Image 2.1's down-projection input (4096 rows of 12288), its gate and up projections'
+    outputs as strided halves of one tensor; the kernel's SiLU uses the fast exponential."""
+    from accel.hooks.fp8.row_quant import quantize_silu_mul_rows_e4m3, quantize_silu_mul_rows_reference
+
+    g = torch.Generator(DEVICE).manual_seed(2)
+    both = torch.randn(4096, 2 * 12288, device=DEVICE, dtype=torch.bfloat16, generator=g) * 3
+    gate, up = both[:, :12288], both[:, 12288:]
+    for gate_, up_ in ((gate, up), (gate.contiguous(), up.contiguous())):
+        q, scale = quantize_silu_mul_rows_e4m3(gate_, up_)
+        want_q, want_scale = quantize_silu_mul_rows_reference(gate_, up_)
+        a, b = q.float() * scale, want_q.float() * want_scale
+        differ = (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean().item()
+        print(f"\nSiLU(gate) * up then float8 in one pass: {differ:.2e} of the values differ")
+        assert ((a - b).abs() <= b.abs() / 8 + scale * 2**-9).all()
+        assert differ < 1e-3 and (scale == want_scale).float().mean().item() > 0.99
+
+
 def _call(pipe, name: str, prompt: str, seed: int) -> torch.Tensor:
     guidance = dict(true_cfg_scale=4.0, negative_prompt="blurry") if name == "qwen-image" else dict(guidance_scale=0.0)
     return pipe(

@@ -185,11 +185,18 @@ def test_compiled_graphs_equal_the_same_compiled_model_without_graphs(pipe, tmp_
     assert not mismatches, mismatches
 
 
+@pytest.mark.parametrize("layers", ["recipe", "scaled-mm"])
 @torch.no_grad()
-def test_float8_compiled_graphs_equal_the_same_model_without_graphs(tmp_path) -> None:
+def test_float8_compiled_graphs_equal_the_same_model_without_graphs(tmp_path, monkeypatch, layers: str) -> None:
+    """With the recipe's float8 layers, and with the library's (whose down projections take the
+    SwiGLU into their quantization: pipelines/families/qwen_image_21/fused_ffn.py)."""
     if torch.cuda.get_device_capability() < quantizers.MIN_FP8_CAPABILITY:
         pytest.skip("float8 products need compute capability 8.9 or newer")
     pytest.importorskip("torchao")
+    if layers == "scaled-mm":
+        from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
+
+        monkeypatch.setattr(QwenImage21Recipe, "fp8_layers", "scaled-mm")
     # Quantizing is one-way: a pipeline of its own.
     pipe = build_pipeline("qwen-image-2.1", "full", device=DEVICE, dtype=torch.bfloat16, seed=0)
     pipe.set_progress_bar_config(disable=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from accel import accelerate_pipeline
-from accel.hooks.fp8 import layer_kinds, row_quant, scaled_mm
+from accel.hooks.fp8 import row_quant, scaled_mm
 from accel.hooks.fp8.scaled_mm import Float8RowwiseLinear, ScaledMMFloat8
 from pipelines.builders import build_pipeline, build_transformer
 from pipelines.families.qwen_image_21.fused_ffn import fuse_swiglu_quantization
@@ -121,7 +121,6 @@ def test_a_compiled_float8_pipeline_runs_the_form_in_its_graphs_and_equals_itsel
     it), ``compile=True`` on the CPU under emulated graphs."""
     emulate_pipelines(monkeypatch)
     compile_on_cpu(monkeypatch)
-    monkeypatch.setattr(layer_kinds, "FP8_LAYERS", dict.fromkeys(layer_kinds.FP8_LAYERS, ScaledMMFloat8))
     monkeypatch.setattr(QwenImage21Recipe, "fp8_layers", "scaled-mm")
     pipe = build_pipeline("qwen-image-2.1", "tiny", dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
