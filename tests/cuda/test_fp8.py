@@ -106,6 +106,7 @@ def test_one_pass_quantization_gives_the_tensor_ops_bits(dtype: torch.dtype) -> 
         if rows > 2:
             wide[1, 5] = 400.0 if dtype == torch.float16 else 3e4  # a huge value sets its row's scale
             wide[2, :] *= 1e-6
+            wide[-1, :4] = -0.0  # negative zeros stay negative
         for x in (wide[:, :k].contiguous(), wide[:, :k]):  # contiguous, and rows with a stride
             q, scale = quantize_rows_e4m3(x)
             want_q, want_scale = quantize_rows_reference(x)

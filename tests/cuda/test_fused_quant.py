@@ -56,6 +56,25 @@ def test_the_one_pass_kernel_is_within_a_float8_step_of_the_reference(shape: tup
 
 
 @torch.no_grad()
+def test_qwen_image_21s_form_no_shift_and_rows_named_per_token() -> None:
+    """Qwen-Image 2.1 at 1024x1024 with a condition prefix: its rows take the sample's scale or the
+    last (t = 0) row, and no shift; within the same steps of the reference."""
+    g = torch.Generator(DEVICE).manual_seed(1)
+    batch, tokens, k = 1, 4096 + 69, 4096
+    x = torch.randn(batch, tokens, k, device=DEVICE, dtype=torch.bfloat16, generator=g) * 4 + 1
+    scale = torch.randn(batch + 1, 2 * k, device=DEVICE, dtype=torch.bfloat16, generator=g)[:, :k]
+    target = torch.arange(tokens, device=DEVICE) >= 69
+    rows = torch.where(target, torch.arange(batch, device=DEVICE)[:, None], batch).reshape(-1)
+    q, s = modulated_norm_rows_e4m3(x, None, scale, 1e-6, rows)
+    want_q, want_s = modulated_norm_rows_reference(x, None, scale, 1e-6, rows)
+    a, b = q.float() * s, want_q.float() * want_s
+    differ = (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean().item()
+    print(f"\nno shift, rows per token: {differ:.2e} of the values differ")
+    assert ((a - b).abs() <= b.abs() / 8 * (1 + 2**-6) + want_s * 2**-9 + s * 2**-9).all()
+    assert differ < 1e-3 and (s == want_s).float().mean().item() > 0.99
+
+
+@torch.no_grad()
 def test_the_kernel_replays_in_a_cuda_graph() -> None:
     x = torch.randn(2, 4096, 3072, device=DEVICE, dtype=torch.bfloat16)
     shift, scale = (torch.randn(2, 3072, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))

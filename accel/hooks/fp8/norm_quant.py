@@ -36,14 +36,23 @@ __all__ = ["modulated_norm_rows_e4m3", "modulated_norm_rows_reference"]
 
 
 def modulated_norm_rows_reference(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+    x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor, eps: float, rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (batch, tokens, K) LayerNorm-ed over K without affine, modulated per sample by
-    ``shift`` and ``scale`` (batch, K) as diffusers' Qwen-Image block does, then as float8 rows
-    (batch * tokens, K) and their float32 scales (batch * tokens, 1)."""
-    y = F.layer_norm(x, (x.shape[-1],), eps=eps)
-    y = y * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
-    return quantize_rows_reference(y.reshape(-1, x.shape[-1]))
+    """``x`` (batch, tokens, K) LayerNorm-ed over K without affine, modulated by ``shift`` and
+    ``scale`` (M, K) as diffusers' Qwen-Image block does (``norm * (1 + scale) + shift``; Qwen-Image
+    2.1's has no shift: None), then as float8 rows (batch * tokens, K) and their float32 scales
+    (batch * tokens, 1). Each sample's tokens take its own modulation row (M = batch), or, given
+    ``rows`` (batch * tokens integers), each token the row it names."""
+    batch, tokens, k = x.shape
+    y = F.layer_norm(x, (k,), eps=eps)
+
+    def per_token(m: torch.Tensor) -> torch.Tensor:
+        return m.unsqueeze(1) if rows is None else m[rows].view(batch, tokens, k)
+
+    y = y * (1 + per_token(scale))
+    if shift is not None:
+        y = y + per_token(shift)
+    return quantize_rows_reference(y.reshape(-1, k))
 
 
 def _one_pass(x: torch.Tensor) -> bool:
@@ -52,24 +61,39 @@ def _one_pass(x: torch.Tensor) -> bool:
 
 @torch.library.custom_op("bcg_diffusers::modulated_norm_rows_e4m3", mutates_args=())
 def modulated_norm_rows_e4m3(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+    x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor, eps: float, rows: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`modulated_norm_rows_reference` in one pass on CUDA (see the module docstring)."""
-    if x.dim() != 3 or shift.shape != (x.shape[0], x.shape[2]) or scale.shape != shift.shape:
+    batch, tokens, k = x.shape if x.dim() == 3 else (0, 0, -1)
+    m = scale.shape[0] if scale.dim() == 2 else -1
+    if (
+        x.dim() != 3
+        or scale.shape != (m, k)
+        or (shift is not None and shift.shape != scale.shape)
+        or (rows is None and m != batch)
+        or (rows is not None and (rows.shape != (batch * tokens,) or rows.is_floating_point()))
+    ):
         raise ValueError(
-            f"modulated_norm_rows_e4m3 takes x (batch, tokens, K) and shift, scale (batch, K); got "
-            f"{tuple(x.shape)}, {tuple(shift.shape)}, {tuple(scale.shape)}"
+            f"modulated_norm_rows_e4m3 takes x (batch, tokens, K), shift (or None) and scale (M, K), and rows "
+            f"(batch * tokens integers, or None where M is batch); got {tuple(x.shape)}, "
+            f"{None if shift is None else tuple(shift.shape)}, {tuple(scale.shape)}, "
+            f"{None if rows is None else tuple(rows.shape)}"
         )
-    if not _one_pass(x) or shift.dtype != x.dtype or scale.dtype != x.dtype:
-        return modulated_norm_rows_reference(x, shift, scale, eps)
+    if not _one_pass(x) or scale.dtype != x.dtype or (shift is not None and shift.dtype != x.dtype):
+        return modulated_norm_rows_reference(x, shift, scale, eps, rows)
     from .norm_quant_kernel import modulated_norm_rows_kernel
 
     with torch.cuda.device(x.device):
-        return launch(modulated_norm_rows_kernel, x, shift, scale, eps)
+        return launch(modulated_norm_rows_kernel, x, shift, scale, eps, rows)
 
 
 def launch(
-    kernel: Any, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+    kernel: Any,
+    x: torch.Tensor,
+    shift: torch.Tensor | None,
+    scale: torch.Tensor,
+    eps: float,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``kernel`` (:func:`~accel.hooks.fp8.norm_quant_kernel.modulated_norm_rows_kernel`, or
     the same function under Triton's interpreter) over the rows of ``x`` as the op does: one
@@ -79,16 +103,19 @@ def launch(
     from .norm_quant_kernel import LAUNCH_OPTIONS
 
     batch, tokens, k = x.shape
-    rows = batch * tokens
-    shift, scale = shift.contiguous(), scale.contiguous()
-    q = torch.empty((rows, k), dtype=E4M3, device=x.device)
-    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    if rows:
+    n = batch * tokens
+    has_shift = shift is not None
+    scale = scale.contiguous()
+    shift = shift.contiguous() if has_shift else scale  # read only with HAS_SHIFT
+    q = torch.empty((n, k), dtype=E4M3, device=x.device)
+    s = torch.empty((n, 1), dtype=torch.float32, device=x.device)
+    if n:
         block = triton.next_power_of_2(k)
-        kernel[(rows,)](
+        kernel[(n,)](
             x,
             shift,
             scale,
+            s if rows is None else rows.contiguous(),  # read only with HAS_ROWS
             q,
             s,
             k,
@@ -99,6 +126,8 @@ def launch(
             FLOOR=row_floor(x.dtype),
             QMAX=E4M3_MAX,
             INV_QMAX=_INV_QMAX,
+            HAS_SHIFT=has_shift,
+            HAS_ROWS=rows is not None,
             BLOCK=block,
             num_warps=4 if block <= 4096 else 8,
             **LAUNCH_OPTIONS,
@@ -107,6 +136,8 @@ def launch(
 
 
 @modulated_norm_rows_e4m3.register_fake
-def _(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _(
+    x: torch.Tensor, shift: torch.Tensor | None, scale: torch.Tensor, eps: float, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.shape[0] * x.shape[1]
     return x.new_empty((rows, x.shape[2]), dtype=E4M3), x.new_empty((rows, 1), dtype=torch.float32)

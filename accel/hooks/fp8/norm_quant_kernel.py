@@ -23,6 +23,7 @@ def modulated_norm_rows_kernel(
     x_ptr,
     shift_ptr,
     scale_ptr,
+    rows_ptr,
     q_ptr,
     s_ptr,
     K,
@@ -33,6 +34,8 @@ def modulated_norm_rows_kernel(
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
     INV_QMAX: tl.constexpr,
+    HAS_SHIFT: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One program per row, the whole row in registers: its LayerNorm (no affine), the sample's
@@ -42,9 +45,16 @@ def modulated_norm_rows_kernel(
     :mod:`accel.hooks.fp8.row_quant_kernel` computes them. The row is read once; the modulated
     activation is never written out. Only the norm's statistics differ from ATen's LayerNorm
     (another order of the sums, Welford's there), which moves a bf16 norm value by one unit in a
-    few in 100,000."""
+    few in 100,000.
+
+    Without ``HAS_SHIFT`` the modulation is ``norm * (1 + scale)`` (Qwen-Image 2.1's). With
+    ``HAS_ROWS`` each row reads the modulation row ``rows_ptr`` names for it (Qwen-Image 2.1's
+    condition tokens take the last, ``t = 0`` row), else its sample's."""
     row = tl.program_id(0).to(tl.int64)
-    sample = row // ROWS_PER_SAMPLE
+    if HAS_ROWS:
+        sample = tl.load(rows_ptr + row).to(tl.int64)
+    else:
+        sample = row // ROWS_PER_SAMPLE
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     raw = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
@@ -54,11 +64,12 @@ def modulated_norm_rows_kernel(
     centered = tl.where(mask, x - mean, 0.0)
     var = tl.math.div_rn(tl.sum(centered * centered, axis=0), tl.cast(K, tl.float32))
     norm = (centered * tl.math.rsqrt(var + EPS)).to(raw.dtype).to(tl.float32)
-    shift = tl.load(shift_ptr + sample * stride_mod + offs, mask=mask, other=0.0).to(tl.float32)
     scale_mod = tl.load(scale_ptr + sample * stride_mod + offs, mask=mask, other=0.0).to(tl.float32)
     one_plus = (1.0 + scale_mod).to(raw.dtype).to(tl.float32)
     y = (norm * one_plus).to(raw.dtype).to(tl.float32)
-    y = (y + shift).to(raw.dtype).to(tl.float32)
+    if HAS_SHIFT:
+        shift = tl.load(shift_ptr + sample * stride_mod + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (y + shift).to(raw.dtype).to(tl.float32)
     y = tl.where(mask, y, 0.0)
     amax = tl.max(tl.abs(y), axis=0)
     amax = tl.maximum(amax, FLOOR).to(raw.dtype).to(tl.float32)
@@ -66,6 +77,7 @@ def modulated_norm_rows_kernel(
     r = tl.math.div_rn(1.0, scale)
     q0 = y * r
     q = tl.math.fma(tl.math.fma(-q0, scale, y), r, q0)
+    q = tl.where(y == 0.0, y, q)  # the correction's sum turns -0 into +0; the division keeps it
     q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
     tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row, scale)

@@ -70,6 +70,7 @@ def quantize_rows_kernel(
         r = tl.math.div_rn(1.0, scale)
         q0 = x * r
         q = tl.math.fma(tl.math.fma(-q0, scale, x), r, q0)
+        q = tl.where(x == 0.0, x, q)  # the correction's sum turns -0 into +0; the division keeps it
     q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
     tl.store(q_ptr + row * K + offs, q.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row, scale)

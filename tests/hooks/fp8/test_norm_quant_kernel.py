@@ -51,15 +51,17 @@ def _ptx(**options: Any) -> str:
         "x_ptr": "*bf16",
         "shift_ptr": "*bf16",
         "scale_ptr": "*bf16",
+        "rows_ptr": "*i64",
         "q_ptr": "*fp8e4nv",
         "s_ptr": "*fp32",
         "K": "i32",
         "ROWS_PER_SAMPLE": "i32",
         "stride_x": "i32",
         "stride_mod": "i32",
-        **dict.fromkeys(("EPS", "FLOOR", "QMAX", "INV_QMAX", "BLOCK"), "constexpr"),
+        **dict.fromkeys(("EPS", "FLOOR", "QMAX", "INV_QMAX", "HAS_SHIFT", "HAS_ROWS", "BLOCK"), "constexpr"),
     }
-    constants = {"EPS": EPS, "FLOOR": 1e-12, "QMAX": 448.0, "INV_QMAX": 1 / 448, "BLOCK": 4096}
+    constants = {"EPS": EPS, "FLOOR": 1e-12, "QMAX": 448.0, "INV_QMAX": 1 / 448, "HAS_SHIFT": True, "HAS_ROWS": False}
+    constants["BLOCK"] = 4096
     source = ASTSource(fn=modulated_norm_rows_kernel, signature=signature, constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
     return compiled.asm["ptx"]
@@ -103,7 +105,27 @@ def _interpret() -> dict[str, Any]:
                 q, s = norm_quant.launch(modulated_norm_rows_kernel, x, shift, scale, EPS)
                 want_q, want_s = modulated_norm_rows_reference(x, shift, scale, EPS)
                 out[f"{'faithful' if on else 'as it is'} {shape}"] = apart(q, s, want_q, want_s)
+    with faithful():
+        for shape in SHAPES:  # Qwen-Image 2.1's: no shift, rows named per token
+            x, rows, scale = _rows_inputs(shape)
+            q, s = norm_quant.launch(modulated_norm_rows_kernel, x, None, scale, EPS, rows)
+            out[f"rows {shape}"] = apart(q, s, *modulated_norm_rows_reference(x, None, scale, EPS, rows))
+            # Against each sample's own row: the named rows must be what the kernel read.
+            own = scale[: shape[0]]
+            out[f"rows against own {shape}"] = apart(q, s, *modulated_norm_rows_reference(x, None, own, EPS))
     return out
+
+
+def _rows_inputs(shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As Qwen-Image 2.1's block hands them: a scale row per sample and a last (t = 0) row that
+    the tokens outside the target image take (here the first two of each sample)."""
+    g = torch.Generator().manual_seed(1)
+    batch, tokens, k = shape
+    x = torch.randn(shape, dtype=torch.bfloat16, generator=g) * 4 + 1
+    scale = torch.randn(batch + 1, 2 * k, dtype=torch.bfloat16, generator=g)[:, :k]  # a strided chunk
+    target = torch.arange(tokens) >= 2
+    rows = torch.where(target, torch.arange(batch)[:, None], batch).reshape(-1)
+    return x, rows, scale
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +139,9 @@ def test_the_kernel_under_the_interpreter_is_the_reference(interpreted, shape: t
     # Bit for bit: the norm's statistics in another order than ATen's would move a bf16 value by a
     # unit in some 10,000, and none moves at these shapes.
     assert interpreted[f"faithful {shape}"] == [0.0, 0.0]
+    assert interpreted[f"rows {shape}"] == [0.0, 0.0]
+    if shape[1] > 2:  # some tokens take the last row: reading each sample's own differs
+        assert interpreted[f"rows against own {shape}"][0] > 0.05
 
 
 @needs_triton

@@ -34,6 +34,7 @@ def _rows(shape: tuple[int, int], seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16)
     x[0, : shape[1] // 2] = 0  # a half-zero row; the scale is still the other half's
+    x[-1, :3] = -0.0  # negative zeros stay negative, as the tensor ops' division keeps them
     return x
 
 

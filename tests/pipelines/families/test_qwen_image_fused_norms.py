@@ -32,7 +32,7 @@ def test_the_reference_is_layer_norm_then_the_modulation_then_the_row_quantizati
     assert q.shape == (14, 64) and s.shape == (14, 1)
     got = modulated_norm_rows_reference(x, shift, scale, 1e-6)
     assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8))
-    with pytest.raises(ValueError, match=r"takes x \(batch, tokens, K\) and shift, scale \(batch, K\)"):
+    with pytest.raises(ValueError, match=r"takes x \(batch, tokens, K\), shift \(or None\) and scale \(M, K\)"):
         modulated_norm_rows_e4m3(x, shift[:1], scale, 1e-6)
 
 
