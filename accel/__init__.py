@@ -52,7 +52,7 @@ from .hooks.call_shape import warmup_image
 from .hooks.compiled.fused import addmm_gelu_tanh, fusable_linear
 from .hooks.fp8.norm_quant import modulated_norm_rows_e4m3
 from .hooks.fp8.quantizers import QuantizeError, check_quantize
-from .hooks.fp8.scaled_mm import Float8RowwiseLinear
+from .hooks.fp8.scaled_mm import Float8RowwiseLinear, PendingRows
 from .hooks.images.convert import check_pixels, to_pil_images
 from .hooks.options import AcceleratorOptions
 from .hooks.recipes.generic import GenericRecipe
@@ -95,6 +95,7 @@ __all__ = [  # noqa: RUF022 (by audience, as the docstring lists them)
     "fusable_linear",
     "addmm_gelu_tanh",
     "Float8RowwiseLinear",
+    "PendingRows",
     "modulated_norm_rows_e4m3",
     # Low-level capture, for any callable.
     "GraphRunner",

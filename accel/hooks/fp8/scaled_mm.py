@@ -25,7 +25,7 @@ from .quantizers import Quantizer, check_bf16_weights, check_fp8_device
 from .row_quant import E4M3_MAX, quantize_rows_e4m3, quantize_silu_mul_rows_e4m3
 from .row_quant import quantize_rows_reference as quantize_rows
 
-__all__ = ["E4M3_MAX", "Float8RowwiseLinear", "ScaledMMFloat8", "quantize_rows", "scaled_mm_rowwise"]
+__all__ = ["E4M3_MAX", "Float8RowwiseLinear", "PendingRows", "ScaledMMFloat8", "quantize_rows", "scaled_mm_rowwise"]
 
 
 @torch.library.custom_op("bcg_diffusers::scaled_mm_rowwise", mutates_args=())
@@ -54,6 +54,17 @@ def _(
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+class PendingRows:
+    """An input its producer quantizes itself, handed to a :class:`Float8RowwiseLinear` in place of
+    the activation (a modulated LayerNorm that writes its float8 rows in one pass: Qwen-Image 2.1's
+    compiled form). A subclass holds what the producer needs and returns the rows."""
+
+    def e4m3_rows(self) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+        """The activation as e4m3 rows, their float32 scales (rows, 1) and the activation's
+        leading shape."""
+        raise NotImplementedError
+
+
 class Float8RowwiseLinear(torch.nn.Module):
     """A Linear layer with float8 weights (per output row) that quantizes its input per row and
     multiplies through :func:`scaled_mm_rowwise`.
@@ -80,7 +91,9 @@ class Float8RowwiseLinear(torch.nn.Module):
         them (Z-Image's timestep embedder casts to its first layer's dtype)."""
         return torch.empty(self.out_features, self.in_features, dtype=self._dtype, device="meta")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingRows) -> torch.Tensor:
+        if isinstance(x, PendingRows):
+            return self.forward_quantized(*x.e4m3_rows())
         return self._product(x, gelu_tanh=False)
 
     def forward_after_gelu_tanh(self, pre: torch.Tensor) -> torch.Tensor:

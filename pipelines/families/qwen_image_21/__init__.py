@@ -6,4 +6,5 @@ recipe     :class:`~pipelines.families.qwen_image_21.recipe.QwenImage21Recipe` (
 release    ``QWEN_IMAGE_21``, the released configs and a tiny model of the same structure
 processor  the offline Qwen3-VL processor its pipeline reads prompts and images through
 fused_ffn  a float8 down projection of the library's takes the SwiGLU into its quantization (``compile=True``)
+fused_norms  the modulated norms write their float8 consumers' input (``compile=True``, the library's float8 layers)
 """

@@ -52,6 +52,7 @@ from accel import GenerationDefaults, GenericRecipe, eager_on_graph
 
 from ..qwen_image.forms import qwen_rope_in_real_arithmetic
 from .fused_ffn import fuse_swiglu_quantization
+from .fused_norms import fuse_norm_quantization
 from .models import FAMILY
 
 __all__ = [
@@ -448,6 +449,12 @@ class QwenImage21Recipe(GenericRecipe):
         "transformer_blocks.*.attn",
     )
 
+    # With compile=True and the library's float8 layers (``fp8_layers = "scaled-mm"``, which this
+    # recipe does not pick until a GPU run measures them against torchao's), the modulated norms
+    # write their float8 consumers' input in one pass (fused_norms.py). Set it False on the class
+    # before accelerate_pipeline to compare.
+    fused_norm_fp8 = True
+
     def __init__(self) -> None:
         self.layouts = LayoutMemo()
 
@@ -472,10 +479,13 @@ class QwenImage21Recipe(GenericRecipe):
 
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
         # The same complex rotary product as Qwen-Image's (pipelines/families/qwen_image/forms.py);
-        # a float8 down projection of the library's takes the SwiGLU into its quantization (fused_ffn.py).
+        # a float8 down projection of the library's takes the SwiGLU into its quantization (fused_ffn.py),
+        # and float8 layers of the library's take their input from the modulated norm (fused_norms.py).
         if type(module).__module__ != MODULE:
             return lambda: None
         undo = [qwen_rope_in_real_arithmetic(MODULE), fuse_swiglu_quantization(module)]
+        if self.fused_norm_fp8:
+            undo.append(fuse_norm_quantization(module))
         return lambda: [u() for u in reversed(undo)] and None
 
     def component_breaks(self) -> dict[str, tuple[str, ...]]:
