@@ -82,3 +82,22 @@ def test_mask_helper_as_eager_break_captures_and_replays_bit_exact(monkeypatch) 
         out = runner(**kw)[0]
         assert torch.equal(out, ref), f"seed {seed}"
     assert runner.stats().replays == 11
+
+
+@torch.no_grad()
+def test_the_recipes_mask_helper_captures_whole_and_replays_bit_exact(monkeypatch) -> None:
+    """The recipe's helper (pipelines/families/qwen_image/recipe.py) fills the length on the
+    device: the forward captures as one segment, with no break waiting on the GPU."""
+    from pipelines.families.qwen_image.recipe import text_seq_len_from_mask
+
+    monkeypatch.setattr(qwen_mod, "compute_text_seq_len_from_mask", text_seq_len_from_mask)
+    model = _small_qwen()
+    runner = GraphRunner(model, name="qwen-whole")
+    with runner.capturing():
+        runner(**_call_kwargs(16, 16, 32, 20, seed=0))
+    st = runner.stats()
+    assert st.captures == 1 and st.capture_failures == 0, runner.blocked
+    assert st.segments_per_entry == [1]
+    for seed in range(1, 11):
+        kw = _call_kwargs(16, 16, 32, 10 + seed, seed=seed)
+        assert torch.equal(runner(**kw)[0], model(**kw)[0]), f"seed {seed}"
