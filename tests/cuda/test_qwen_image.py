@@ -2,7 +2,8 @@
 
 Its mask handling builds a device tensor from a Python int (a pageable host-to-device copy), so
 the stock forward cannot be captured whole. Marking that one helper as an eager break, from the
-outside, makes it capturable, and replays equal eager bit for bit.
+outside, makes it capturable, and replays equal eager bit for bit; the recipe's helper, which fills
+the length on the device, captures with the rest.
 """
 
 from __future__ import annotations
@@ -64,40 +65,28 @@ def test_stock_forward_with_mask_cannot_be_captured_whole() -> None:
     assert "pinned" in reason or "capture" in reason.lower(), reason
 
 
+@pytest.mark.parametrize("helper", ["eager break", "the recipe's"])
 @torch.no_grad()
-def test_mask_helper_as_eager_break_captures_and_replays_bit_exact(monkeypatch) -> None:
-    monkeypatch.setattr(
-        qwen_mod, "compute_text_seq_len_from_mask", eager_on_graph(qwen_mod.compute_text_seq_len_from_mask)
-    )
+def test_the_mask_helper_made_capturable_replays_bit_exact(monkeypatch, helper: str) -> None:
+    """Marked an eager break from the outside, or the recipe's helper that fills the length on the
+    device (pipelines/families/qwen_image/recipe.py): then the forward is one segment."""
+    from pipelines.families.qwen_image.recipe import text_seq_len_from_mask
+
+    if helper == "eager break":
+        fn = eager_on_graph(qwen_mod.compute_text_seq_len_from_mask)
+    else:
+        fn = text_seq_len_from_mask
+    monkeypatch.setattr(qwen_mod, "compute_text_seq_len_from_mask", fn)
     model = _small_qwen()
-    runner = GraphRunner(model, name="qwen-break")
+    runner = GraphRunner(model, name="qwen-mask")
     with runner.capturing():
         runner(**_call_kwargs(16, 16, 32, 20, seed=0))
     st = runner.stats()
     assert st.captures == 1 and st.capture_failures == 0, runner.blocked
-    assert st.segments_per_entry == [2]
+    assert st.segments_per_entry == [2 if helper == "eager break" else 1]
     for seed in range(1, 11):
         kw = _call_kwargs(16, 16, 32, 10 + seed, seed=seed)  # mask values change, shape does not
         ref = model(**kw)[0]
         out = runner(**kw)[0]
         assert torch.equal(out, ref), f"seed {seed}"
     assert runner.stats().replays == 11
-
-
-@torch.no_grad()
-def test_the_recipes_mask_helper_captures_whole_and_replays_bit_exact(monkeypatch) -> None:
-    """The recipe's helper (pipelines/families/qwen_image/recipe.py) fills the length on the
-    device: the forward captures as one segment, with no break waiting on the GPU."""
-    from pipelines.families.qwen_image.recipe import text_seq_len_from_mask
-
-    monkeypatch.setattr(qwen_mod, "compute_text_seq_len_from_mask", text_seq_len_from_mask)
-    model = _small_qwen()
-    runner = GraphRunner(model, name="qwen-whole")
-    with runner.capturing():
-        runner(**_call_kwargs(16, 16, 32, 20, seed=0))
-    st = runner.stats()
-    assert st.captures == 1 and st.capture_failures == 0, runner.blocked
-    assert st.segments_per_entry == [1]
-    for seed in range(1, 11):
-        kw = _call_kwargs(16, 16, 32, 10 + seed, seed=seed)
-        assert torch.equal(runner(**kw)[0], model(**kw)[0]), f"seed {seed}"

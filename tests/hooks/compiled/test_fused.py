@@ -11,6 +11,7 @@ from diffusers.models.attention import FeedForward
 
 from accel.hooks.compiled import fused
 from accel.hooks.compiled.fused import addmm_gelu_tanh, fuse_gelu_epilogues
+from tests.helpers.traced import traced
 
 
 def _ff(activation: str) -> FeedForward:
@@ -24,17 +25,7 @@ def test_the_op_is_gelu_tanh_of_the_projection_and_opaque_to_dynamo() -> None:
     want = F.gelu(F.linear(x, w, b), approximate="tanh")
     assert torch.equal(addmm_gelu_tanh(x, w, b), want)
     assert torch.equal(addmm_gelu_tanh(x, w, None), F.gelu(F.linear(x, w), approximate="tanh"))
-    seen: list[object] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        got = torch.compile(addmm_gelu_tanh, backend=backend, fullgraph=True, dynamic=True)(x, w, b)
-    finally:
-        torch._dynamo.reset()
+    got, seen = traced(addmm_gelu_tanh, x, w, b, dynamic=True)
     assert torch.equal(got, want)
     assert seen == [torch.ops.bcg_diffusers.addmm_gelu_tanh.default]
 

@@ -15,6 +15,7 @@ from accel.hooks.fp8.row_quant import (
     quantize_rows_reference,
     quantize_silu_mul_rows_e4m3,
 )
+from tests.helpers.traced import traced
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -35,18 +36,8 @@ def test_off_cuda_the_op_is_the_tensor_ops(dtype: torch.dtype, gelu: bool) -> No
 
 
 def test_the_op_is_one_opaque_call_to_dynamo_and_takes_rows_only() -> None:
-    seen: list[object] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
     x = torch.randn(5, 32, dtype=torch.bfloat16)
-    torch._dynamo.reset()
-    try:
-        got = torch.compile(lambda t: quantize_rows_e4m3(t, True), backend=backend, fullgraph=True)(x)
-    finally:
-        torch._dynamo.reset()
+    got, seen = traced(lambda t: quantize_rows_e4m3(t, True), x)
     want = quantize_rows_reference(x, True)
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
     assert torch.ops.bcg_diffusers.quantize_rows_e4m3.default in seen
@@ -66,17 +57,7 @@ def test_silu_mul_off_cuda_is_the_modules_arithmetic_then_the_rows_and_refuses_a
         quantize_silu_mul_rows_e4m3(gate, up[:, :32])
     with pytest.raises(ValueError, match="of one dtype"):
         quantize_silu_mul_rows_e4m3(gate, up.float())
-    seen: list[object] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    try:
-        got = torch.compile(quantize_silu_mul_rows_e4m3, backend=backend, fullgraph=True)(gate, up)
-    finally:
-        torch._dynamo.reset()
+    got, seen = traced(quantize_silu_mul_rows_e4m3, gate, up)
     assert torch.equal(got[0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[1], scale)
     # One opaque call, its two results read from it, no ATen op.
     assert [t for t in seen if t is not operator.getitem] == [

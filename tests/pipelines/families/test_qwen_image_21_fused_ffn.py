@@ -7,8 +7,6 @@ compile=True`` with those layers runs the form in its graphs and equals itself w
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -21,6 +19,7 @@ from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
 from tests.helpers.cpu_compile import compile_on_cpu
 from tests.helpers.emulator import emulate_pipelines
 from tests.helpers.generate import generate
+from tests.helpers.traced import traced
 
 LAYERS = ("gate_layer", "proj", "out")
 
@@ -83,19 +82,11 @@ def test_dynamo_traces_the_form_in_one_graph_as_one_op(counted: list[int]) -> No
     t, x = _model()
     undo = fuse_swiglu_quantization(t)
     ff = t.transformer_blocks[0].img_mlp
-    seen: list[Any] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
     try:
         with torch.no_grad():
-            got = torch.compile(ff, backend=backend, fullgraph=True)(x)
+            got, seen = traced(ff, x)
             assert torch.equal(got, ff(x))
     finally:
-        torch._dynamo.reset()
         undo()
     assert torch.ops.bcg_diffusers.quantize_silu_mul_rows_e4m3.default in seen
     assert torch.nn.functional.silu not in seen and torch.ops.bcg_diffusers.quantize_rows_e4m3.default in seen

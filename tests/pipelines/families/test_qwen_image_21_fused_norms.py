@@ -19,6 +19,7 @@ from pipelines.builders import build_transformer
 from pipelines.families.qwen_image_21.fused_ffn import fuse_swiglu_quantization
 from pipelines.families.qwen_image_21.fused_norms import Modulated, Normed, fuse_norm_quantization
 from pipelines.families.qwen_image_21.recipe import LayoutMemo, QwenImage21Recipe, layout_forward
+from tests.helpers.traced import traced
 from tests.pipelines.families.test_qwen_image_21 import _forward_inputs
 
 ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
@@ -137,19 +138,11 @@ def test_dynamo_traces_a_block_with_the_form_in_one_graph(calls: list[Any]) -> N
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(type(block), "forward", grab)
         forward(**_inputs(condition=True, padded=True))
-    seen: list[object] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
     try:
         with torch.no_grad():
             eager = block(**args)
-            compiled = torch.compile(block, backend=backend, fullgraph=True)(**args)
+            compiled, seen = traced(block, **args)
     finally:
-        torch._dynamo.reset()
         for u in reversed(undo):
             u()
     assert torch.equal(eager, compiled)

@@ -19,6 +19,7 @@ from accel.hooks.fp8.scaled_mm import Float8RowwiseLinear, ScaledMMFloat8
 from pipelines.builders import build_transformer
 from pipelines.families.qwen_image import fused_norms
 from pipelines.families.qwen_image.fused_norms import fuse_norm_quantization
+from tests.helpers.traced import traced
 
 
 def test_the_reference_is_layer_norm_then_the_modulation_then_the_row_quantization() -> None:
@@ -117,18 +118,9 @@ def test_dynamo_traces_a_block_with_the_form_in_one_graph(monkeypatch: pytest.Mo
     # Both undos held: a patch nothing holds is undone (accel.graphs.patches).
     undo = [fuse_gelu_epilogues(t), fuse_norm_quantization(t)]
     block = t.transformer_blocks[0]
-    seen: list[object] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    try:
-        with torch.no_grad():
-            eager = block(**args)
-            compiled = torch.compile(block, backend=backend, fullgraph=True)(**args)
-    finally:
-        torch._dynamo.reset()
+    with torch.no_grad():
+        eager = block(**args)
+        compiled, seen = traced(block, **args)
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
     assert isinstance(block.img_mlp.net[2], Float8RowwiseLinear)
     # The form is what dynamo traced: the fused norm's op, and no GELU written out.
