@@ -49,7 +49,7 @@ from .graphs.pool import GraphPool, peak_memory, reset_peak_memory
 from .graphs.runner import GraphMemoryBudgetError, GraphRunner
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
 from .hooks.call_shape import warmup_image
-from .hooks.compiled.fused import addmm_gelu_tanh, fusable_linear
+from .hooks.compiled.fused import addmm_gelu_tanh, fusable_linear, fuse_swiglu_inputs
 from .hooks.fp8.norm_quant import modulated_norm_rows_e4m3
 from .hooks.fp8.quantizers import QuantizeError, check_quantize
 from .hooks.fp8.scaled_mm import Float8RowwiseLinear, PendingRows
@@ -94,6 +94,7 @@ __all__ = [  # noqa: RUF022 (by audience, as the docstring lists them)
     "warmup_image",
     "fusable_linear",
     "addmm_gelu_tanh",
+    "fuse_swiglu_inputs",
     "Float8RowwiseLinear",
     "PendingRows",
     "modulated_norm_rows_e4m3",

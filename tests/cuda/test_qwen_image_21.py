@@ -189,7 +189,7 @@ def test_compiled_graphs_equal_the_same_compiled_model_without_graphs(pipe, tmp_
 @torch.no_grad()
 def test_float8_compiled_graphs_equal_the_same_model_without_graphs(tmp_path, monkeypatch, layers: str) -> None:
     """With the recipe's float8 layers, and with the library's (whose down projections take the
-    SwiGLU into their quantization: pipelines/families/qwen_image_21/fused_ffn.py)."""
+    SwiGLU into their quantization, and whose norms write their input: the recipe's compiled forms)."""
     if torch.cuda.get_device_capability() < quantizers.MIN_FP8_CAPABILITY:
         pytest.skip("float8 products need compute capability 8.9 or newer")
     pytest.importorskip("torchao")

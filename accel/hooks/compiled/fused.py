@@ -23,6 +23,12 @@ one-pass quantization, and the feed-forward (diffusers' ``FeedForward``) hands i
 projection's output instead, so the GELU's activation is never written out. Decided at each call
 (the layers change while ``fp8_budget`` selects them); any other layer takes the stock path, as does
 a layer whose forward is wrapped (the selection measuring it against bf16 through its forward).
+
+A SwiGLU feed-forward (``down(silu(gate(x)) * up(x))``: Qwen-Image 2.1's, Z-Image's) is the same
+case with two inputs: :func:`fuse_swiglu_inputs` hands a down projection that offers
+``forward_after_silu_mul(gate, up)`` the two up projections' outputs, and its one-pass quantization
+computes the SiLU and the product (:func:`~accel.hooks.fp8.row_quant.quantize_silu_mul_rows_e4m3`).
+Which classes compute that, and under which names, the model's recipe says.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch.nn.functional as F
 
 from ...graphs.patches import patch
 
-__all__ = ["addmm_gelu_tanh", "fusable_linear", "fuse_gelu_epilogues"]
+__all__ = ["addmm_gelu_tanh", "fusable_linear", "fuse_gelu_epilogues", "fuse_swiglu_inputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,5 +158,43 @@ def fuse_gelu_epilogues(model: torch.nn.Module) -> Callable[[], None]:
             type(model).__name__,
             len(held) - feed_forwards,
             feed_forwards,
+        )
+    return lambda: [p.undo() for p in reversed(held)] and None
+
+
+def _swiglu_forward(module: torch.nn.Module, gate: str, up: str, down: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    stock = type(module).forward
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        layer = getattr(module, down)
+        if (
+            not torch.is_grad_enabled()
+            and callable(getattr(layer, "forward_after_silu_mul", None))
+            # While quantize="fp8" measures the layer its forward is wrapped: the measured path.
+            and "forward" not in vars(layer)
+        ):
+            return layer.forward_after_silu_mul(
+                getattr(module, gate)(hidden_states), getattr(module, up)(hidden_states)
+            )
+        return stock(module, hidden_states)
+
+    return forward
+
+
+def fuse_swiglu_inputs(
+    model: torch.nn.Module, feed_forward: type, gate: str, up: str, down: str, why: str
+) -> Callable[[], None]:
+    """Give ``model``'s modules of class ``feed_forward`` (whose own forward computes
+    ``down(silu(gate(x)) * up(x))``, with those attribute names) a forward that lets a float8 down
+    projection take the SiLU and the product into its quantization (see the module docstring),
+    until the returned undo is called. Call it before the blocks are compiled."""
+    held = [
+        patch(m, "forward", _swiglu_forward(m, gate, up, down), why=why, where="dict")
+        for m in model.modules()
+        if type(m) is feed_forward and "forward" not in vars(m)
+    ]
+    if held:
+        logger.info(
+            "%s: %d SwiGLU feed-forwards hand a float8 down projection its factors", type(model).__name__, len(held)
         )
     return lambda: [p.undo() for p in reversed(held)] and None

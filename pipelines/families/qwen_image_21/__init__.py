@@ -5,6 +5,5 @@ models     ``FAMILY``: the built-in model ``qwen-image-2.1`` and how it is run
 recipe     :class:`~pipelines.families.qwen_image_21.recipe.QwenImage21Recipe` (the token layout as one keyed break, the K/V cache as state)
 release    ``QWEN_IMAGE_21``, the released configs and a tiny model of the same structure
 processor  the offline Qwen3-VL processor its pipeline reads prompts and images through
-fused_ffn  a float8 down projection of the library's takes the SwiGLU into its quantization (``compile=True``)
 fused_norms  the modulated norms write their float8 consumers' input (``compile=True``, the library's float8 layers)
 """

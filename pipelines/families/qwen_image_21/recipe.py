@@ -48,10 +48,9 @@ from typing import Any
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-from accel import GenerationDefaults, GenericRecipe, eager_on_graph
+from accel import GenerationDefaults, GenericRecipe, eager_on_graph, fuse_swiglu_inputs
 
 from ..qwen_image.forms import qwen_rope_in_real_arithmetic
-from .fused_ffn import fuse_swiglu_quantization
 from .fused_norms import fuse_norm_quantization
 from .models import FAMILY
 
@@ -64,6 +63,7 @@ __all__ = [
     "LayoutMemo",
     "LayoutQuery",
     "QwenImage21Recipe",
+    "fuse_swiglu",
     "layout_forward",
     "token_layout",
 ]
@@ -398,6 +398,15 @@ def _forward(
     return Transformer2DModelOutput(sample=output)
 
 
+def fuse_swiglu(module: torch.nn.Module) -> Callable[[], None]:
+    """``module``'s SwiGLU feed-forwards (``out(silu(gate_layer(x)) * proj(x))``) hand a float8 down
+    projection of the library's their factors, which its one-pass quantization multiplies
+    (:func:`accel.fuse_swiglu_inputs`; ``compile=True``); the returned undo takes them out."""
+    swiglu = sys.modules[MODULE].QwenImage21SwiGLUFeedForward
+    why = "qwen-image-2.1: a float8 down projection quantizes silu(gate) * up in one pass (compile=True)"
+    return fuse_swiglu_inputs(module, swiglu, gate="gate_layer", up="proj", down="out", why=why)
+
+
 def layout_forward(fn: Callable[..., Any], memo: LayoutMemo) -> Callable[..., Any] | None:
     """The forward of ``fn``'s module with its preamble as :func:`token_layout`, or None where
     ``fn`` is not diffusers 0.42's forward of a QwenImage21Transformer2DModel (a subclass's own,
@@ -479,11 +488,11 @@ class QwenImage21Recipe(GenericRecipe):
 
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
         # The same complex rotary product as Qwen-Image's (pipelines/families/qwen_image/forms.py);
-        # a float8 down projection of the library's takes the SwiGLU into its quantization (fused_ffn.py),
-        # and float8 layers of the library's take their input from the modulated norm (fused_norms.py).
+        # a float8 down projection of the library's takes the SwiGLU into its quantization, and float8
+        # layers of the library's take their input from the modulated norm (fused_norms.py).
         if type(module).__module__ != MODULE:
             return lambda: None
-        undo = [qwen_rope_in_real_arithmetic(MODULE), fuse_swiglu_quantization(module)]
+        undo = [qwen_rope_in_real_arithmetic(MODULE), fuse_swiglu(module)]
         if self.fused_norm_fp8:
             undo.append(fuse_norm_quantization(module))
         return lambda: [u() for u in reversed(undo)] and None

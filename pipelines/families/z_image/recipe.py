@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from accel import GenerationDefaults, Recipe, WarmupCase
+from accel import GenerationDefaults, Recipe, WarmupCase, fuse_swiglu_inputs
 
 from . import omni
 from .models import FAMILY
@@ -145,6 +145,18 @@ def _register_block_for_caches() -> None:
     meta._cached_parameter_indices = indices
 
 
+def fuse_swiglu(module: torch.nn.Module) -> Callable[[], None]:
+    """``module``'s SwiGLU feed-forwards (diffusers' Z-Image ``FeedForward``: ``w2(silu(w1(x)) *
+    w3(x))``) hand a float8 down projection of the library's their factors, which its one-pass
+    quantization multiplies (:func:`accel.fuse_swiglu_inputs`; ``compile=True``; Z-Image runs
+    torchao's layers unless told otherwise, where this changes nothing); the returned undo takes
+    them out."""
+    from diffusers.models.transformers.transformer_z_image import FeedForward
+
+    why = "z-image: a float8 down projection quantizes silu(w1) * w3 in one pass (compile=True)"
+    return fuse_swiglu_inputs(module, FeedForward, gate="w1", up="w3", down="w2", why=why)
+
+
 class ZImageRecipe(Recipe):
     """Captions padded to their native multiple of 32 with a mask input; RoPE tables pinned."""
 
@@ -183,6 +195,10 @@ class ZImageRecipe(Recipe):
             undo_omni()
 
         return undo
+
+    def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
+        # With the library's float8 layers, a down projection takes the SwiGLU into its quantization.
+        return fuse_swiglu(module)
 
     def wrap_forward(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:

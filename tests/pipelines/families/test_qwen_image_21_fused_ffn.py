@@ -1,5 +1,5 @@
 """Qwen-Image 2.1's SwiGLU feed-forward handing its float8 down projection the product's factors
-(pipelines/families/qwen_image_21/fused_ffn.py, accel/hooks/fp8/row_quant.py) on the CPU, where the
+(accel/hooks/compiled/fused.py's fuse_swiglu_inputs as its recipe puts it in, accel/hooks/fp8/row_quant.py) on the CPU, where the
 op is the modules' arithmetic: feed-forwards with the form give the unfused ones' bits with the
 library's float8 layers (torch._scaled_mm runs on the CPU too); anything else takes diffusers'
 path; dynamo traces the form in one graph; and a tiny pipeline under ``quantize="fp8",
@@ -14,8 +14,7 @@ from accel import accelerate_pipeline
 from accel.hooks.fp8 import row_quant, scaled_mm
 from accel.hooks.fp8.scaled_mm import Float8RowwiseLinear, ScaledMMFloat8
 from pipelines.builders import build_pipeline, build_transformer
-from pipelines.families.qwen_image_21.fused_ffn import fuse_swiglu_quantization
-from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
+from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe, fuse_swiglu
 from tests.helpers.cpu_compile import compile_on_cpu
 from tests.helpers.emulator import emulate_pipelines
 from tests.helpers.generate import generate
@@ -48,7 +47,7 @@ def test_feed_forwards_with_the_form_give_the_unfused_bits_and_undo(counted: lis
     ffs = [b.img_mlp for b in t.transformer_blocks]
     want = [ff(x) for ff in ffs]
     assert not counted
-    undo = fuse_swiglu_quantization(t)
+    undo = fuse_swiglu(t)
     got = [ff(x) for ff in ffs]
     assert counted == [1, 1] and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     # The product was never handed to the down projection's own forward.
@@ -65,7 +64,7 @@ def test_anything_else_takes_diffusers_path(counted: list[int], case: str) -> No
     t, x = _model(("gate_layer", "proj") if case == "bf16 down projection" else LAYERS)
     ff = t.transformer_blocks[0].img_mlp
     want = ff(x)
-    undo = fuse_swiglu_quantization(t)  # held: a patch nothing holds is undone
+    undo = fuse_swiglu(t)  # held: a patch nothing holds is undone
     assert "forward" in vars(ff)
     seen: list[torch.Tensor] = []
     if case == "measured through its forward":
@@ -80,7 +79,7 @@ def test_anything_else_takes_diffusers_path(counted: list[int], case: str) -> No
 
 def test_dynamo_traces_the_form_in_one_graph_as_one_op(counted: list[int]) -> None:
     t, x = _model()
-    undo = fuse_swiglu_quantization(t)
+    undo = fuse_swiglu(t)
     ff = t.transformer_blocks[0].img_mlp
     try:
         with torch.no_grad():

@@ -16,9 +16,8 @@ import accel
 from accel.hooks.fp8 import norm_quant, scaled_mm
 from accel.hooks.fp8.scaled_mm import ScaledMMFloat8
 from pipelines.builders import build_transformer
-from pipelines.families.qwen_image_21.fused_ffn import fuse_swiglu_quantization
 from pipelines.families.qwen_image_21.fused_norms import Modulated, Normed, fuse_norm_quantization
-from pipelines.families.qwen_image_21.recipe import LayoutMemo, QwenImage21Recipe, layout_forward
+from pipelines.families.qwen_image_21.recipe import LayoutMemo, QwenImage21Recipe, fuse_swiglu, layout_forward
 from tests.helpers.traced import traced
 from tests.pipelines.families.test_qwen_image_21 import _forward_inputs
 
@@ -55,7 +54,7 @@ def _inputs(seed: int = 0, **kw: Any) -> dict[str, Any]:
 def test_the_transformer_with_the_form_gives_the_unfused_bits(calls: list[Any], condition: bool) -> None:
     t, forward = _model()
     inputs = _inputs(condition=condition, padded=True)
-    undo_ffn = fuse_swiglu_quantization(t)  # as the recipe puts both in; held, or undone at once
+    undo_ffn = fuse_swiglu(t)  # as the recipe puts both in; held, or undone at once
     want = forward(**inputs)[0]
     assert not calls
     undo = fuse_norm_quantization(t)
@@ -126,7 +125,7 @@ def test_modulate_without_a_pending_norm_or_with_a_modulation_it_cannot_read_is_
 
 def test_dynamo_traces_a_block_with_the_form_in_one_graph(calls: list[Any]) -> None:
     t, forward = _model()
-    undo = [fuse_swiglu_quantization(t), fuse_norm_quantization(t)]
+    undo = [fuse_swiglu(t), fuse_norm_quantization(t)]
     block = t.transformer_blocks[0]
     args: dict[str, Any] = {}
     original = type(block).forward
