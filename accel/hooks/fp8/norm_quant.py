@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .row_quant import _INV_QMAX, E4M3, E4M3_MAX, MAX_ROW, quantize_rows_reference, row_floor
+from .row_quant import E4M3, MAX_ROW, kernel_constants, quantize_rows_reference
 
 __all__ = ["modulated_norm_rows_e4m3", "modulated_norm_rows_reference"]
 
@@ -123,9 +123,7 @@ def launch(
             k,
             k,
             EPS=float(eps),
-            FLOOR=row_floor(x.dtype),
-            QMAX=E4M3_MAX,
-            INV_QMAX=_INV_QMAX,
+            **kernel_constants(x.dtype),
             HAS_SHIFT=has_shift,
             HAS_ROWS=rows is not None,
             BLOCK=block,

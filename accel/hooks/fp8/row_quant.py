@@ -42,6 +42,7 @@ __all__ = [
     "E4M3",
     "E4M3_MAX",
     "MAX_ROW",
+    "kernel_constants",
     "launch",
     "quantize_rows_e4m3",
     "quantize_rows_reference",
@@ -79,6 +80,12 @@ def row_floor(dtype: torch.dtype) -> float:
     """The least scale numerator: :data:`ZERO_ROW_FLOOR`, or the dtype's smallest normal number
     where that rounds to zero in it (float16), which would turn a row of zeros into 0 / 0."""
     return max(ZERO_ROW_FLOOR, torch.finfo(dtype).tiny)
+
+
+def kernel_constants(dtype: torch.dtype) -> dict[str, float]:
+    """The quantization's constants as the one-pass kernels take them: the scale's floor for
+    ``dtype``, e4m3's largest value and its float32 reciprocal."""
+    return dict(FLOOR=row_floor(dtype), QMAX=E4M3_MAX, INV_QMAX=_INV_QMAX)
 
 
 def _one_pass(x: torch.Tensor) -> bool:
@@ -150,9 +157,7 @@ def launch(
             k,
             x.stride(0),
             x.stride(0) if up is None else up.stride(0),
-            FLOOR=row_floor(x.dtype),
-            QMAX=E4M3_MAX,
-            INV_QMAX=_INV_QMAX,
+            **kernel_constants(x.dtype),
             GELU_TANH=gelu_tanh,
             SILU_MUL=up is not None,
             BLOCK=block,

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from accel import accelerate_pipeline
-from accel.hooks.fp8 import row_quant, scaled_mm
 from accel.hooks.fp8.scaled_mm import Float8RowwiseLinear, ScaledMMFloat8
 from pipelines.builders import build_pipeline, build_transformer
 from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe, fuse_swiglu
 from tests.helpers.cpu_compile import compile_on_cpu
 from tests.helpers.emulator import emulate_pipelines
+from tests.helpers.float8_on_cpu import count_silu_mul
 from tests.helpers.generate import generate
 from tests.helpers.traced import traced
 
@@ -25,12 +25,7 @@ LAYERS = ("gate_layer", "proj", "out")
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Calls of the one-pass op's CPU path (the op's own body runs it, compiled or not)."""
-    calls: list[int] = []
-    reference = row_quant.quantize_silu_mul_rows_reference
-    monkeypatch.setattr(row_quant, "quantize_silu_mul_rows_reference", lambda g, u: calls.append(1) or reference(g, u))
-    monkeypatch.setattr(scaled_mm, "check_fp8_device", lambda device, what="": None)
-    return calls
+    return count_silu_mul(monkeypatch)
 
 
 def _model(quantized: tuple[str, ...] = LAYERS) -> tuple[torch.nn.Module, torch.Tensor]:

@@ -9,19 +9,15 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_z_image import FeedForward
 
-from accel.hooks.fp8 import row_quant, scaled_mm
 from accel.hooks.fp8.scaled_mm import ScaledMMFloat8
 from pipelines.builders import build_transformer
 from pipelines.families.z_image.recipe import ZImageRecipe
+from tests.helpers.float8_on_cpu import count_silu_mul
 
 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    reference = row_quant.quantize_silu_mul_rows_reference
-    monkeypatch.setattr(row_quant, "quantize_silu_mul_rows_reference", lambda g, u: calls.append(1) or reference(g, u))
-    monkeypatch.setattr(scaled_mm, "check_fp8_device", lambda device, what="": None)
-    return calls
+    return count_silu_mul(monkeypatch)
 
 
 @torch.no_grad()
