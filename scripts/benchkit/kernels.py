@@ -232,9 +232,10 @@ _NORM = (
 _ROPE = ("complex", "rotary")
 # The element types of float8 products and casts (cuBLASLt's e4m3 kernels, CUTLASS's float_e4m3_t,
 # the rowwise kernels' f8f8bf16, ATen's casts to Float8_e4m3fn).
-# The library's own one-pass quantization kernel (accel/hooks/fp8/row_quant_kernel.py) is named
-# for what it does, not for its float8 type.
-_FP8 = ("e4m3", "e5m2", "float8", "fp8", "f8f8", "quantize_rows")
+# The library's own one-pass quantization kernels (accel/hooks/fp8/row_quant_kernel.py and
+# norm_quant_kernel.py, the modulated LayerNorm that writes float8 rows) are named for what they
+# do, not for their float8 type.
+_FP8 = ("e4m3", "e5m2", "float8", "fp8", "f8f8", "quantize_rows", "norm_rows")
 # nvjet's kernels name their element types first: "qq" (two float8 operands) against "tst", "hsh".
 _NVJET_TYPES = re.compile(r"nvjet_(?:sm\d+_)?([a-z]+)")
 _COPY = (

@@ -47,6 +47,8 @@ NAMES = {
     "triton_red_fused__scaled_mm__to_copy_abs_amax_clamp_div_permute_t_unsqueeze_view_3": "quant",
     # The library's one-pass quantization (accel/hooks/fp8/row_quant_kernel.py), as profilers name it.
     "quantize_rows_kernel": "quant",
+    # ... and its modulated LayerNorm that writes float8 rows (accel/hooks/fp8/norm_quant_kernel.py).
+    "modulated_norm_rows_kernel": "quant",
     # float8 quantization of activations: inductor's amax reductions (alone or fused into their
     # producer) and scale-clamp-cast kernels as public traces name them; of the form the sources
     # give (not recorded here): a norm fused with its output's quantization, ATen's cast to float8
