@@ -69,8 +69,8 @@ def test_stock_forward_with_mask_cannot_be_captured_whole() -> None:
 @torch.no_grad()
 def test_the_mask_helper_made_capturable_replays_bit_exact(monkeypatch, helper: str) -> None:
     """Marked an eager break from the outside, or the recipe's helper that fills the length on the
-    device (pipelines/families/qwen_image/recipe.py): then the forward is one segment."""
-    from pipelines.families.qwen_image.recipe import text_seq_len_from_mask
+    device (pipelines/families/qwen_image/mask_helper.py): then the forward is one segment."""
+    from pipelines.families.qwen_image.mask_helper import text_seq_len_from_mask
 
     if helper == "eager break":
         fn = eager_on_graph(qwen_mod.compute_text_seq_len_from_mask)

@@ -86,6 +86,13 @@ def _fused_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Te
     return forward
 
 
+def _takes_its_input_fused(layer: torch.nn.Module, method: str) -> bool:
+    """Whether ``layer`` offers ``method`` (a float8 layer of the library's) and may be called
+    through it now: no gradients recorded (the op has no backward), and its forward not wrapped
+    (while quantize="fp8" measures a layer its forward is wrapped: the measured path)."""
+    return not torch.is_grad_enabled() and callable(getattr(layer, method, None)) and "forward" not in vars(layer)
+
+
 def _inactive_dropout(m: torch.nn.Module) -> bool:
     return type(m) is torch.nn.Dropout and (not m.training or m.p == 0)
 
@@ -99,10 +106,7 @@ def _gelu_input_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
         if (
             not args
             and not kwargs
-            and not torch.is_grad_enabled()
-            and callable(getattr(down, "forward_after_gelu_tanh", None))
-            # While quantize="fp8" measures the layer its forward is wrapped: the measured path.
-            and "forward" not in vars(down)
+            and _takes_its_input_fused(down, "forward_after_gelu_tanh")
             and all(_inactive_dropout(m) for i, m in enumerate(net) if i not in (0, 2))
         ):
             return down.forward_after_gelu_tanh(net[0].proj(hidden_states))
@@ -167,12 +171,7 @@ def _swiglu_forward(module: torch.nn.Module, gate: str, up: str, down: str) -> C
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         layer = getattr(module, down)
-        if (
-            not torch.is_grad_enabled()
-            and callable(getattr(layer, "forward_after_silu_mul", None))
-            # While quantize="fp8" measures the layer its forward is wrapped: the measured path.
-            and "forward" not in vars(layer)
-        ):
+        if _takes_its_input_fused(layer, "forward_after_silu_mul"):
             return layer.forward_after_silu_mul(
                 getattr(module, gate)(hidden_states), getattr(module, up)(hidden_states)
             )

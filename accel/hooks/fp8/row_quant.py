@@ -147,7 +147,8 @@ def launch(
     if rows:
         block = triton.next_power_of_2(k)
         # Measured best on an H100 (scripts/device/probe_row_kernel.py): the GELU's arithmetic
-        # wants more warps per row than the plain quantization's bytes do.
+        # wants more warps per row than the plain quantization's bytes do; the SwiGLU's, reading
+        # two rows, takes the GELU's (not probed yet).
         warps = 4 if block <= 4096 else 16 if (gelu_tanh or up is not None) and block > 8192 else 8
         kernel[(rows,)](
             x,

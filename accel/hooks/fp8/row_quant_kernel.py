@@ -1,6 +1,7 @@
 """The Triton kernel of :func:`accel.hooks.fp8.row_quant.quantize_rows_e4m3` and
-:func:`~accel.hooks.fp8.row_quant.quantize_silu_mul_rows_e4m3`, in a module of its own: Triton resolves a kernel's names in its module's globals, and this one is imported only where
-the kernel runs (CUDA with Triton), never at ``import accel``."""
+:func:`~accel.hooks.fp8.row_quant.quantize_silu_mul_rows_e4m3`, in a module of its own: Triton
+resolves a kernel's names in its module's globals, and this one is imported only where the kernel
+runs (CUDA with Triton), never at ``import accel``."""
 
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ from PIL import Image
 
 from accel import accelerate_pipeline
 from pipelines.builders import build_pipeline
-from pipelines.families.qwen_image_21.recipe import LayoutMemo, QwenImage21Recipe, layout_forward
+from pipelines.families.qwen_image_21.layout import LayoutMemo, layout_forward
+from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
 from tests.helpers.after_warmup import as_on_cuda
 from tests.helpers.emulator import emulate_pipelines
 

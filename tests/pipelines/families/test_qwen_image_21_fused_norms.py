@@ -17,7 +17,8 @@ from accel.hooks.fp8 import norm_quant, scaled_mm
 from accel.hooks.fp8.scaled_mm import ScaledMMFloat8
 from pipelines.builders import build_transformer
 from pipelines.families.qwen_image_21.fused_norms import Modulated, Normed, fuse_norm_quantization
-from pipelines.families.qwen_image_21.recipe import LayoutMemo, QwenImage21Recipe, fuse_swiglu, layout_forward
+from pipelines.families.qwen_image_21.layout import LayoutMemo, layout_forward
+from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe, fuse_swiglu
 from tests.helpers.traced import traced
 from tests.pipelines.families.test_qwen_image_21 import _forward_inputs
 

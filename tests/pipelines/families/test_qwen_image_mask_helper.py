@@ -1,4 +1,4 @@
-"""Qwen-Image's text-mask helper as the recipe puts it in (pipelines/families/qwen_image/recipe.py):
+"""Qwen-Image's text-mask helper as the recipe puts it in (pipelines/families/qwen_image/mask_helper.py):
 diffusers' ``compute_text_seq_len_from_mask`` with the fallback length filled on the device, not
 copied from the host, so it captures with the rest of the forward instead of being a break that
 waits for the GPU at every call. Same values as diffusers' own; installed only over diffusers' own."""
@@ -10,7 +10,7 @@ import torch
 from diffusers.models.transformers import transformer_qwenimage as qwen_mod
 
 from accel import accelerate_pipeline, unpatched
-from pipelines.families.qwen_image.recipe import text_seq_len_from_mask
+from pipelines.families.qwen_image.mask_helper import text_seq_len_from_mask
 from tests.helpers.after_warmup import as_on_cuda, tiny
 
 
