@@ -41,7 +41,9 @@ def quantize_rows_kernel(
 
     ``SILU_MUL`` quantizes ``silu(x) * up`` (a SwiGLU feed-forward's down-projection input) with
     both rounded to the input's dtype as the modules hand them on; ``up_ptr`` is read only then.
-    The SiLU's exponential is the fast one, as inductor's (the compiled model's own SiLU).
+    The SiLU is inductor's (the compiled model's own): ``x * sigmoid(x)``, its exponential and
+    division the fast ones. An IEEE division there made the kernel bound by its arithmetic, not
+    its two rows' bytes (scripts/device/probe_swiglu_kernel.py).
     """
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -58,7 +60,7 @@ def quantize_rows_kernel(
         x = (0.5 * x * (1.0 + t)).to(raw.dtype).to(tl.float32)
     if SILU_MUL:
         up = tl.load(up_ptr + row * stride_up + offs, mask=mask, other=0.0).to(tl.float32)
-        silu = tl.math.div_rn(x, 1.0 + tl.exp(-x)).to(raw.dtype).to(tl.float32)
+        silu = (x * tl.sigmoid(x)).to(raw.dtype).to(tl.float32)
         x = (silu * up).to(raw.dtype).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
     # The scale in the input's dtype, as the tensor ops compute it on CUDA (a division by a number

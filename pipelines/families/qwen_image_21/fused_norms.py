@@ -20,6 +20,11 @@ cannot fuse normalises it as diffusers does. On the CPU the op is the modules' a
 bit the unfused path (tests/pipelines/families/test_qwen_image_21_fused_norms.py); on CUDA within
 a float8 step of it (tests/cuda/test_fused_quant.py). The code it stands in for is diffusers
 0.42's (the recipe pins that range).
+
+The same ``_modulate`` hands on the gate as a :class:`TanhGate`, whose only use (``gate.tanh()``
+in the block's forward) takes the tanh of the gate's rows before they are spread over the tokens:
+bit for bit diffusers' values (the tanh is taken per value either way), but one tanh per row
+instead of one per token and channel, which made the residual's kernel bound by its arithmetic.
 """
 
 from __future__ import annotations
@@ -37,11 +42,23 @@ from accel import Float8RowwiseLinear, PendingRows, patch
 
 from ..qwen_image.fused_norms import Normed
 
-__all__ = ["Modulated", "Normed", "fuse_norm_quantization"]
+__all__ = ["Modulated", "Normed", "TanhGate", "fuse_norm_quantization"]
 
 logger = logging.getLogger(__name__)
 
 WHY = "qwen-image-2.1: the modulated LayerNorms write their float8 consumers' input (compile=True)"
+
+
+@dataclasses.dataclass
+class TanhGate:
+    """A block's gate rows (``batch``, or ``batch + 1`` with ``mask``) as ``_modulate`` hands them
+    on; :meth:`tanh` is diffusers' ``_select_modulation_rows(rows, mask).tanh()``."""
+
+    rows: torch.Tensor
+    mask: torch.Tensor | None
+
+    def tanh(self) -> torch.Tensor:
+        return q21._select_modulation_rows(self.rows.tanh(), self.mask)
 
 
 @dataclasses.dataclass
@@ -89,15 +106,18 @@ def _norm_forward(norm: torch.nn.LayerNorm, fusable: Callable[[], bool]) -> Call
 
 
 def _modulate(block: torch.nn.Module) -> Callable[..., Any]:
-    stock = type(block)._modulate
+    def stock(hidden_states: torch.Tensor, mod_params: torch.Tensor, mask: torch.Tensor | None) -> Any:
+        # diffusers' _modulate, the gate handed on as its rows.
+        scale, gate = mod_params.chunk(2, dim=-1)
+        return hidden_states * (1 + q21._select_modulation_rows(scale, mask)), TanhGate(gate, mask)
 
     def modulate(hidden_states: Any, mod_params: torch.Tensor, target_token_mask: torch.Tensor | None) -> Any:
         if not isinstance(hidden_states, Normed):
-            return stock(block, hidden_states, mod_params, target_token_mask)
+            return stock(hidden_states, mod_params, target_token_mask)
         x = hidden_states.x
         batch = x.shape[0]
         if mod_params.dim() != 2 or mod_params.shape[0] != batch + (target_token_mask is not None):
-            return stock(block, hidden_states.tensor(), mod_params, target_token_mask)
+            return stock(hidden_states.tensor(), mod_params, target_token_mask)
         scale, gate = mod_params.chunk(2, dim=-1)
         rows = None
         if target_token_mask is not None:
@@ -105,7 +125,7 @@ def _modulate(block: torch.nn.Module) -> Callable[..., Any]:
             # tokens, the last (t = 0) row elsewhere.
             own = torch.arange(batch, device=x.device)[:, None]
             rows = torch.where(target_token_mask.view(1, -1), own, batch).reshape(-1)
-        return Modulated(x, scale, rows, hidden_states.eps), q21._select_modulation_rows(gate, target_token_mask)
+        return Modulated(x, scale, rows, hidden_states.eps), TanhGate(gate, target_token_mask)
 
     return modulate
 

@@ -114,14 +114,50 @@ def test_modulate_without_a_pending_norm_or_with_a_modulation_it_cannot_read_is_
     stock = type(block)._modulate(block, pending.tensor(), mod, mask)
     assert isinstance(pending, Normed)
     modulated, gate = block._modulate(pending, mod, mask)
-    assert isinstance(modulated, Modulated) and torch.equal(gate, stock[1])
+    assert isinstance(modulated, Modulated) and torch.equal(gate.tanh(), stock[1].tanh())
     assert modulated.rows.tolist() == [2, 0, 0, 0, 0, 2, 1, 1, 1, 1]
     # A modulation of another row count than the batch (and the mask's t = 0 row) is normalised here.
     out, _ = block._modulate(pending, mod[:1], None)
     want, _ = type(block)._modulate(block, pending.tensor(), mod[:1], None)
     assert isinstance(out, torch.Tensor) and torch.equal(out, want)
-    assert isinstance(block._modulate(x, mod, mask)[0], torch.Tensor)
+    out, gate = block._modulate(x, mod, mask)
+    want, want_gate = type(block)._modulate(block, x, mod, mask)
+    assert torch.equal(out, want) and torch.equal(gate.tanh(), want_gate.tanh())
     undo()
+
+
+class _TanhShapes(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.tanh, torch.tanh):
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("condition", [False, True], ids=["t2i", "condition-image"])
+def test_the_gates_tanh_is_taken_on_their_rows_with_diffusers_bits(calls: list[Any], condition: bool) -> None:
+    # bf16 layers throughout: only the gate's form acts.
+    t, forward = _model(layers=())
+    inputs = _inputs(seed=3, condition=condition, padded=True)
+    want = forward(**inputs)[0]
+    with _TanhShapes() as stock:
+        forward(**inputs)
+    undo = fuse_norm_quantization(t)
+    try:
+        with _TanhShapes() as formed:
+            got = forward(**inputs)[0]
+    finally:
+        undo()
+    assert torch.equal(got, want) and not calls
+    blocks = len(t.transformer_blocks)
+    tokens = inputs["hidden_states"].shape[1]
+    assert len(stock.shapes) == len(formed.shapes) == 2 * blocks
+    assert all(s[1] >= tokens for s in stock.shapes)  # diffusers': one per token and channel
+    assert all(len(s) == 2 and s[0] <= inputs["hidden_states"].shape[0] + 1 for s in formed.shapes)
 
 
 def test_dynamo_traces_a_block_with_the_form_in_one_graph(calls: list[Any]) -> None:
