@@ -290,8 +290,10 @@ class PipelineAccelerator:
                 components=components,
                 decoder=(VAE_DECODER, decoder.runner) if decoder is not None and decoder.active else None,
                 decided=[r.decoder for w in installed.warmups for r in w.rows if r.decoder is not None],
+                earlier=installed.warmup_plans,
             )
         installed.warmups.append(result)
+        installed.warmup_plans.append(plan)
         for hook in hooks.values():
             hook.follow_weights()
         for name, hook in hooks.items():

@@ -100,6 +100,7 @@ class Installation:
         self._own_pool: GraphPool | None = None
         # The warm-ups' reports (accel.hooks.warmup.WarmupReport), for report()'s memory lines.
         self.warmups: list[Any] = []
+        self.warmup_plans: list[Any] = []  # their plans: a later compile captures their cases again
         # What each layer entered takes out again, run last-in first-out by uninstall().
         self._undo: list[Callable[[], None]] = []
         if plan.parallel is not None and _parallel_session is None:

@@ -272,11 +272,14 @@ def run_warmup(
     components: Sequence[GraphRunner] = (),
     decoder: tuple[str, GraphRunner] | None = None,
     decided: Sequence[Timing] = (),
+    earlier: Sequence[WarmupPlan] = (),
 ) -> WarmupReport:
     """Run ``plan``'s warm-up calls through ``pipe`` with ``runners`` capturing; then, when
     ``components`` (runners among ``runners``) are given, the calls that capture them. With
     ``compiled``, every call runs uncaptured first, the components' too, so nothing is captured
-    over kernels a later shape recompiles.
+    over kernels a later shape recompiles; and where those calls compiled anything, the denoiser
+    cases of ``earlier`` (the plans of earlier warm-ups, whose graphs that drops) are captured
+    again after ``plan``'s, so that no call after the warm-up captures.
     ``decoder``: the VAE decoder's name and runner (one of ``components``), whose graphs are
     kept only where they pay (:class:`~accel.hooks.images.decoder_trial.DecoderTrial`);
     ``decided``: its sizes earlier warm-ups decided, weighed in as they are."""
@@ -323,6 +326,14 @@ def run_warmup(
                     torch.cuda.synchronize(device)
                     rows[size].compile_seconds += time.perf_counter() - t0
             bar.close()
+        # Dynamo runs its newest kernels for every shape: the compiles above dropped the graphs
+        # of earlier warm-ups (at the next call's weight check), captured again with this plan's.
+        again = [c for p in earlier for c in p.cases] if compiled and compiled_graph_count() != graphs0 else []
+        if again:
+            logger.info(
+                "warmup: inductor compiled new shapes; capturing %d cases of earlier warm-ups again", len(again)
+            )
+        cases = [*plan.cases, *again]
         with capture_session(), ExitStack() as stack:
             for r in runners:
                 stack.enter_context(r.capturing())
@@ -334,8 +345,8 @@ def run_warmup(
                         row.captures = 0  # the first pass's graphs are dropped: count those kept
                 passes = attempt + 1
                 graphs = compiled_graph_count() if compiled else 0
-                bar = _progress(len(plan.cases), progress, "capturing graphs")
-                for case in plan.cases:
+                bar = _progress(len(cases), progress, "capturing graphs")
+                for case in cases:
                     row = rows.setdefault(case.size, _row(case))
                     _run_capturing(pipe, device, row, runners, pool, case_calls(recipe, pipe, case))
                     text = f"text {case.text}" if isinstance(case.text, int) else f"prompt {case.text[:20]!r}"

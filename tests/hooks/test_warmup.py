@@ -117,6 +117,32 @@ def test_compiled_warmup_compiles_every_case_first_and_captures_again_after_a_re
     assert ("every case captured 2 times" in str(report)) == recompile_during_capture
 
 
+@pytest.mark.parametrize("compiles_again", [False, True])
+def test_a_later_compiled_warmup_that_compiles_captures_the_earlier_ones_again(
+    monkeypatch: pytest.MonkeyPatch, compiles_again: bool
+) -> None:
+    """A second warm-up compiling a new shape drops the first one's graphs (dynamo's newest
+    kernels serve every shape): it captures the first one's cases again after its own, so no call
+    after the warm-ups captures; one that compiles nothing leaves them as they are."""
+    compiles = [0]
+    monkeypatch.setattr(warmup_mod, "compiled_graph_count", lambda: compiles[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    recipe, runner = LengthRecipe(), FakeRunner()
+    pipe = FakePipe(runner, compiles, {0})
+    first = _plan(recipe, pipe, [(512, 512)])
+    run_warmup(pipe, recipe, first, [runner], torch.device("cpu"), compiled=True, progress=False)
+    pipe.calls.clear()
+    pipe.recompile_on = {0} if compiles_again else set()
+    second = _plan(recipe, pipe, [(1024, 1024)])
+    report = run_warmup(
+        pipe, recipe, second, [runner], torch.device("cpu"), compiled=True, progress=False, earlier=[first]
+    )
+    own = [("capture", c.width, c.height, c.prompt_length) for c in second.cases]
+    again = [("capture", c.width, c.height, c.prompt_length) for c in first.cases] if compiles_again else []
+    assert [c for c in pipe.calls if c[0] == "capture"] == own + again
+    assert report.total_captures == len(own) + len(again)
+
+
 def test_compiled_components_compile_before_any_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decoder with compiled kernels (its GroupNorms) compiling size by size while captured gave
     the first size's graph kernels a later size had replaced; its calls now compile first too."""

@@ -146,10 +146,10 @@ def launch(
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(k)
-        # Measured best on an H100 (scripts/device/probe_row_kernel.py): the GELU's arithmetic
-        # wants more warps per row than the plain quantization's bytes do; the SwiGLU's, reading
-        # two rows, takes the GELU's (not probed yet).
-        warps = 4 if block <= 4096 else 16 if (gelu_tanh or up is not None) and block > 8192 else 8
+        # Measured best on an H100 (scripts/device/probe_row_kernel.py, probe_swiglu_kernel.py):
+        # the GELU's arithmetic wants more warps per row than the plain quantization's bytes do,
+        # and the SwiGLU's two rows more still.
+        warps = 4 if block <= 4096 else 8 if block <= 8192 else 32 if up is not None else 16 if gelu_tanh else 8
         kernel[(rows,)](
             x,
             x if up is None else up,
