@@ -1,7 +1,7 @@
 """Forms of the one-pass SwiGLU float8 quantization (``silu(gate) * up`` per row,
 accel/hooks/fp8/row_quant_kernel.py) and the warps per row, timed on this GPU at Qwen-Image 2.1's
 shape (4096 rows of 12288), beside a copy of the kernel's bytes, the library's op and the plain
-rows of 4096 (the attention output's quantization) at each warp count; each form's values that
+rows of 4096 (the attention output's quantization); each form's values that
 differ from the tensor ops (accel.hooks.fp8.row_quant.quantize_silu_mul_rows_reference).
 
     python3 scripts/device/probe_swiglu_kernel.py --out out/probe-swiglu.json
@@ -61,26 +61,20 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from accel.hooks.fp8.row_quant import (
-        kernel_constants,
-        quantize_rows_e4m3,
-        quantize_silu_mul_rows_e4m3,
-        quantize_silu_mul_rows_reference,
-    )
-    from accel.hooks.fp8.row_quant_kernel import quantize_rows_kernel
+    from accel.hooks.fp8 import row_quant
 
     dev = torch.device("cuda")
     g = torch.Generator(dev).manual_seed(0)
     rows, k = 4096, 12288
     gate = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g) * 3
     up = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=g) * 3
-    ref_q, _ = quantize_silu_mul_rows_reference(gate, up)
+    ref_q, _ = row_quant.quantize_silu_mul_rows_reference(gate, up)
     src = torch.empty(rows * k * 5, dtype=torch.uint8, device=dev)  # two bf16 rows in, e4m3 out
     dst = torch.empty_like(src)
     out: dict = {"device": torch.cuda.get_device_name(dev), "rows": rows, "k": k}
     out["copy_same_bytes_ms"] = graph_ms(lambda: dst[: rows * k * 5 // 2].copy_(src[: rows * k * 5 // 2]))
-    out["library_ms"] = graph_ms(lambda: quantize_silu_mul_rows_e4m3(gate, up))
-    lq, _ = quantize_silu_mul_rows_e4m3(gate, up)
+    out["library_ms"] = graph_ms(lambda: row_quant.quantize_silu_mul_rows_e4m3(gate, up))
+    lq, _ = row_quant.quantize_silu_mul_rows_e4m3(gate, up)
     out["library_differ"] = int((lq.view(torch.uint8) != ref_q.view(torch.uint8)).sum())
     q = torch.empty_like(gate, dtype=torch.float8_e4m3fn)
     s = torch.empty(rows, 1, device=dev, dtype=torch.float32)
@@ -95,34 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             call()
             out[name + "_differ"] = int((q.view(torch.uint8) != ref_q.view(torch.uint8)).sum())
         print(json.dumps(out), flush=True)
-    # The library's kernel itself at each warp count, both forms of it.
+    # The attention output's quantization: the plain rows of 4096, beside a copy of their bytes.
     x = torch.randn(rows, 4096, device=dev, dtype=torch.bfloat16, generator=g) * 3
-    out["plain4096_library_ms"] = graph_ms(lambda: quantize_rows_e4m3(x))
+    out["plain4096_library_ms"] = graph_ms(lambda: row_quant.quantize_rows_e4m3(x))
     out["plain4096_copy_ms"] = graph_ms(lambda: dst[: rows * 4096 * 3].copy_(src[: rows * 4096 * 3]))
-    for name, a_, b_, kk, block, warp_set in (
-        ("plain4096", x, x, 4096, 4096, (2, 4, 8, 16)),
-        ("swiglu", gate, up, k, 16384, (8, 16, 32)),
-    ):
-        qq = torch.empty(rows, kk, device=dev, dtype=torch.float8_e4m3fn)
-        for warps in warp_set:
-
-            def call():
-                quantize_rows_kernel[(rows,)](
-                    a_,
-                    b_,
-                    qq,
-                    s,
-                    kk,
-                    a_.stride(0),
-                    b_.stride(0),
-                    **kernel_constants(a_.dtype),
-                    GELU_TANH=False,
-                    SILU_MUL=name == "swiglu",
-                    BLOCK=block,
-                    num_warps=warps,
-                )
-
-            out[f"{name}_kernel_w{warps}_ms"] = graph_ms(call)
     print(json.dumps(out), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1))
