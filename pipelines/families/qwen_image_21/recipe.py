@@ -86,10 +86,11 @@ class QwenImage21Recipe(GenericRecipe):
         "transformer_blocks.*.attn",
     )
 
-    # With compile=True and the library's float8 layers (``fp8_layers = "scaled-mm"``, which this
-    # recipe does not pick until a GPU run measures them against torchao's), the modulated norms
-    # write their float8 consumers' input in one pass (fused_norms.py). Set it False on the class
-    # before accelerate_pipeline to compare.
+    # With compile=True, each block's gates take their tanh per modulation row (any layers), and
+    # with the library's float8 layers (``fp8_layers = "scaled-mm"``; measured level with torchao's
+    # on an H100, docs/benchmarks.md, so not picked) the modulated norms write their float8
+    # consumers' input in one pass (fused_norms.py). Set it False on the class before
+    # accelerate_pipeline to compare.
     fused_norm_fp8 = True
 
     def __init__(self) -> None:
