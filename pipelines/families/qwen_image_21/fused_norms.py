@@ -134,6 +134,8 @@ def _fusable_block(block: torch.nn.Module) -> bool:
     norms = [getattr(block, "img_norm1", None), getattr(block, "img_norm2", None)]
     return (
         type(block) is q21.QwenImage21TransformerBlock
+        # The block's own forward is the one reader of what _modulate hands on (a TanhGate).
+        and getattr(type(block).forward, "__module__", None) == q21.__name__
         and "_modulate" not in vars(block)
         and all(type(n) is torch.nn.LayerNorm and not n.elementwise_affine and "forward" not in vars(n) for n in norms)
         and type(getattr(block, "img_mlp", None)) is q21.QwenImage21SwiGLUFeedForward

@@ -187,6 +187,16 @@ def test_dynamo_traces_a_block_with_the_form_in_one_graph(calls: list[Any]) -> N
     assert torch.nn.functional.layer_norm not in seen and torch.ops.bcg_diffusers.quantize_rows_e4m3.default in seen
 
 
+def test_a_block_whose_class_forward_is_not_diffusers_own_keeps_its_modulate(monkeypatch: pytest.MonkeyPatch) -> None:
+    t, _ = _model(layers=())
+    block = t.transformer_blocks[0]
+    stock = type(block).forward
+    monkeypatch.setattr(type(block), "forward", lambda self, *a, **kw: stock(self, *a, **kw))
+    undo = fuse_norm_quantization(t)
+    assert "_modulate" not in vars(block)
+    undo()
+
+
 def test_the_recipe_puts_the_form_in_unless_told_not_to(calls: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     t, _ = _model()
     block = t.transformer_blocks[0]
