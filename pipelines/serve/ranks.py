@@ -153,9 +153,9 @@ class Relay:
         def agreed() -> bool:
             try:
                 return _stop_decision(self.ranks, stop())
-            except Exception as e:
+            except Exception as e:  # the step's stop flag found the follower gone, not the exchange
                 self.lost = f"a follower rank is gone ({_why(e)})"
-                raise
+                raise RuntimeError(f"--parallel: {self.lost}") from None
 
         return agreed
 

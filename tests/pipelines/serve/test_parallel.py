@@ -127,7 +127,7 @@ def test_a_killed_follower_fails_a_request_and_leaves_the_server_unhealthy(ranks
         ranks.procs[1].kill()
         ranks.procs[1].wait()
         failed = ranks.client.post("/v1/images/generations", json=WITHOUT_CFG)
-        says = "a follower rank is gone"
+        says: tuple[str, ...] = ("a follower rank is gone",)
     else:  # a call of 1000 steps (some 30 s), the follower killed under it: the parallel run's own error
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             running = pool.submit(ranks.client.post, "/v1/images/generations", json={**WITH_CFG, "steps": 1000})
@@ -135,13 +135,15 @@ def test_a_killed_follower_fails_a_request_and_leaves_the_server_unhealthy(ranks
             assert not running.done(), running.result().text
             ranks.procs[1].kill()
             failed = running.result()
-        says = "lost contact with the other ranks"
+        # Found at the step's guidance exchange, or at its stop flag, whichever the kill reaches first.
+        says = ("lost contact with the other ranks", "a follower rank is gone")
     assert failed.status_code == 500, failed.text
-    assert says in failed.json()["error"]["message"], failed.text
+    said = next((s for s in says if s in failed.json()["error"]["message"]), None)
+    assert said is not None, failed.text
     after = ranks.client.post("/v1/images/generations", json=WITHOUT_CFG)
     assert after.status_code == 503 and after.json()["error"]["code"] == "ranks_lost", after.text
     health = ranks.client.get("/health")
-    assert health.status_code == 503 and says in health.json()["error"]["message"], health.text
+    assert health.status_code == 503 and said in health.json()["error"]["message"], health.text
     assert ranks.client.get("/ready").status_code == 503
     ranks.procs[0].send_signal(signal.SIGTERM)
     assert ranks.wait(0) == 1
