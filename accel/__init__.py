@@ -58,8 +58,8 @@ from .hooks.options import AcceleratorOptions
 from .hooks.recipes.generic import GenericRecipe
 from .hooks.recipes.recipe import GenerationDefaults, Recipe, RecipeError, WarmupCase
 from .hooks.recipes.registry import diffusers_in, recipe_for, register_recipe
+from .hooks.report import WarmupReport
 from .hooks.state.guard import BusyError
-from .hooks.warmup import WarmupReport
 from .parallel import ParallelConfigError, ParallelError
 
 __all__ = [  # noqa: RUF022 (by audience, as the docstring lists them)

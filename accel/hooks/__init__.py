@@ -29,7 +29,7 @@ warmup_plan  what the user asked to warm up, checked, as the cases the recipe's 
 plan         what an install will put into a pipeline, decided in one pass
 install      the plan put into a pipeline, layer by layer, and taken out again
 warmup       a warm-up plan's calls run, so that exactly the signatures real calls hit are captured
-report       ``pipe.accel.report()``: what an accelerated pipeline did, in lines a person reads
+report       ``pipe.accel.report()`` and a warm-up's report: what was done, in lines a person reads
 accelerator  ``pipe.accel``: the accelerator of one pipeline (``accelerate_pipeline`` attaches it)
 
 Beyond ``accel``'s own names, the front door gives the hook's parts that benchmarks time or turn

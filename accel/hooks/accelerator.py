@@ -31,9 +31,9 @@ from .install import Installation, ParallelSession, register_parallel_session
 from .options import MODES, RESOLUTION_MULTIPLE, AcceleratorOptions, with_overrides
 from .plan import InstallPlan, plan_install
 from .recipes.recipe import Recipe
-from .report import graph_memory_bytes, report
+from .report import WarmupReport, WarmupRow, graph_memory_bytes, report
 from .state.guard import CallGuard, RequestLock
-from .warmup import WarmupReport, WarmupRow, run_warmup, uncaptured
+from .warmup import run_warmup, uncaptured
 from .warmup_plan import case_calls, plan_warmup
 
 __all__ = [

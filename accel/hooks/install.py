@@ -98,7 +98,7 @@ class Installation:
         self.cfg_batch: dict[str, CFGBatchHook] = {}
         self.quantization: Quantization | None = plan.quantization
         self._own_pool: GraphPool | None = None
-        # The warm-ups' reports (accel.hooks.warmup.WarmupReport), for report()'s memory lines.
+        # The warm-ups' reports (accel.hooks.report.WarmupReport), for report()'s memory lines.
         self.warmups: list[Any] = []
         self.warmup_plans: list[Any] = []  # their plans: a later compile captures their cases again
         # What each layer entered takes out again, run last-in first-out by uninstall().

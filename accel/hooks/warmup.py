@@ -2,7 +2,7 @@
 
 :func:`run_warmup` runs the recipe's warm-up calls for every case (:mod:`accel.hooks.warmup_plan`
 plans them, largest resolution first) with the runners in capturing mode, and reports what each
-resolution cost (:class:`WarmupReport`). With compiled blocks, one uncaptured call per case
+resolution cost (:class:`~accel.hooks.report.WarmupReport`). With compiled blocks, one uncaptured call per case
 compiles first, so compile seconds are reported apart from capture seconds. Components (text
 encoders, the VAE decoder) are captured last, by real pipeline calls with text prompts that decode
 an image: one per resolution (the VAE's latent shapes) and one per further prompt (the text
@@ -20,7 +20,6 @@ warm-up runs' transients do not stay beside the pool.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -37,122 +36,12 @@ from .compiled.compile import compiled_graph_count
 from .images import decoder_trial
 from .images.decoder_trial import DecoderTrial, Timing
 from .recipes.recipe import Recipe
+from .report import WarmupReport, WarmupRow
 from .warmup_plan import WarmupCase, WarmupPlan, case_calls
 
-__all__ = ["WarmupReport", "WarmupRow", "run_warmup", "uncaptured"]
+__all__ = ["run_warmup", "uncaptured"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class WarmupRow:
-    """What warming up one resolution (and frame count, for video) cost. ``seconds`` is capture
-    time; ``compile_seconds`` the first compiled call's (0 without compile); ``frames`` None
-    for images. ``resident_bytes``: the graph memory it added (pool growth, static inputs,
-    boundary buffers); ``eager_peak_bytes``: the largest eager transient its captures replace (0
-    where nothing was captured); ``decoder``: the VAE decoder's trial at this size (replay and
-    eager times and memory, whether its graphs were kept and why not), None where it was not tried."""
-
-    width: int
-    height: int
-    seconds: float
-    captures: int
-    resident_bytes: int
-    compile_seconds: float = 0.0
-    frames: int | None = None
-    eager_peak_bytes: int = 0
-    decoder: Timing | None = None
-
-    @property
-    def size(self) -> str:
-        """``WxH``, with ``xF frames`` for video."""
-        return f"{self.width}x{self.height}" + (f", {self.frames} frames" if self.frames is not None else "")
-
-
-@dataclasses.dataclass
-class WarmupReport:
-    """Per-resolution warm-up cost, largest resolution first.
-
-    ``compiled_graphs`` counts the graphs inductor compiled during the warm-up (recompiles
-    included; 0 without compile); ``capture_passes`` is 2 where inductor compiled again during
-    the first capture pass and every case was captured once more (rows count the graphs kept,
-    their seconds both passes); ``skipped`` says why nothing was captured, if so;
-    ``peak_reserved_bytes``: the device's peak reserved memory when the warm-up ended (since the
-    process began or :func:`accel.graphs.pool.reset_peak_memory`).
-    """
-
-    rows: list[WarmupRow]
-    compiled_graphs: int = 0
-    skipped: str | None = None
-    capture_passes: int = 1
-    peak_reserved_bytes: int = 0
-
-    @property
-    def total_seconds(self) -> float:
-        return sum(r.seconds for r in self.rows)
-
-    @property
-    def total_compile_seconds(self) -> float:
-        return sum(r.compile_seconds for r in self.rows)
-
-    @property
-    def total_captures(self) -> int:
-        return sum(r.captures for r in self.rows)
-
-    @property
-    def total_resident_bytes(self) -> int:
-        return sum(r.resident_bytes for r in self.rows)
-
-    @property
-    def largest_eager_peak_bytes(self) -> int:
-        """The largest eager transient the graphs replace: what graph memory is held to."""
-        return max((r.eager_peak_bytes for r in self.rows), default=0)
-
-    def __str__(self) -> str:
-        if self.skipped:
-            return f"nothing captured: {self.skipped}"
-        compiled = any(r.compile_seconds for r in self.rows)
-        video = any(r.frames is not None for r in self.rows)
-        decoder = any(r.decoder is not None for r in self.rows)
-        head = f"{'resolution':>12}" + (f" {'frames':>6}" if video else "")
-        head += f" {'capture s':>9} {'graphs':>6} {'graph MiB':>10} {'eager peak MiB':>14}"
-        head += f" {'decode ms graph/eager':>31}" if decoder else ""
-        lines = [head + (f" {'compile s':>9}" if compiled else "")]
-        for r in self.rows:
-            line = f"{r.width:>5}x{r.height:<6}"
-            if video:
-                line += f" {r.frames if r.frames is not None else '-':>6}"
-            line += (
-                f" {r.seconds:9.2f} {r.captures:6d} {r.resident_bytes / 2**20:10.1f} {r.eager_peak_bytes / 2**20:14.1f}"
-            )
-            if decoder:
-                d = r.decoder
-                line += f" {'-':>31}" if d is None else f" {_decode(d):>31}"
-            lines.append(line + (f" {r.compile_seconds:9.2f}" if compiled else ""))
-        total = f"{'total':>12}" + (" " * 7 if video else "")
-        total += f" {self.total_seconds:9.2f} {self.total_captures:6d} {self.total_resident_bytes / 2**20:10.1f}"
-        total += f" {self.largest_eager_peak_bytes / 2**20:14.1f}" + (" " * 32 if decoder else "")
-        lines.append(total + (f" {self.total_compile_seconds:9.2f}" if compiled else ""))
-        lines.append(
-            "(eager peak: the most a resolution's eager calls allocate above the weights, which its graphs replace)"
-        )
-        if decoder:
-            lines.append(
-                "(decode: the VAE decoder's graphs kept where faster than eager beyond noise without raising the "
-                "peak memory, or no slower and lowering it ('peak'))"
-            )
-        if compiled:
-            lines.append(f"inductor compiled {self.compiled_graphs} graph(s)")
-        if self.capture_passes > 1:
-            lines.append(
-                f"every case captured {self.capture_passes} times: inductor compiled again during capture "
-                "(the earlier graphs were dropped; capture s counts every pass)"
-            )
-        return "\n".join(lines)
-
-
-def _decode(t: Timing) -> str:
-    return f"{t.graph_ms:.1f} / {t.eager_ms:.1f} {t.verdict}"
 
 
 @contextlib.contextmanager

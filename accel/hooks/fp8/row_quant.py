@@ -25,7 +25,7 @@ equal to the same compiled model without graphs.
 and quantizes ``silu(gate) * up`` without writing the product out. Inductor's kernel for those
 ops, the product and its quantization, read each row twice: 163 us of Qwen-Image 2.1's float8
 step per block on an H100 at 1024x1024 (samples/gpu-run-2026-12-07c/h100-2/profile-q21/).
-Its SiLU uses the fast exponential, as the compiled model's own SiLU does; handed it only with
+Its SiLU is inductor's ``x * sigmoid(x)``, as the compiled model's own; handed it only with
 ``compile=True`` (the family's compiled forms).
 """
 
@@ -117,9 +117,9 @@ def quantize_silu_mul_rows_reference(gate: torch.Tensor, up: torch.Tensor) -> tu
 @torch.library.custom_op("bcg_diffusers::quantize_silu_mul_rows_e4m3", mutates_args=())
 def quantize_silu_mul_rows_e4m3(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_silu_mul_rows_reference`: ``silu(gate) * up`` (rows, K) as e4m3 rows and
-    their float32 scales, without writing the product out. One pass on CUDA, where the SiLU's
-    exponential is the fast one (as a compiled model's own SiLU): a few values in 10,000 land one
-    float8 step from the tensor ops."""
+    their float32 scales, without writing the product out. One pass on CUDA, where the SiLU is
+    inductor's ``x * sigmoid(x)`` (a compiled model's own): a few values in 10,000 land one float8
+    step from the tensor ops."""
     if gate.dim() != 2 or up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(
             f"quantize_silu_mul_rows_e4m3 takes gate and up (rows, K) of one dtype, got {tuple(gate.shape)} "
@@ -149,7 +149,10 @@ def launch(
         # Measured best on an H100 (scripts/device/probe_row_kernel.py, probe_swiglu_kernel.py):
         # the GELU's arithmetic wants more warps per row than the plain quantization's bytes do,
         # and the SwiGLU's two rows more still.
-        warps = 4 if block <= 4096 else 8 if block <= 8192 else 32 if up is not None else 16 if gelu_tanh else 8
+        if block <= 8192:
+            warps = 4 if block <= 4096 else 8
+        else:
+            warps = 32 if up is not None else 16 if gelu_tanh else 8
         kernel[(rows,)](
             x,
             x if up is None else up,
