@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from accel import recipe_for
 from accel.hooks.fp8 import ScaledMMFloat8, layer_kinds, quantizers
 
 from .calls import register_recipes
@@ -52,6 +53,25 @@ def fp8_backend(name: str) -> Iterator[None]:
         quantizers.QUANTIZERS["fp8"], layer_kinds.FP8_LAYERS = original
 
 
+@contextlib.contextmanager
+def forms_off(pipe: Any, flags: list[str]) -> Iterator[None]:
+    """The recipe serving ``pipe``'s denoiser with each of ``flags`` (class attributes naming a
+    compiled form, e.g. ``fused_head_norms``) set False inside: the same rows without those forms."""
+    denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+    recipe = recipe_for(denoiser)
+    missing = [f for f in flags if not isinstance(getattr(recipe, f, None), bool)]
+    if missing:
+        raise SystemExit(f"--form-off: {recipe.__name__} has no form flag {', '.join(missing)}")
+    saved = {f: getattr(recipe, f) for f in flags}
+    for f in flags:
+        setattr(recipe, f, False)
+    try:
+        yield
+    finally:
+        for f, value in saved.items():
+            setattr(recipe, f, value)
+
+
 def markdown(env: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     lines = [
         f"{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}, torchao {env.get('torchao')}, "
@@ -90,6 +110,14 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
         choices=["default", *sorted(BACKENDS)],
         default=["default"],
         help="float8 layers: the library's choice for the model (default), or one kind for every model",
+    )
+    p.add_argument(
+        "--form-off",
+        nargs="+",
+        default=[],
+        metavar="FLAG",
+        help="after the float8 backends' rows, the first backend's again on a fresh model with these recipe "
+        "flags False (compiled forms, e.g. fused_head_norms): the forms' gain in one process",
     )
     p.add_argument("--size", choices=("full", "tiny"), default=None, help="default: full on CUDA, tiny on CPU")
     p.add_argument("--resolution", type=parse_resolution, default=(1024, 1024))
@@ -151,16 +179,20 @@ def run(args: argparse.Namespace) -> None:
                 bench.build()
             write(bench.run(variant, "bf16"))
             built = built and variant == "bf16-eager"
-        for i, backend in enumerate(args.fp8_backend):
+        runs = [(b, []) for b in args.fp8_backend]
+        if args.form_off:
+            runs.append((args.fp8_backend[0], args.form_off))
+        for i, (backend, off) in enumerate(runs):
             if i or (args.cold and not built):
                 bench.build()  # the previous backend's float8 layers stay: a fresh bf16 model
-            with fp8_backend(backend):
+            label = f"{backend}, {' '.join(off)} off" if off else backend
+            with fp8_backend(backend), forms_off(bench.pipe, off):
                 for j, variant in enumerate(v for v in args.variants if v.startswith("fp8")):
                     if j and (args.cold or "-fa3-" in variant):
                         # Measured again (FlashAttention-3's float8 attention is chosen by the
                         # measurement), compiled cold: not the last row's float8 model.
                         bench.build()
-                    write(bench.run(variant, backend))
+                    write(bench.run(variant, label))
             built = False
         bench.pipe = None
     print(md)

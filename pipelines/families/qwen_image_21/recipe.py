@@ -27,6 +27,7 @@ from accel import GenerationDefaults, GenericRecipe, fuse_swiglu_inputs
 
 from ..qwen_image.forms import qwen_rope_in_real_arithmetic
 from .fused_norms import fuse_norm_quantization
+from .head_norms import fuse_head_norms
 from .layout import LAYOUT_KWARG, MODULE, LayoutMemo, layout_forward
 from .models import FAMILY
 
@@ -92,6 +93,9 @@ class QwenImage21Recipe(GenericRecipe):
     # consumers' input in one pass (fused_norms.py). Set it False on the class before
     # accelerate_pipeline to compare.
     fused_norm_fp8 = True
+    # With compile=True, the query and key head norms and their rotation run as one op each, the
+    # keys written behind the cached prefix (head_norms.py; any layers).
+    fused_head_norms = True
 
     def __init__(self) -> None:
         self.layouts = LayoutMemo()
@@ -118,10 +122,13 @@ class QwenImage21Recipe(GenericRecipe):
     def compiled_forms(self, module: torch.nn.Module) -> Callable[[], None]:
         # The same complex rotary product as Qwen-Image's (pipelines/families/qwen_image/forms.py);
         # a float8 down projection of the library's takes the SwiGLU into its quantization, and float8
-        # layers of the library's take their input from the modulated norm (fused_norms.py).
+        # layers of the library's take their input from the modulated norm (fused_norms.py); the
+        # head norms and rotation run as one op (head_norms.py).
         if type(module).__module__ != MODULE:
             return lambda: None
         undo = [qwen_rope_in_real_arithmetic(MODULE), fuse_swiglu(module)]
+        if self.fused_head_norms:
+            undo.append(fuse_head_norms())
         if self.fused_norm_fp8:
             undo.append(fuse_norm_quantization(module))
         return lambda: [u() for u in reversed(undo)] and None
