@@ -21,9 +21,11 @@ from tests.helpers.interpreted import faithful, run_child
 from tests.helpers.traced import traced
 
 try:
-    import triton  # noqa: F401
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
-    from accel.hooks.compiled.head_norm_kernel import head_norm_rope_kernel
+    from accel.hooks.compiled.head_norm_kernel import LAUNCH_OPTIONS, head_norm_rope_kernel
 except ImportError:  # the CPU environment leaves Triton out (docs/development.md)
     head_norm_rope_kernel = None
 
@@ -95,6 +97,36 @@ def test_dynamo_keeps_the_op_opaque() -> None:
     out, seen = traced(fn, x, f, prefix)
     assert torch.ops.bcg_diffusers.head_norm_rope.default in seen
     assert torch.equal(out, head_norm_rope_reference(x, weight, EPS, f, prefix) * 2)
+
+
+def _ptx(**options: Any) -> str:
+    """The kernel for an H100 as the op launches it at Qwen-Image 2.1's shapes (Triton's launcher
+    marks integer arguments divisible by 16 as such: every pointer and stride there)."""
+    signature = {
+        **dict.fromkeys(("x_ptr", "w_ptr", "out_ptr"), "*bf16"),
+        "f_ptr": "*fp32",
+        **dict.fromkeys(("N", "TOKENS", "HEADS", "stride_xb", "stride_xt", "stride_xh", "stride_ob", "PREFIX"), "i32"),
+        **dict.fromkeys(("EPS", "HALF", "ROWS"), "constexpr"),
+    }
+    names = list(signature)
+    aligned = ("x_ptr", "w_ptr", "out_ptr", "f_ptr", "N", "TOKENS", "HEADS", "stride_xb", "stride_xt", "stride_xh")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*aligned, "stride_ob")}
+    source = ASTSource(
+        fn=head_norm_rope_kernel, signature=signature, constexprs={"EPS": EPS, "HALF": 64, "ROWS": 32}, attrs=attrs
+    )
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
+    return compiled.asm["ptx"]
+
+
+@needs_triton
+def test_on_an_h100_rows_move_in_16_byte_accesses_and_the_rotation_rounds_each_product() -> None:
+    ptx = _ptx(**LAUNCH_OPTIONS)
+    # Each row read and written whole (the pairs split and joined in registers), even behind a
+    # prefix of any length (the offset is a multiple of a row of heads).
+    assert "st.global.v4.b32" in ptx and "st.global.b16" not in ptx
+    assert "ld.global.v4.b32" in ptx
+    # The control: with LLVM's contraction a product and the difference after it are one FMA.
+    assert "fma.rn.f32" in _ptx(enable_fp_fusion=True) and "fma.rn.f32" not in ptx
 
 
 # -- under Triton's interpreter ---------------------------------------------------------------------
