@@ -21,6 +21,8 @@ weight or a weight of another dtype than the input's: those take the reference.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["head_norm_rope", "head_norm_rope_reference"]
@@ -93,7 +95,7 @@ def head_norm_rope(
 
 
 def launch(
-    kernel: object,
+    kernel: Any,
     x: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
@@ -102,6 +104,8 @@ def launch(
 ) -> torch.Tensor:
     """Run ``kernel`` (:func:`~accel.hooks.compiled.head_norm_kernel.head_norm_rope_kernel`, or the
     same function under Triton's interpreter) as the op does; the prefix is copied by ATen."""
+    import triton
+
     from .head_norm_kernel import LAUNCH_OPTIONS, ROWS
 
     batch, tokens, heads, d = x.shape
@@ -112,7 +116,7 @@ def launch(
     n = batch * tokens * heads
     if n:
         freqs = freqs.contiguous()
-        kernel[(triton_cdiv(n, ROWS),)](
+        kernel[(triton.cdiv(n, ROWS),)](
             x,
             weight.contiguous(),
             freqs,
@@ -132,10 +136,6 @@ def launch(
             **LAUNCH_OPTIONS,
         )
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @head_norm_rope.register_fake
