@@ -35,9 +35,10 @@ def head_norm_rope_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, freqs: torch.Tensor, prefix: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x`` (batch, tokens, heads, D) through diffusers' ``RMSNorm(D)`` with ``weight`` (D), in
-    ``x``'s dtype (as Qwen-Image 2.1's attention casts it), then each (real, imaginary) pair of channels times ``freqs`` (tokens, D / 2, 2:
-    the complex frequencies as ``torch.view_as_real`` gives them) in float32, rounded to ``x``'s
-    dtype; behind ``prefix`` (batch, P, heads, D) along the tokens where given."""
+    ``x``'s dtype (as Qwen-Image 2.1's attention casts it), then each (real, imaginary) pair of
+    channels times ``freqs`` (tokens, D / 2, 2: the complex frequencies as ``torch.view_as_real``
+    gives them) in float32, rounded to ``x``'s dtype; behind ``prefix`` (batch, P, heads, D) along
+    the tokens where given."""
     variance = x.float().pow(2).mean(-1, keepdim=True)
     y = x * torch.rsqrt(variance + eps)
     if weight.dtype in (torch.float16, torch.bfloat16):
