@@ -9,6 +9,8 @@
         fp8-compiled-graphs --out out/q21                     # 40 steps, no guidance, K/V cache on
     python scripts/bench_fp8.py --only qwen-image-2.1 --steps 20 --true-cfg 4 \
         --variants bf16-eager bf16-graphs --out out/q21-cfg
+    python scripts/bench_fp8.py --only qwen-image-2.1 --variants bf16-eager fp8-fa3-compiled-graphs \
+        --form-flip fused_head_norms --runs 2 --out out/q21-heads   # a compiled form's gain, one process
 
 Per model (Z-Image 1024x1024, 9 steps, no guidance; Qwen-Image 1024x1024, 20 steps, true CFG 4.0;
 Qwen-Image 2.1 1024x1024, 40 steps, no guidance and its prefix K/V cache, as Qwen recommends, or

@@ -54,19 +54,20 @@ def fp8_backend(name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def forms_off(pipe: Any, flags: list[str]) -> Iterator[None]:
-    """The recipe serving ``pipe``'s denoiser with each of ``flags`` (class attributes naming a
-    compiled form, e.g. ``fused_head_norms``) set False inside: the same rows without those forms."""
+def forms_flipped(pipe: Any, flags: list[str]) -> Iterator[str]:
+    """The recipe serving ``pipe``'s denoiser with each of ``flags`` (boolean class attributes
+    naming a compiled form, e.g. ``fused_head_norms``) set to the other value inside: the same rows
+    with those forms on where the recipe has them off, and off where on. Yields the rows' label."""
     denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
     recipe = recipe_for(denoiser)
     missing = [f for f in flags if not isinstance(getattr(recipe, f, None), bool)]
     if missing:
-        raise SystemExit(f"--form-off: {recipe.__name__} has no form flag {', '.join(missing)}")
+        raise SystemExit(f"--form-flip: {recipe.__name__} has no form flag {', '.join(missing)}")
     saved = {f: getattr(recipe, f) for f in flags}
-    for f in flags:
-        setattr(recipe, f, False)
+    for f, value in saved.items():
+        setattr(recipe, f, not value)
     try:
-        yield
+        yield ", ".join(f"{f} {'off' if value else 'on'}" for f, value in saved.items())
     finally:
         for f, value in saved.items():
             setattr(recipe, f, value)
@@ -112,12 +113,12 @@ def parse_args(argv: list[str] | None, description: str | None = None) -> argpar
         help="float8 layers: the library's choice for the model (default), or one kind for every model",
     )
     p.add_argument(
-        "--form-off",
+        "--form-flip",
         nargs="+",
         default=[],
         metavar="FLAG",
         help="after the float8 backends' rows, the first backend's again on a fresh model with these recipe "
-        "flags False (compiled forms, e.g. fused_head_norms): the forms' gain in one process",
+        "flags (compiled forms, e.g. fused_head_norms) set the other way: a form's gain in one process",
     )
     p.add_argument("--size", choices=("full", "tiny"), default=None, help="default: full on CUDA, tiny on CPU")
     p.add_argument("--resolution", type=parse_resolution, default=(1024, 1024))
@@ -180,13 +181,13 @@ def run(args: argparse.Namespace) -> None:
             write(bench.run(variant, "bf16"))
             built = built and variant == "bf16-eager"
         runs = [(b, []) for b in args.fp8_backend]
-        if args.form_off:
-            runs.append((args.fp8_backend[0], args.form_off))
-        for i, (backend, off) in enumerate(runs):
+        if args.form_flip:
+            runs.append((args.fp8_backend[0], args.form_flip))
+        for i, (backend, flip) in enumerate(runs):
             if i or (args.cold and not built):
                 bench.build()  # the previous backend's float8 layers stay: a fresh bf16 model
-            label = f"{backend}, {' '.join(off)} off" if off else backend
-            with fp8_backend(backend), forms_off(bench.pipe, off):
+            with fp8_backend(backend), forms_flipped(bench.pipe, flip) as flipped:
+                label = f"{backend}, {flipped}" if flip else backend
                 for j, variant in enumerate(v for v in args.variants if v.startswith("fp8")):
                     if j and (args.cold or "-fa3-" in variant):
                         # Measured again (FlashAttention-3's float8 attention is chosen by the

@@ -100,3 +100,37 @@ def test_the_fa3_rows_run_flashattention3_and_measure_its_float8_attention(
     assert 0 < fa3["latents"]["rel_l2"] < 0.05  # exact attention, other sums (and bf16 here)
     assert fp8["selection"]["attention_fp8"] == 4 and fp8["selection"]["attention_kept"] == []
     assert "attention 4 / 0" in (out / "results.md").read_text()
+
+
+def test_a_flipped_form_runs_the_first_backends_rows_again_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--form-flip fused_head_norms``: after the float8 rows, the same rows on a fresh model with
+    the recipe's flag the other way (on: the form is off by default), and the flag put back."""
+    spec = importlib.util.spec_from_file_location("bench_fp8_script", ROOT / "scripts" / "bench_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from benchkit import fp8_bench
+
+    from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
+
+    flags: list[bool] = []
+    run = fp8_bench.Bench.run
+    monkeypatch.setattr(
+        fp8_bench.Bench, "run", lambda self, v, b: flags.append(QwenImage21Recipe.fused_head_norms) or run(self, v, b)
+    )
+    use_grid(monkeypatch, levels=32)
+    out = tmp_path / "flip"
+    argv = ["--only", "qwen-image-2.1", "--size", "tiny", "--steps", "2", "--resolution", "64", "--runs", "1"]
+    bench.main([*argv, "--variants", "bf16-eager", "fp8-compiled-graphs", "--form-flip", "fused_head_norms",
+                "--out", str(out)])  # fmt: skip
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == [
+        "bf16-eager",
+        "fp8-compiled-graphs",
+        "fp8-compiled-graphs[default, fused_head_norms on]",
+    ]
+    assert all(r["status"] == "ok" for r in rows), [r.get("reason") for r in rows]
+    assert flags == [False, False, True] and QwenImage21Recipe.fused_head_norms is False
+    with pytest.raises(SystemExit, match="no form flag made_up"):
+        bench.main([*argv, "--variants", "fp8-compiled-graphs", "--form-flip", "made_up", "--out", str(out)])

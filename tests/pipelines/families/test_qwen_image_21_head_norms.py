@@ -120,3 +120,22 @@ def test_dynamo_traces_a_block_with_the_form_in_one_graph() -> None:
         undo()
     assert torch.equal(eager, compiled)
     assert torch.ops.bcg_diffusers.head_norm_rope.default in seen
+
+
+def test_the_recipe_puts_the_form_in_only_where_its_flag_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from accel import unpatched
+    from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
+
+    mod = sys.modules[MODULE]
+    stock = unpatched(mod, "_qwenimage21_prepare_qkv")
+    t, _ = _model()
+    for flag in (False, True):
+        monkeypatch.setattr(QwenImage21Recipe, "fused_head_norms", flag)
+        undo = QwenImage21Recipe().compiled_forms(t)
+        try:
+            assert (mod._qwenimage21_prepare_qkv is not stock) is flag
+        finally:
+            undo()
+        assert mod._qwenimage21_prepare_qkv is stock
