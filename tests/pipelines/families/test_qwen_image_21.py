@@ -7,6 +7,8 @@ processor), with and without true CFG, the K/V cache off and on, the SDPA and th
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -82,6 +84,24 @@ def _forward_inputs(g: torch.Generator, *, condition: bool, padded: bool, batch:
         mask[-1, -3:] = 0
         kwargs["encoder_hidden_states_mask"] = mask
     return kwargs
+
+
+def first_block_kwargs(model: torch.nn.Module, forward: Any, inputs: dict) -> dict:
+    """The keyword arguments ``forward(**inputs)`` hands ``model``'s first block (a block's call
+    traced alone by the compiled forms' tests)."""
+    block = model.transformer_blocks[0]
+    args: dict = {}
+    original = type(block).forward
+
+    def grab(self, *a: Any, **kw: Any) -> Any:
+        if self is block:
+            args.update(kw)
+        return original(self, *a, **kw)
+
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(block), "forward", grab)
+        forward(**inputs)
+    return args
 
 
 @pytest.mark.parametrize("processor", [QwenImage21AttnProcessor, QwenImage21FlexAttnProcessor])

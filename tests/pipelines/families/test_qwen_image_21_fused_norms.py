@@ -20,7 +20,7 @@ from pipelines.families.qwen_image_21.fused_norms import Modulated, Normed, fuse
 from pipelines.families.qwen_image_21.layout import LayoutMemo, layout_forward
 from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe, fuse_swiglu
 from tests.helpers.traced import traced
-from tests.pipelines.families.test_qwen_image_21 import _forward_inputs
+from tests.pipelines.families.test_qwen_image_21 import _forward_inputs, first_block_kwargs
 
 ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
 FEED_FORWARD = ("img_mlp.gate_layer", "img_mlp.proj", "img_mlp.out")
@@ -164,16 +164,7 @@ def test_dynamo_traces_a_block_with_the_form_in_one_graph(calls: list[Any]) -> N
     t, forward = _model()
     undo = [fuse_swiglu(t), fuse_norm_quantization(t)]
     block = t.transformer_blocks[0]
-    args: dict[str, Any] = {}
-    original = type(block).forward
-
-    def grab(self, *a: Any, **kw: Any) -> Any:
-        args.update(kw)
-        return original(self, *a, **kw)
-
-    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(type(block), "forward", grab)
-        forward(**_inputs(condition=True, padded=True))
+    args = first_block_kwargs(t, forward, _inputs(condition=True, padded=True))
     try:
         with torch.no_grad():
             eager = block(**args)

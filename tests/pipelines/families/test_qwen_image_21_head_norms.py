@@ -19,7 +19,7 @@ from pipelines.families.qwen_image.forms import qwen_rope_in_real_arithmetic
 from pipelines.families.qwen_image_21.head_norms import fuse_head_norms
 from pipelines.families.qwen_image_21.layout import MODULE, LayoutMemo, layout_forward
 from tests.helpers.traced import traced
-from tests.pipelines.families.test_qwen_image_21 import _forward_inputs
+from tests.pipelines.families.test_qwen_image_21 import _forward_inputs, first_block_kwargs
 
 
 @pytest.fixture
@@ -101,16 +101,7 @@ def test_norms_that_are_not_diffusers_own_take_diffusers_function(calls: list[An
 def test_dynamo_traces_a_block_with_the_form_in_one_graph() -> None:
     t, forward = _model()
     block = t.transformer_blocks[0]
-    args: dict[str, Any] = {}
-    original = type(block).forward
-
-    def grab(self, *a: Any, **kw: Any) -> Any:
-        args.update(kw)
-        return original(self, *a, **kw)
-
-    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(type(block), "forward", grab)
-        forward(**_inputs(condition=True, padded=True))
+    args = first_block_kwargs(t, forward, _inputs(condition=True, padded=True))
     undo = fuse_head_norms()
     try:
         with torch.no_grad():
