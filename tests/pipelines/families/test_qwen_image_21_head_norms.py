@@ -3,7 +3,8 @@
 arithmetic: the transformer with the form gives the same bits as without it, at the prefix K/V
 cache's extract and cached steps and without the cache, text and condition images; the extract step
 stores the same K/V; norms that are not diffusers' own take diffusers' function; dynamo traces a
-block with the form in one graph holding the op."""
+block with the form in one graph holding the op; under emulated graphs, with the K/V cache, the
+pipeline with the form replays every step bit for bit."""
 
 from __future__ import annotations
 
@@ -130,3 +131,45 @@ def test_the_recipe_puts_the_form_in_only_where_its_flag_says(monkeypatch: pytes
         finally:
             undo()
         assert mod._qwenimage21_prepare_qkv is stock
+
+
+@pytest.mark.parametrize(("image", "cfg"), [(False, False), (True, True)], ids=["t2i-kv", "image-cfg-kv"])
+def test_with_the_form_graphs_replay_every_step_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, calls: list[Any], image: bool, cfg: bool
+) -> None:
+    """Under emulated graphs (tests/helpers/emulator.py) with the K/V cache: the form's op captured
+    and replayed, the cached keys read from the extract step's stores; three calls after the
+    warm-up equal the same pipeline run eagerly with the form, with no miss, eager call or capture."""
+    from accel import accelerate_pipeline
+    from tests.helpers.after_warmup import as_on_cuda
+    from tests.pipelines.families.test_qwen_image_21 import (
+        PROMPTS,
+        SIDE,
+        _call,
+        _condition_image,
+        _counts,
+        _pipe,
+        _seeds,
+    )
+
+    as_on_cuda(monkeypatch)
+    given: dict[str, Any] = dict(use_kv_cache=True)
+    if image:
+        given.update(image=_condition_image(), output_resolution=SIDE)
+    guidance = dict(true_cfg_scale=4.0, negative_prompt=" ") if cfg else {}
+    seeds = _seeds(len(PROMPTS))
+    undo = [qwen_rope_in_real_arithmetic(MODULE), fuse_head_norms()]
+    try:
+        pipe = _pipe()
+        want = [_call(pipe, p, s, **given, **guidance) for p, s in zip(PROMPTS, seeds)]
+        assert any(calls) and not all(calls)  # the eager calls took the form, the cached keys a prefix
+        accelerate_pipeline(pipe)
+        pipe.accel.warmup([(SIDE, SIDE)], prompts=list(PROMPTS), cfg=cfg, call_kwargs=given, progress=False)
+        before = _counts(pipe)
+        got = [_call(pipe, p, s, **given, **guidance) for p, s in zip(PROMPTS, seeds)]
+    finally:
+        for u in reversed(undo):
+            u()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"call {i}: max diff {(a - b).abs().max()}"
+    assert _counts(pipe)["transformer"] == before["transformer"] and pipe.accel.stats()["transformer"].replays > 0
