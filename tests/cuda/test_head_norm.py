@@ -1,9 +1,9 @@
 """The per-head RMS norm and rotation (accel/hooks/compiled/head_norm.py) on a GPU: its Triton
 kernel against the reference (the modules' arithmetic) at Qwen-Image 2.1's shapes (1024x1024: 4096
 image tokens, 32 heads of 128, 69 cached prefix tokens): the prefix copied as it is, few values off
-at all and none by more than one bf16 unit of the rotated value (the norm's sum runs in another
-order); a plain CUDA graph replays it bit for bit. Prints the kernel's time beside the compiled
-reference's (not asserted)."""
+at all and none by more than what one bf16 unit of the normalised pair becomes once rotated (the
+norm's sum runs in another order); a plain CUDA graph replays it bit for bit. Prints the kernel's
+GPU time beside the compiled reference's, both replayed from CUDA graphs (not asserted)."""
 
 from __future__ import annotations
 
@@ -43,9 +43,13 @@ def test_the_kernel_is_within_a_bf16_unit_of_the_reference(case: tuple) -> None:
     assert torch.equal(got[:, :p], want[:, :p])
     a, b = got[:, p:].float(), want[:, p:].float()
     differ = (a != b).float().mean().item()
-    unit = b.abs().clamp(min=2**-126) * 2**-7  # one bf16 unit of the value, at most
+    # The normalised (real, imaginary) pair may be one bf16 unit off in each part; the rotation keeps
+    # the pair's length, so the rotated values move by at most one unit of that length, and their
+    # own rounding may land one unit of the value apart.
+    pair = b.unflatten(-1, (-1, 2)).norm(dim=-1, keepdim=True).expand(*b.shape[:-1], b.shape[-1] // 2, 2).flatten(-2)
+    bound = (pair + b.abs()) * 2**-7 + 2**-12
     print(f"\n{case}: {differ:.2e} of the values differ, largest {(a - b).abs().max().item():.3e}")
-    assert ((a - b).abs() <= unit + 2**-12).all()
+    assert ((a - b).abs() <= bound).all()
     assert differ < 1e-2
 
 
@@ -69,12 +73,18 @@ def test_time_beside_the_compiled_reference() -> None:
     compiled = torch.compile(head_norm_rope_reference)
 
     def timed(fn) -> float:
+        # Replayed from a graph of 50 calls: the GPU's time, not the host's launches.
         for _ in range(3):
             fn(x, weight, EPS, freqs, cached)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(50):
+                fn(x, weight, EPS, freqs, cached)
+        graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(50):
-            fn(x, weight, EPS, freqs, cached)
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 50 * 1000

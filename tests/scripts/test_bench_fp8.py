@@ -106,7 +106,7 @@ def test_a_flipped_form_runs_the_first_backends_rows_again_with_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--form-flip fused_head_norms``: after the float8 rows, the same rows on a fresh model with
-    the recipe's flag the other way (on: the form is off by default), and the flag put back."""
+    the recipe's flag the other way (off: the form is on by default), and the flag put back."""
     spec = importlib.util.spec_from_file_location("bench_fp8_script", ROOT / "scripts" / "bench_fp8.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -128,9 +128,9 @@ def test_a_flipped_form_runs_the_first_backends_rows_again_with_it(
     assert [r["variant"] for r in rows] == [
         "bf16-eager",
         "fp8-compiled-graphs",
-        "fp8-compiled-graphs[default, fused_head_norms on]",
+        "fp8-compiled-graphs[default, fused_head_norms off]",
     ]
     assert all(r["status"] == "ok" for r in rows), [r.get("reason") for r in rows]
-    assert flags == [False, False, True] and QwenImage21Recipe.fused_head_norms is False
+    assert flags == [True, True, False] and QwenImage21Recipe.fused_head_norms is True
     with pytest.raises(SystemExit, match="no form flag made_up"):
         bench.main([*argv, "--variants", "fp8-compiled-graphs", "--form-flip", "made_up", "--out", str(out)])

@@ -7,5 +7,5 @@ layout     the forward with its host-side token layout as one keyed break (``lay
 release    ``QWEN_IMAGE_21``, the released configs and a tiny model of the same structure
 processor  the offline Qwen3-VL processor its pipeline reads prompts and images through
 fused_norms  the modulated norms write their float8 consumers' input (``compile=True``, the library's float8 layers)
-head_norms  the query and key head norms and their rotation as one op each (``compile=True``, opted in: ``QwenImage21Recipe.fused_head_norms``)
+head_norms  the query and key head norms and their rotation as one op each (``compile=True``; ``QwenImage21Recipe.fused_head_norms``)
 """

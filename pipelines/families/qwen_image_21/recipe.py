@@ -94,10 +94,9 @@ class QwenImage21Recipe(GenericRecipe):
     # accelerate_pipeline to compare.
     fused_norm_fp8 = True
     # With compile=True, the query and key head norms and their rotation run as one op each, the
-    # keys written behind the cached prefix (head_norms.py; any layers). Off until
-    # tests/cuda/test_head_norm.py passes on a GPU and a full step is measured with it
-    # (docs/benchmarks.md gives the commands); set it True on the class before accelerate_pipeline.
-    fused_head_norms = False
+    # keys written behind the cached prefix (head_norms.py; any layers; measured faster on an H100,
+    # docs/benchmarks.md). Set it False on the class before accelerate_pipeline to compare.
+    fused_head_norms = True
 
     def __init__(self) -> None:
         self.layouts = LayoutMemo()
