@@ -32,6 +32,7 @@ from .caches import CacheBinding
 from .caches.binding import is_registry_forward
 from .caches.context import ContextProbe
 from .compiled import compile as compile_mod
+from .compiled.channel_norm import compile_channel_norms
 from .compiled.fused import fuse_gelu_epilogues
 from .compiled.group_norm import compile_group_norms
 from .components import module_device
@@ -166,13 +167,15 @@ class GraphHook(ModelHook):
                     for form in reversed(forms):
                         form()
             elif self.options.compile and self.options.compiled_forms and module_device(module).type == "cuda":
-                # A component (the VAE decoder) has no blocks to compile; its GroupNorms pay.
+                # A component (the VAE decoder) has no blocks to compile; its norms pay.
                 # Compiled like blocks: traced with the same settings, its graphs dropped on a
                 # recompile (see accel.hooks.state.follow), compiled by the warm-up before any capture.
-                undo = compile_group_norms(module, self.options.compile_cache_dir)
-                self.compiled = undo is not None
-                if undo is not None:
-                    self._undo.append(undo)
+                cache_dir = self.options.compile_cache_dir
+                undos = [
+                    u for u in (compile_group_norms(module, cache_dir), compile_channel_norms(module, cache_dir)) if u
+                ]
+                self.compiled = bool(undos)
+                self._undo.extend(undos)
         if not self.component:
             self.caches = CacheBinding(module, self.name, HOOK_NAME)
             self.caches.context_name = lambda: self.context.name

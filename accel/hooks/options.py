@@ -205,8 +205,9 @@ class AcceleratorOptions:
             fewer kernels before the blocks compile: diffusers' GELU(tanh) projections with the
             GELU in the matrix product's epilogue (:mod:`accel.hooks.compiled.fused`), the recipe's own
             (Qwen-Image's rotary embeddings in real arithmetic, FLUX.1's single-stream blocks
-            without their concatenated copy), and the components' GroupNorms (a VAE decoder's)
-            through inductor (:mod:`accel.hooks.compiled.group_norm`). Equal in real arithmetic, not bit
+            without their concatenated copy), and the components' GroupNorms and channel RMS
+            norms (a VAE decoder's) through inductor (:mod:`accel.hooks.compiled.group_norm`,
+            :mod:`accel.hooks.compiled.channel_norm`). Equal in real arithmetic, not bit
             for bit to stock eager (neither is compile); graphs still equal the same compiled
             model without graphs. Default on; off: diffusers' code compiled as it is.
         inductor: inductor settings for the compiled blocks (``torch.compile``'s ``options``,
