@@ -50,6 +50,7 @@ from .graphs.runner import GraphMemoryBudgetError, GraphRunner
 from .hooks.accelerator import DENOISER_NAMES, PipelineAccelerator, accelerate_pipeline
 from .hooks.call_shape import warmup_image
 from .hooks.compiled.fused import addmm_gelu_tanh, fusable_linear, fuse_swiglu_inputs
+from .hooks.compiled.gated_residual import gated_residual
 from .hooks.compiled.head_norm import head_norm_rope
 from .hooks.fp8.norm_quant import modulated_norm_rows_e4m3
 from .hooks.fp8.quantizers import QuantizeError, check_quantize
@@ -97,6 +98,7 @@ __all__ = [  # noqa: RUF022 (by audience, as the docstring lists them)
     "addmm_gelu_tanh",
     "fuse_swiglu_inputs",
     "head_norm_rope",
+    "gated_residual",
     "Float8RowwiseLinear",
     "PendingRows",
     "modulated_norm_rows_e4m3",

@@ -30,6 +30,7 @@ from .fused_norms import fuse_norm_quantization
 from .head_norms import fuse_head_norms
 from .layout import LAYOUT_KWARG, MODULE, LayoutMemo, layout_forward
 from .models import FAMILY
+from .residuals import fuse_residuals
 
 __all__ = ["TEXT_ENCODER_BREAKS", "QwenImage21Recipe", "fuse_swiglu"]
 
@@ -97,6 +98,10 @@ class QwenImage21Recipe(GenericRecipe):
     # keys written behind the cached prefix (head_norms.py; any layers; measured faster on an H100,
     # docs/benchmarks.md). Set it False on the class before accelerate_pipeline to compare.
     fused_head_norms = True
+    # With compile=True, each block's two gated residual updates run as one op each (residuals.py;
+    # any layers, reading the gates' rows from fused_norms.py's _modulate). Off until its kernel
+    # has run on a GPU and a step is measured with it (docs/benchmarks.md gives the commands).
+    fused_residuals = False
 
     def __init__(self) -> None:
         self.layouts = LayoutMemo()
@@ -124,7 +129,8 @@ class QwenImage21Recipe(GenericRecipe):
         # The same complex rotary product as Qwen-Image's (pipelines/families/qwen_image/forms.py);
         # a float8 down projection of the library's takes the SwiGLU into its quantization, and float8
         # layers of the library's take their input from the modulated norm (fused_norms.py); the
-        # head norms and rotation run as one op (head_norms.py).
+        # head norms and rotation run as one op (head_norms.py), and so may the gated residual
+        # updates (residuals.py).
         if type(module).__module__ != MODULE:
             return lambda: None
         undo = [qwen_rope_in_real_arithmetic(MODULE), fuse_swiglu(module)]
@@ -132,6 +138,8 @@ class QwenImage21Recipe(GenericRecipe):
             undo.append(fuse_head_norms())
         if self.fused_norm_fp8:
             undo.append(fuse_norm_quantization(module))
+        if self.fused_residuals:
+            undo.append(fuse_residuals(module))
         return lambda: [u() for u in reversed(undo)] and None
 
     def component_breaks(self) -> dict[str, tuple[str, ...]]:
