@@ -7,14 +7,14 @@ float32, then scale, weight and shift: eagerly nine kernels, each a full pass ov
 that at 1024x1024 holds 151M values, about 36 bytes moved per value where one pass moves 4.
 :func:`compile_channel_norms` gives those modules a forward through one ``torch.compile`` of the
 same expression (dynamic shapes: one compile serves every layer and resolution), which the
-component's graphs capture like any kernel.
+component's graphs capture like any kernel. Inductor rounds where the eager ops round (its
+``emulate_precision_casts``), so only the channels' sum of squares may run in another order.
 
 Recognised by what the module is, not its name alone: a class named ``*RMS_norm`` from diffusers'
 autoencoders, channel-first, with ``scale``, ``gamma`` and ``bias`` as that code defines them, and
-no forward of its own. Anything else keeps its forward. Not bit for bit the stock norm (inductor
-keeps the products in float32 between the casts the code writes): applied only with
-``compile=True`` and ``compiled_forms``, whose rule is graphs equal to the same compiled model
-without graphs.
+no forward of its own. Anything else keeps its forward. Not guaranteed bit for bit the stock norm
+(that sum's order): applied only with ``compile=True`` and ``compiled_forms``, whose rule is
+graphs equal to the same compiled model without graphs.
 """
 
 from __future__ import annotations
@@ -53,7 +53,11 @@ _compiled: Callable[..., torch.Tensor] | None = None
 def _channel_rms_norm() -> Callable[..., torch.Tensor]:
     global _compiled
     if _compiled is None:  # one wrapper for the process: its compiled code serves every module
-        _compiled = torch.compile(channel_rms_norm, dynamic=True, fullgraph=True)
+        # Rounded to the input's dtype after each product and the sum, as the eager ops round:
+        # without it inductor keeps float32 through them and a quarter of the values move.
+        _compiled = torch.compile(
+            channel_rms_norm, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}
+        )
     return _compiled
 
 

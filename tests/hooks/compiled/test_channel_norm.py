@@ -4,6 +4,8 @@ its decoder's norms (inductor runs on CUDA)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageRMS_norm
@@ -71,6 +73,26 @@ def test_every_rank_channel_count_and_batch_size_is_one_of_few_compiles() -> Non
     # Batch 1 (dynamo specialises sizes of 1) and larger, with and without a bias.
     assert len(graphs) <= 4, f"{len(graphs)} compiles"
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on the CPU needs a C++ compiler")
+@torch.no_grad()
+def test_inductor_rounds_where_the_stock_norm_rounds(monkeypatch) -> None:
+    """The route's own compile, run by inductor on the CPU: the stock module's bits (each product
+    and the sum rounded to bf16 as the eager ops round them), batch 1 and 2, with and without bias."""
+    monkeypatch.setattr(channel_norm, "_compiled", None)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(1)
+    try:
+        for n, c, shape, bias in ((1, 32, (1, 9, 10), False), (2, 48, (6, 7), True)):
+            norm = QwenImage21RMS_norm(c, images=len(shape) == 2, bias=bias).bfloat16()
+            norm.gamma.normal_(generator=g)
+            if bias:
+                norm.bias.normal_(generator=g)
+            x = (torch.randn(n, c, *shape, generator=g) * 3).bfloat16()
+            assert torch.equal(channel_norm._as_rows(channel_norm._channel_rms_norm(), x, norm), norm(x))
+    finally:
+        torch._dynamo.reset()
 
 
 @torch.no_grad()
