@@ -11,8 +11,8 @@ component's graphs capture like any kernel. Inductor rounds where the eager ops 
 ``emulate_precision_casts``), so only the channels' sum of squares may run in another order.
 
 Recognised by what the module is, not its name alone: a class named ``*RMS_norm`` from diffusers'
-autoencoders, channel-first, with ``scale``, ``gamma`` and ``bias`` as that code defines them, and
-no forward of its own. Anything else keeps its forward. Not guaranteed bit for bit the stock norm
+autoencoders whose forward names what diffusers 0.42's does, channel-first, with ``scale``,
+``gamma`` and ``bias`` as that code defines them, and no forward of its own. Anything else keeps its forward. Not guaranteed bit for bit the stock norm
 (that sum's order): applied only with ``compile=True`` and ``compiled_forms``, whose rule is
 graphs equal to the same compiled model without graphs.
 """
@@ -37,6 +37,11 @@ WHY = "the VAE's channel RMS norm through inductor (compile=True)"
 
 # Where F.normalize runs in float32, as the stock forward decides.
 _LOW = (torch.float16, torch.bfloat16)
+# The globals and attributes diffusers 0.42's forward of these classes names, in its order: another
+# forward (a later diffusers that computes otherwise) keeps its own.
+_FORWARD_NAMES = (
+    "dtype", "torch", "float16", "bfloat16", "any", "F", "normalize", "float", "channel_first", "to", "scale", "gamma", "bias",
+)  # fmt: skip
 
 
 def channel_rms_norm(rows: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -68,6 +73,7 @@ def is_channel_rms_norm(module: torch.nn.Module) -> bool:
     return (
         cls.__name__.endswith("RMS_norm")
         and cls.__module__.startswith("diffusers.models.autoencoders.")
+        and getattr(getattr(cls.forward, "__code__", None), "co_names", None) == _FORWARD_NAMES
         and "forward" not in vars(module)
         and getattr(module, "channel_first", None) is True
         and isinstance(getattr(module, "scale", None), float)

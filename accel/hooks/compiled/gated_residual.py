@@ -62,12 +62,14 @@ def _channels(d: int) -> int | None:
     return d if d & (d - 1) == 0 else None
 
 
-def _one_pass(hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor) -> bool:
+def _one_pass(hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask: torch.Tensor | None) -> bool:
     return (
         hidden.is_cuda
         and hidden.dtype == out.dtype == gate.dtype == torch.bfloat16
         and hidden.is_contiguous()
         and out.is_contiguous()
+        and gate.device == hidden.device
+        and (mask is None or mask.device == hidden.device)
         and hidden.shape[-1] >= 16
     )
 
@@ -78,7 +80,7 @@ def gated_residual(
 ) -> torch.Tensor:
     """:func:`gated_residual_reference` in one pass on CUDA (see the module docstring)."""
     _check(hidden, out, gate, mask)
-    if not _one_pass(hidden, out, gate):
+    if not _one_pass(hidden, out, gate, mask):
         return gated_residual_reference(hidden, out, gate, mask)
     from .gated_residual_kernel import gated_residual_kernel
 

@@ -43,6 +43,11 @@ def test_only_diffusers_channel_first_norms_without_a_forward_of_their_own_are_r
     assert not is_channel_rms_norm(torch.nn.RMSNorm(8))
     # A subclass defined elsewhere with its own forward: its module is not diffusers'.
     assert not is_channel_rms_norm(Subclass(8))
+    # diffusers' class with a forward that computes otherwise (as a later version might).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WanRMS_norm, "forward", lambda self, x: torch.nn.functional.normalize(x, dim=1) * self.gamma)
+        assert not is_channel_rms_norm(WanRMS_norm(8))
+    assert is_channel_rms_norm(WanRMS_norm(8))
 
 
 @torch.no_grad()
