@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from accel.hooks.compiled.gated_residual import gated_residual, gated_residual_reference
+from tests.helpers.replayed import replayed_us
 
 pytestmark = pytest.mark.cuda
 
@@ -49,24 +50,7 @@ def test_a_cuda_graph_replays_it_bit_for_bit() -> None:
 def test_time_beside_the_compiled_reference() -> None:
     hidden, out, gate, mask = _inputs(1, 4096, 4096, True)
     compiled = torch.compile(gated_residual_reference)
-
-    def timed(fn) -> float:
-        # Replayed from a graph of 50 calls: the GPU's time, not the host's launches.
-        for _ in range(3):
-            fn(hidden, out, gate, mask)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(50):
-                fn(hidden, out, gate, mask)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 50 * 1000
-
-    ours, theirs = timed(gated_residual), timed(compiled)
+    args = (hidden, out, gate, mask)
+    ours, theirs = replayed_us(gated_residual, *args), replayed_us(compiled, *args)
     print(f"\n4096 x 4096 with the mask: op {ours:.1f} us, compiled reference {theirs:.1f} us")
     assert ours > 0 and theirs > 0

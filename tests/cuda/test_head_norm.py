@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from accel.hooks.compiled.head_norm import head_norm_rope, head_norm_rope_reference
+from tests.helpers.replayed import replayed_us
 
 pytestmark = pytest.mark.cuda
 
@@ -71,24 +72,7 @@ def test_a_cuda_graph_replays_it_bit_for_bit() -> None:
 def test_time_beside_the_compiled_reference() -> None:
     x, weight, freqs, cached = _inputs(1, 4096, 32, 69, False)
     compiled = torch.compile(head_norm_rope_reference)
-
-    def timed(fn) -> float:
-        # Replayed from a graph of 50 calls: the GPU's time, not the host's launches.
-        for _ in range(3):
-            fn(x, weight, EPS, freqs, cached)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(50):
-                fn(x, weight, EPS, freqs, cached)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 50 * 1000
-
-    ours, theirs = timed(head_norm_rope), timed(compiled)
+    args = (x, weight, EPS, freqs, cached)
+    ours, theirs = replayed_us(head_norm_rope, *args), replayed_us(compiled, *args)
     print(f"\nkeys with a 69-token prefix, 4096 x 32 x 128: kernel {ours:.1f} us, compiled reference {theirs:.1f} us")
     assert ours > 0 and theirs > 0

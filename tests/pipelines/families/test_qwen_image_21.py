@@ -104,6 +104,51 @@ def first_block_kwargs(model: torch.nn.Module, forward: Any, inputs: dict) -> di
     return args
 
 
+def traced_first_block(model: torch.nn.Module, forward: Any, inputs: dict, forms: list) -> tuple[Any, Any, list]:
+    """``model``'s first block under the compiled forms ``forms`` (each applied to nothing or the
+    model, returning its undo): its output eagerly, traced by dynamo in one graph, and the call
+    targets of that graph."""
+    from tests.helpers.traced import traced
+
+    block = model.transformer_blocks[0]
+    args = first_block_kwargs(model, forward, inputs)
+    undo = [form() for form in forms]
+    try:
+        with torch.no_grad():
+            eager = block(**args)
+            compiled, seen = traced(block, **args)
+    finally:
+        for u in reversed(undo):
+            u()
+    return eager, compiled, seen
+
+
+def replays_with_forms(monkeypatch: pytest.MonkeyPatch, forms: Any, image: bool, cfg: bool) -> tuple[list, list, Any]:
+    """Under emulated graphs with the K/V cache: the tiny pipeline under the compiled forms
+    ``forms(pipe)`` (their undos) called eagerly for :data:`PROMPTS`, then accelerated, warmed up
+    and called again. Returns (eager images, replayed images, the pipeline) with the calls after
+    the warm-up checked to be replays: no miss, eager call or capture."""
+    as_on_cuda(monkeypatch)
+    given: dict[str, Any] = dict(use_kv_cache=True)
+    if image:
+        given.update(image=_condition_image(), output_resolution=SIDE)
+    guidance = dict(true_cfg_scale=4.0, negative_prompt=" ") if cfg else {}
+    seeds = _seeds(len(PROMPTS))
+    pipe = _pipe()
+    undo = forms(pipe)
+    try:
+        want = [_call(pipe, p, s, **given, **guidance) for p, s in zip(PROMPTS, seeds)]
+        accelerate_pipeline(pipe)
+        pipe.accel.warmup([(SIDE, SIDE)], prompts=list(PROMPTS), cfg=cfg, call_kwargs=given, progress=False)
+        before = _counts(pipe)
+        got = [_call(pipe, p, s, **given, **guidance) for p, s in zip(PROMPTS, seeds)]
+    finally:
+        for u in reversed(undo):
+            u()
+    assert _counts(pipe)["transformer"] == before["transformer"] and pipe.accel.stats()["transformer"].replays > 0
+    return want, got, pipe
+
+
 @pytest.mark.parametrize("processor", [QwenImage21AttnProcessor, QwenImage21FlexAttnProcessor])
 @pytest.mark.parametrize("condition", [False, True])
 @pytest.mark.parametrize("padded", [False, True])

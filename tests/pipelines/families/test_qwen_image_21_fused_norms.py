@@ -19,8 +19,7 @@ from pipelines.builders import build_transformer
 from pipelines.families.qwen_image_21.fused_norms import Modulated, Normed, fuse_norm_quantization
 from pipelines.families.qwen_image_21.layout import LayoutMemo, layout_forward
 from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe, fuse_swiglu
-from tests.helpers.traced import traced
-from tests.pipelines.families.test_qwen_image_21 import _forward_inputs, first_block_kwargs
+from tests.pipelines.families.test_qwen_image_21 import _forward_inputs, traced_first_block
 
 ATTENTION = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
 FEED_FORWARD = ("img_mlp.gate_layer", "img_mlp.proj", "img_mlp.out")
@@ -162,16 +161,8 @@ def test_the_gates_tanh_is_taken_on_their_rows_with_diffusers_bits(calls: list[A
 
 def test_dynamo_traces_a_block_with_the_form_in_one_graph(calls: list[Any]) -> None:
     t, forward = _model()
-    undo = [fuse_swiglu(t), fuse_norm_quantization(t)]
-    block = t.transformer_blocks[0]
-    args = first_block_kwargs(t, forward, _inputs(condition=True, padded=True))
-    try:
-        with torch.no_grad():
-            eager = block(**args)
-            compiled, seen = traced(block, **args)
-    finally:
-        for u in reversed(undo):
-            u()
+    forms = [lambda: fuse_swiglu(t), lambda: fuse_norm_quantization(t)]
+    eager, compiled, seen = traced_first_block(t, forward, _inputs(condition=True, padded=True), forms)
     assert torch.equal(eager, compiled)
     assert torch.ops.bcg_diffusers.modulated_norm_rows_e4m3.default in seen
     assert torch.ops.bcg_diffusers.quantize_silu_mul_rows_e4m3.default in seen

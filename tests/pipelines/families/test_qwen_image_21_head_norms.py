@@ -19,8 +19,7 @@ from pipelines.builders import build_transformer
 from pipelines.families.qwen_image.forms import qwen_rope_in_real_arithmetic
 from pipelines.families.qwen_image_21.head_norms import fuse_head_norms
 from pipelines.families.qwen_image_21.layout import MODULE, LayoutMemo, layout_forward
-from tests.helpers.traced import traced
-from tests.pipelines.families.test_qwen_image_21 import _forward_inputs, first_block_kwargs
+from tests.pipelines.families.test_qwen_image_21 import _forward_inputs, replays_with_forms, traced_first_block
 
 
 @pytest.fixture
@@ -101,15 +100,7 @@ def test_norms_that_are_not_diffusers_own_take_diffusers_function(calls: list[An
 
 def test_dynamo_traces_a_block_with_the_form_in_one_graph() -> None:
     t, forward = _model()
-    block = t.transformer_blocks[0]
-    args = first_block_kwargs(t, forward, _inputs(condition=True, padded=True))
-    undo = fuse_head_norms()
-    try:
-        with torch.no_grad():
-            eager = block(**args)
-            compiled, seen = traced(block, **args)
-    finally:
-        undo()
+    eager, compiled, seen = traced_first_block(t, forward, _inputs(condition=True, padded=True), [fuse_head_norms])
     assert torch.equal(eager, compiled)
     assert torch.ops.bcg_diffusers.head_norm_rope.default in seen
 
@@ -140,36 +131,9 @@ def test_with_the_form_graphs_replay_every_step_bit_for_bit(
     """Under emulated graphs (tests/helpers/emulator.py) with the K/V cache: the form's op captured
     and replayed, the cached keys read from the extract step's stores; three calls after the
     warm-up equal the same pipeline run eagerly with the form, with no miss, eager call or capture."""
-    from accel import accelerate_pipeline
-    from tests.helpers.after_warmup import as_on_cuda
-    from tests.pipelines.families.test_qwen_image_21 import (
-        PROMPTS,
-        SIDE,
-        _call,
-        _condition_image,
-        _counts,
-        _pipe,
-        _seeds,
+    want, got, _ = replays_with_forms(
+        monkeypatch, lambda pipe: [qwen_rope_in_real_arithmetic(MODULE), fuse_head_norms()], image, cfg
     )
-
-    as_on_cuda(monkeypatch)
-    given: dict[str, Any] = dict(use_kv_cache=True)
-    if image:
-        given.update(image=_condition_image(), output_resolution=SIDE)
-    guidance = dict(true_cfg_scale=4.0, negative_prompt=" ") if cfg else {}
-    seeds = _seeds(len(PROMPTS))
-    undo = [qwen_rope_in_real_arithmetic(MODULE), fuse_head_norms()]
-    try:
-        pipe = _pipe()
-        want = [_call(pipe, p, s, **given, **guidance) for p, s in zip(PROMPTS, seeds)]
-        assert any(calls) and not all(calls)  # the eager calls took the form, the cached keys a prefix
-        accelerate_pipeline(pipe)
-        pipe.accel.warmup([(SIDE, SIDE)], prompts=list(PROMPTS), cfg=cfg, call_kwargs=given, progress=False)
-        before = _counts(pipe)
-        got = [_call(pipe, p, s, **given, **guidance) for p, s in zip(PROMPTS, seeds)]
-    finally:
-        for u in reversed(undo):
-            u()
+    assert any(calls) and not all(calls)  # the eager calls took the form, the cached keys a prefix
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"call {i}: max diff {(a - b).abs().max()}"
-    assert _counts(pipe)["transformer"] == before["transformer"] and pipe.accel.stats()["transformer"].replays > 0
