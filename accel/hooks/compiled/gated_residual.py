@@ -107,7 +107,7 @@ def launch(
     result = torch.empty_like(hidden)
     n = batch * seq
     if n:
-        flags = rows if mask is None else mask  # any pointer where there is no mask
+        flags = rows if mask is None else mask.contiguous()  # any pointer where there is no mask
         kernel[(triton.cdiv(n, TOKENS), d // channels)](
             hidden,
             out,
