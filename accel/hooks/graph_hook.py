@@ -170,10 +170,8 @@ class GraphHook(ModelHook):
                 # A component (the VAE decoder) has no blocks to compile; its norms pay.
                 # Compiled like blocks: traced with the same settings, its graphs dropped on a
                 # recompile (see accel.hooks.state.follow), compiled by the warm-up before any capture.
-                cache_dir = self.options.compile_cache_dir
-                undos = [
-                    u for u in (compile_group_norms(module, cache_dir), compile_channel_norms(module, cache_dir)) if u
-                ]
+                folder = self.options.compile_cache_dir
+                undos = [u for u in (compile_group_norms(module, folder), compile_channel_norms(module, folder)) if u]
                 self.compiled = bool(undos)
                 self._undo.extend(undos)
         if not self.component:

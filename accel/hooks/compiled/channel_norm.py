@@ -19,19 +19,15 @@ graphs equal to the same compiled model without graphs.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ...graphs.patches import patch
-from .compile import use_compile_cache
+from .compile import route_forwards
 
 __all__ = ["compile_channel_norms", "is_channel_rms_norm"]
-
-logger = logging.getLogger(__name__)
 
 WHY = "the VAE's channel RMS norm through inductor (compile=True)"
 
@@ -115,15 +111,4 @@ def compile_channel_norms(module: torch.nn.Module, cache_dir: Path | None = None
     the returned undo is called; None where there are none. Compiles on first use, with the kernel
     cache in ``cache_dir`` (see :func:`accel.hooks.compiled.compile.use_compile_cache`)."""
     norms = [m for m in module.modules() if is_channel_rms_norm(m)]
-    if not norms:
-        return None
-    _, forget_folder = use_compile_cache(cache_dir)
-    held = [patch(m, "forward", _forward(m), why=WHY, where="dict") for m in norms]
-    logger.info("%s: %d channel RMS norms through inductor", type(module).__name__, len(held))
-
-    def undo() -> None:
-        for p in reversed(held):
-            p.undo()
-        forget_folder()
-
-    return undo
+    return route_forwards(module, norms, _forward, cache_dir, WHY, "channel RMS norms")

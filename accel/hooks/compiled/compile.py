@@ -46,6 +46,7 @@ __all__ = [
     "compile_options",
     "compile_repeated_blocks",
     "compiled_graph_count",
+    "route_forwards",
     "tracing_settings",
     "use_compile_cache",
     "why_not_compiled",
@@ -208,6 +209,31 @@ def calls_without_views(call: Callable[..., Any]) -> Callable[..., Any]:
         return call(*_detached(args), **{k: _detached(v) for k, v in kwargs.items()})
 
     return without_views
+
+
+def route_forwards(
+    module: torch.nn.Module,
+    layers: list[torch.nn.Module],
+    forward_for: Callable[[torch.nn.Module], Callable[..., Any]],
+    cache_dir: Path | None,
+    why: str,
+    what: str,
+) -> Callable[[], None] | None:
+    """Give each of ``layers`` (``module``'s) the forward ``forward_for(layer)`` until the returned
+    undo is called, the kernel cache in ``cache_dir`` (:func:`use_compile_cache`); None where there
+    are none. ``what`` names the layers in the log line."""
+    if not layers:
+        return None
+    _, forget_folder = use_compile_cache(cache_dir)
+    held = [patch(m, "forward", forward_for(m), why=why, where="dict") for m in layers]
+    logger.info("%s: %d %s through inductor", type(module).__name__, len(held), what)
+
+    def undo() -> None:
+        for p in reversed(held):
+            p.undo()
+        forget_folder()
+
+    return undo
 
 
 def compiled_graph_count() -> int:

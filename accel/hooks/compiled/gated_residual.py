@@ -54,9 +54,11 @@ def _check(hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask: to
         )
 
 
-def _channels(d: int) -> int | None:
-    from .gated_residual_kernel import CHANNELS
+# Channels a program holds: 1024, or the whole row where it is a smaller power of two.
+CHANNELS = 1024
 
+
+def _channels(d: int) -> int | None:
     if d % CHANNELS == 0:
         return CHANNELS
     return d if d & (d - 1) == 0 else None
@@ -71,6 +73,7 @@ def _one_pass(hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask:
         and gate.device == hidden.device
         and (mask is None or mask.device == hidden.device)
         and hidden.shape[-1] >= 16
+        and _channels(hidden.shape[-1]) is not None
     )
 
 
@@ -85,24 +88,20 @@ def gated_residual(
     from .gated_residual_kernel import gated_residual_kernel
 
     with torch.cuda.device(hidden.device):
-        result = launch(gated_residual_kernel, hidden, out, gate, mask)
-    return gated_residual_reference(hidden, out, gate, mask) if result is None else result
+        return launch(gated_residual_kernel, hidden, out, gate, mask)
 
 
 def launch(
     kernel: Any, hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask: torch.Tensor | None = None
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Run ``kernel`` (:func:`~accel.hooks.compiled.gated_residual_kernel.gated_residual_kernel`, or
-    the same function under Triton's interpreter) as the op does; None where the channels do not
-    tile (the op then runs the reference)."""
+    the same function under Triton's interpreter) as the op does, on channels that tile."""
     import triton
 
     from .gated_residual_kernel import LAUNCH_OPTIONS, TOKENS
 
     batch, seq, d = hidden.shape
     channels = _channels(d)
-    if channels is None:
-        return None
     rows = gate.tanh().contiguous()  # ATen's tanh, rounded as the tensor ops round it
     result = torch.empty_like(hidden)
     n = batch * seq

@@ -6,13 +6,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["CHANNELS", "LAUNCH_OPTIONS", "TOKENS", "gated_residual_kernel"]
+__all__ = ["LAUNCH_OPTIONS", "TOKENS", "gated_residual_kernel"]
 
 # The product is rounded to bf16 before the sum, as the tensor ops round it; no FMA across them.
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
-# A program's tile: 8 tokens of 1024 channels, 16 KiB of each input in flight.
+# Tokens a program holds: 8 of 1024 channels are 16 KiB of each input in flight.
 TOKENS = 8
-CHANNELS = 1024
 
 
 @triton.jit

@@ -17,19 +17,15 @@ and ``compiled_forms``, whose rule is graphs equal to the same compiled model wi
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ...graphs.patches import patch
-from .compile import use_compile_cache
+from .compile import route_forwards
 
 __all__ = ["compile_group_norms"]
-
-logger = logging.getLogger(__name__)
 
 WHY = "GroupNorm through inductor (compile=True)"
 
@@ -72,15 +68,4 @@ def compile_group_norms(module: torch.nn.Module, cache_dir: Path | None = None) 
     first use, with the kernel cache in ``cache_dir`` (see
     :func:`accel.hooks.compiled.compile.use_compile_cache`)."""
     norms = [m for m in module.modules() if type(m) is torch.nn.GroupNorm and "forward" not in vars(m)]
-    if not norms:
-        return None
-    _, forget_folder = use_compile_cache(cache_dir)
-    held = [patch(m, "forward", _forward(m), why=WHY, where="dict") for m in norms]
-    logger.info("%s: %d GroupNorm layers through inductor", type(module).__name__, len(held))
-
-    def undo() -> None:
-        for p in reversed(held):
-            p.undo()
-        forget_folder()
-
-    return undo
+    return route_forwards(module, norms, _forward, cache_dir, WHY, "GroupNorm layers")
