@@ -193,18 +193,18 @@ def test_compiled_graphs_equal_the_same_compiled_model_without_graphs(pipe, tmp_
     assert not mismatches, mismatches
 
 
-@pytest.mark.parametrize("layers", ["recipe", "scaled-mm"])
+@pytest.mark.parametrize("layers", ["recipe", "torchao"])
 @torch.no_grad()
 def test_float8_compiled_graphs_equal_the_same_model_without_graphs(pipe, tmp_path, monkeypatch, layers: str) -> None:
-    """With the recipe's float8 layers, and with the library's (whose down projections take the
-    SwiGLU into their quantization, and whose norms write their input: the recipe's compiled forms)."""
+    """With the recipe's float8 layers (the library's: their down projections take the SwiGLU into
+    their quantization, their norms write their input), and with torchao's."""
     if torch.cuda.get_device_capability() < quantizers.MIN_FP8_CAPABILITY:
         pytest.skip("float8 products need compute capability 8.9 or newer")
     pytest.importorskip("torchao")
-    if layers == "scaled-mm":
+    if layers == "torchao":
         from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
 
-        monkeypatch.setattr(QwenImage21Recipe, "fp8_layers", "scaled-mm")
+        monkeypatch.setattr(QwenImage21Recipe, "fp8_layers", None)
     # Quantizing is one-way: a pipeline of its own, the module's waiting on the host meanwhile
     # (two full-size pipelines and a compiled one's graphs do not fit 80 GB).
     shared, pipe = pipe, None

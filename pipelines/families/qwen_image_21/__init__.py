@@ -8,5 +8,5 @@ release    ``QWEN_IMAGE_21``, the released configs and a tiny model of the same 
 processor  the offline Qwen3-VL processor its pipeline reads prompts and images through
 fused_norms  the modulated norms write their float8 consumers' input (``compile=True``, the library's float8 layers)
 head_norms  the query and key head norms and their rotation as one op each (``compile=True``; ``QwenImage21Recipe.fused_head_norms``)
-residuals  the gated residual updates as one op each (``compile=True``, opted in: ``QwenImage21Recipe.fused_residuals``)
+residuals  the gated residual updates as one op each (``compile=True``; ``QwenImage21Recipe.fused_residuals``)
 """

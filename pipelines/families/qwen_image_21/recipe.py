@@ -73,6 +73,9 @@ class QwenImage21Recipe(GenericRecipe):
     # The K/V cache the pipeline makes per call: request-scoped state, keyed by its structure, the
     # extract step's stores put back by every replay (accel.graphs.stores).
     state_types = (QwenImage21KVCache,)
+    # quantize="fp8" makes the library's float8 layers (accel/hooks/fp8/scaled_mm.py): with the
+    # forms below they took the float8 call under torchao's on an H100 (docs/benchmarks.md).
+    fp8_layers = "scaled-mm"
     # quantize="fp8" keeps these in bf16 from the start: the input projections, the timestep
     # embedder, the shared modulation, the output norm and projection (as for Qwen-Image).
     fp8_keep = (
@@ -89,19 +92,17 @@ class QwenImage21Recipe(GenericRecipe):
     )
 
     # With compile=True, each block's gates take their tanh per modulation row (any layers), and
-    # with the library's float8 layers (``fp8_layers = "scaled-mm"``; measured level with torchao's
-    # on an H100, docs/benchmarks.md, so not picked) the modulated norms write their float8
-    # consumers' input in one pass (fused_norms.py). Set it False on the class before
-    # accelerate_pipeline to compare.
+    # with the library's float8 layers the modulated norms write their float8 consumers' input in
+    # one pass (fused_norms.py). Set it False on the class before accelerate_pipeline to compare.
     fused_norm_fp8 = True
     # With compile=True, the query and key head norms and their rotation run as one op each, the
     # keys written behind the cached prefix (head_norms.py; any layers; measured faster on an H100,
     # docs/benchmarks.md). Set it False on the class before accelerate_pipeline to compare.
     fused_head_norms = True
     # With compile=True, each block's two gated residual updates run as one op each (residuals.py;
-    # any layers, reading the gates' rows from fused_norms.py's _modulate). Off until its kernel
-    # has run on a GPU and a step is measured with it (docs/benchmarks.md gives the commands).
-    fused_residuals = False
+    # any layers, reading the gates' rows from fused_norms.py's _modulate; measured faster on an
+    # H100, docs/benchmarks.md). Set it False on the class before accelerate_pipeline to compare.
+    fused_residuals = True
 
     def __init__(self) -> None:
         self.layouts = LayoutMemo()
