@@ -53,13 +53,17 @@ def fp8_backend(name: str) -> Iterator[None]:
         quantizers.QUANTIZERS["fp8"], layer_kinds.FP8_LAYERS = original
 
 
+def recipe_of(pipe: Any) -> type:
+    """The recipe class serving ``pipe``'s denoiser."""
+    return recipe_for(getattr(pipe, "transformer", None) or getattr(pipe, "unet", None))
+
+
 @contextlib.contextmanager
-def forms_flipped(pipe: Any, flags: list[str]) -> Iterator[str]:
-    """The recipe serving ``pipe``'s denoiser with each of ``flags`` (boolean class attributes
+def forms_flipped(recipe: type, flags: list[str]) -> Iterator[str]:
+    """``recipe`` (a class: :func:`recipe_of`) with each of ``flags`` (boolean class attributes
     naming a compiled form, e.g. ``fused_head_norms``) set to the other value inside: the same rows
-    with those forms on where the recipe has them off, and off where on. Yields the rows' label."""
-    denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
-    recipe = recipe_for(denoiser)
+    with those forms on where the recipe has them off, and off where on. Yields the rows' label.
+    It takes the class, not a pipeline: a rebuild inside must not find the old model still held."""
     missing = [f for f in flags if not isinstance(getattr(recipe, f, None), bool)]
     if missing:
         raise SystemExit(f"--form-flip: {recipe.__name__} has no form flag {', '.join(missing)}")
@@ -186,7 +190,7 @@ def run(args: argparse.Namespace) -> None:
         for i, (backend, flip) in enumerate(runs):
             if i or (args.cold and not built):
                 bench.build()  # the previous backend's float8 layers stay: a fresh bf16 model
-            with fp8_backend(backend), forms_flipped(bench.pipe, flip) as flipped:
+            with fp8_backend(backend), forms_flipped(recipe_of(bench.pipe), flip) as flipped:
                 label = f"{backend}, {flipped}" if flip else backend
                 for j, variant in enumerate(v for v in args.variants if v.startswith("fp8")):
                     if j and (args.cold or "-fa3-" in variant):

@@ -134,3 +134,35 @@ def test_a_flipped_form_runs_the_first_backends_rows_again_with_it(
     assert flags == [True, True, False] and QwenImage21Recipe.fused_head_norms is True
     with pytest.raises(SystemExit, match="no form flag made_up"):
         bench.main([*argv, "--variants", "fp8-compiled-graphs", "--form-flip", "made_up", "--out", str(out)])
+
+
+def test_a_rebuilt_model_finds_the_one_before_it_let_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float8 FA3 row after another float8 row builds the model again inside the rows' loop:
+    nothing of the bench may still hold the first model then (on a GPU two full-size models and a
+    compiled one's graphs do not fit)."""
+    import gc
+    import weakref
+
+    spec = importlib.util.spec_from_file_location("bench_fp8_script", ROOT / "scripts" / "bench_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from benchkit import fp8_bench
+
+    held: list[bool] = []
+    build = fp8_bench.Bench.build
+
+    def checked(self: fp8_bench.Bench) -> None:
+        before = weakref.ref(self.pipe.transformer) if self.pipe is not None else None
+        build(self)
+        gc.collect()
+        if before is not None:
+            held.append(before() is not None)
+
+    monkeypatch.setattr(fp8_bench.Bench, "build", checked)
+    use_grid(monkeypatch, levels=32)
+    out = tmp_path / "rebuilt"
+    argv = ["--only", "qwen-image-2.1", "--size", "tiny", "--steps", "2", "--resolution", "64", "--runs", "1"]
+    bench.main([*argv, "--variants", "bf16-eager", "fp8-compiled-graphs", "fp8-fa3-compiled-graphs", "--out", str(out)])
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok"] * 3, [r.get("reason") for r in rows]
+    assert held == [False]
