@@ -8,8 +8,10 @@ new one at the bucket of the requests joining with it. Its text is encoded there
 that batch's bucket, and each image gets its own noise (its seed's generator) and schedule (its
 own steps). Then one batch takes one step, inside the bracket of a pipeline call (the
 accelerator's checks, the adapter of its lane): the batch holding the oldest request. Rows whose
-steps are done leave; their images are decoded in a call of their bucket, made 8-bit on the
-device as the pipeline call's are, and handed on with their PNG text as :class:`~.rendered.RenderedImage`,
+steps are done leave; their images are decoded in a call of their bucket (or of the smallest
+bucket that holds them, where the decoder was found to give every row the same bits at every
+bucket: :mod:`pipelines.stepwise.invariance`, checked once per size), made 8-bit on the device as
+the pipeline call's are, and handed on with their PNG text as :class:`~.rendered.RenderedImage`,
 which the service encodes. A request whose client left or whose time ran out leaves its batch at
 the next boundary. An edit (its own input image) is one pipeline call, made between two steps. A
 failure fails the requests of the batch (or call) it happened in, and the worker goes on.
@@ -36,6 +38,7 @@ from typing import Any
 
 from pipelines.stepwise.batch import Row, RunningBatch, decode_padded, encode_padded
 from pipelines.stepwise.family import call_bracket
+from pipelines.stepwise.invariance import decode_is_batch_invariant
 from pipelines.stepwise.schedule import Schedule
 
 from .batcher import Work
@@ -59,6 +62,7 @@ class ContinuousWorker(DeviceWorker):
         self.tickets: list[Ticket] = []
         self.rounds = 0
         self._round_done: Any = None  # the device's event at the end of the last step queued
+        self._invariant: dict[tuple[int, int], bool] = {}  # per size: whether decodes are batch-invariant
 
     @property
     def rows(self) -> int:
@@ -67,6 +71,8 @@ class ContinuousWorker(DeviceWorker):
     def run(self) -> None:
         if not self.started():
             return
+        for size in self.engine.warm_sizes or ():  # before the first request, not inside its call
+            self._decodes_invariant(size)
         closed = False
         while not (closed and not self.tickets):
             self._drop_gone()  # first: their rows' slots are free for the requests taken now
@@ -228,10 +234,11 @@ class ContinuousWorker(DeviceWorker):
         for (size, bucket), group in groups.items():
             tickets = list({id(r.owner[0]): r.owner[0] for r in group}.values())
             t0 = time.monotonic()
+            at = self._decode_bucket(size, bucket, len(group))
             try:
-                images = self._images(decode_padded(self.engine.steps, [r.latents for r in group], size, bucket))
+                images = self._images(decode_padded(self.engine.steps, [r.latents for r in group], size, at))
             except Exception as e:
-                self._fail(tickets, e, f"decoding at batch size {bucket}")
+                self._fail(tickets, e, f"decoding at batch size {at}")
                 continue
             took = time.monotonic() - t0
             made: dict[int, list[Any]] = {}
@@ -241,6 +248,31 @@ class ContinuousWorker(DeviceWorker):
                 t.work.device_seconds += took
                 if len(made[id(t)]) == len(t.rows):
                     self._answer(t, [image for _, image in sorted(made[id(t)], key=lambda x: x[0])])
+
+    def _decode_bucket(self, size: tuple[int, int], bucket: int, rows: int) -> int:
+        """The bucket ``rows`` leaving a batch of ``bucket`` at ``size`` decode at: the smallest
+        that holds them where every bucket up to ``bucket`` decodes each row to the same bits."""
+        smallest = self.engine.bucket(rows)
+        return smallest if smallest < bucket and self._decodes_invariant(size) else bucket
+
+    def _decodes_invariant(self, size: tuple[int, int]) -> bool:
+        """Whether the decoder gives each row at ``size`` the same bits at every bucket served
+        (found out once per size: :func:`~pipelines.stepwise.invariance.decode_is_batch_invariant`)."""
+        if size not in self._invariant:
+            top = self.engine.bucket(self.batcher.max_batch)  # the largest bucket a batch opens at
+            buckets = [b for b in self.engine.batch_sizes or range(1, top + 1) if b <= top]
+            try:
+                same = decode_is_batch_invariant(self.engine.steps, size, buckets, self.engine.device)
+            except Exception as e:  # an optimisation only: without it rows decode at their batch's bucket
+                logger.warning("continuous: the decoder's check at %dx%d failed: %s", *size, one_line(e))
+                same = False
+            self._invariant[size] = same
+            logger.info(
+                "continuous: the decoder at %dx%d gives each row %s at batch sizes %s: rows leaving a batch decode at %s",
+                *size, "the same bits" if same else "other bits", " ".join(map(str, buckets)),
+                "the smallest bucket that holds them" if same else "their batch's bucket",
+            )  # fmt: skip
+        return self._invariant[size]
 
     def _answer(self, ticket: Ticket, images: list[Any]) -> None:
         engine, m = self.engine, self.metrics

@@ -4,7 +4,9 @@ builds (the flags, the warm-up of buckets 1 2 4 8, the step loop of the family):
 * full-size Z-Image at 512x512 with ``--compile``: A (3 images, 9 steps) opens a running batch of
   bucket 4; B (1 image, 5 steps) takes its free slot at A's fourth step and C (1 image, 9 steps) the
   slot B leaves; each image equals its request made by a pipeline call of 4 rows (Engine.make, the
-  request and copies of it), bit for bit, and every step replays a graph; a streamed request
+  request and copies of it), bit for bit, and every step replays a graph (B leaves alone: its
+  decode is at bucket 1 where the worker finds the decoder keeps each row's bits, and the line
+  printed says which); a streamed request
   gets 2 previews and the very image it gets unstreamed;
 * the same with ``--quantize fp8`` (compute capability 8.9 or newer, torchao);
 * the tiny Qwen-Image-style model at 256x256, true CFG, each row its own scale: bit for bit.
@@ -75,8 +77,9 @@ def check_joins(engine: Engine, size: tuple[int, int], steps: int, what: str, gu
             ref = static(engine, request[k], 4)
             mine = pixels(m)
             assert all(np.array_equal(a, b) for a, b in zip(mine, ref)), f"{what}: {k} against its pipeline call"
+        found = run.worker._invariant.get(size)  # None: no group left before its batch
         sys.stderr.write(f"{what}: A, B and C bit for bit their pipeline calls of 4 rows; C's steps after A left "
-                         f"took {seconds:.2f} s\n")  # fmt: skip
+                         f"took {seconds:.2f} s; the decoder keeps each row's bits across buckets: {found}\n")  # fmt: skip
     finally:
         gate.open()
         run.close()

@@ -259,3 +259,78 @@ def test_a_steps_wait_for_the_device_counts_as_its_device_time(
     run.submit(ImageRequest("a red fox", 1, 32, 32, seed=1, steps=3)).future.result(30)
     assert len(waits) == 3  # one a step
     assert run.metrics.registry.get_sample_value("bcg_serve_device_seconds_sum") >= sum(waits)
+
+
+@pytest.mark.parametrize("checked", ["found", "other bits"])
+def test_rows_leaving_before_their_batch_decode_at_the_smallest_bucket_only_where_the_bits_stay(
+    emulated: pytest.MonkeyPatch, running: list[Running], checked: str
+) -> None:
+    """A, B and C (1 image each; 2, 4 and 3 steps) open one batch of bucket 4 and leave it one by
+    one. Where the decoder gives each row the same bits at every bucket (as the worker finds out
+    itself, once, at its start: "found", a decoder made to decode each row alone), each leaves in
+    a decode of bucket 1; where it does not ("other bits": the check made to say so), in one of
+    bucket 4. Each image equals its request in a pipeline call
+    of 4 rows, bit for bit, either way."""
+    from pipelines.serve import continuous
+
+    rng = random.Random(7)
+    if checked == "found":
+        # The tiny decoder on the CPU is not batch-invariant (oneDNN's convolutions and the
+        # GroupNorm kernel split their work by the batch): made one that is, the same in the
+        # pipeline calls of the reference.
+        from diffusers import AutoencoderKL
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        whole = AutoencoderKL.decode
+
+        def per_row(self: Any, z: Any, *args: Any, return_dict: bool = True, **kwargs: Any) -> Any:
+            rows = [whole(self, z[i : i + 1], *args, return_dict=False, **kwargs)[0] for i in range(len(z))]
+            import torch
+
+            return DecoderOutput(sample=torch.cat(rows)) if return_dict else (torch.cat(rows),)
+
+        emulated.setattr(AutoencoderKL, "decode", per_row)
+    engine = continuous_engine("z-image", (1, 2, 4), sizes=((32, 32),))
+    prompt = prompt_of_warm_length(engine.pipe, engine.pipe.accel.recipes["transformer"], rng, (32, 32))
+    found: list[bool] = []
+    decoded: list[int] = []
+    checking = [False]
+    real = continuous.decode_is_batch_invariant
+
+    def check(*args: Any) -> bool:
+        checking[0] = True
+        try:
+            found.append(real(*args) if checked == "found" else False)
+        finally:
+            checking[0] = False
+        return found[-1]
+
+    decode = engine.steps.decode
+
+    def recorded(latents: Any, size: tuple[int, int]) -> Any:
+        if not checking[0]:
+            decoded.append(len(latents))
+        return decode(latents, size)
+
+    emulated.setattr(engine.steps, "decode", recorded)
+    emulated.setattr(continuous, "decode_is_batch_invariant", check)
+    engine.warm_sizes = ((32, 32),)  # as the server's start sets it: found out before any request
+    run = Running(engine, 4, start=False)
+    running.append(run)
+    gate = Gate(run)
+    run.start()
+    gate.rounds(0)
+    assert found == [checked == "found"] and decoded == []
+    request = {
+        "a": ImageRequest(prompt, 1, 32, 32, seed=1, steps=2, guidance=2.0),
+        "b": ImageRequest(prompt, 1, 32, 32, seed=2, steps=4, guidance=4.0),
+        "c": ImageRequest(prompt, 1, 32, 32, seed=3, steps=3, guidance=3.0),
+    }
+    work = {k: run.submit(r) for k, r in request.items()}
+    gate.open()
+    made = {k: w.future.result(60) for k, w in work.items()}
+    assert all(w.bucket == 4 for w in work.values()) and gate.held[0] == [[0, 0, 0]]
+    assert found == [checked == "found"]  # once for the size
+    assert decoded == ([1, 1, 1] if found[0] else [4, 4, 4])
+    for k, m in made.items():
+        assert all(np.array_equal(a, b) for a, b in zip(pixels(m), static(engine, request[k], 4))), k
