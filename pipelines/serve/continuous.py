@@ -62,7 +62,8 @@ class ContinuousWorker(DeviceWorker):
         self.tickets: list[Ticket] = []
         self.rounds = 0
         self._round_done: Any = None  # the device's event at the end of the last step queued
-        self._invariant: dict[tuple[int, int], bool] = {}  # per size: whether decodes are batch-invariant
+        # Per size: the largest bucket up to which the decoder gives each row the same bits (0: none).
+        self._invariant: dict[tuple[int, int], int] = {}
 
     @property
     def rows(self) -> int:
@@ -72,7 +73,7 @@ class ContinuousWorker(DeviceWorker):
         if not self.started():
             return
         for size in self.engine.warm_sizes or ():  # before the first request, not inside its call
-            self._decodes_invariant(size)
+            self._invariant_up_to(size)
         closed = False
         while not (closed and not self.tickets):
             self._drop_gone()  # first: their rows' slots are free for the requests taken now
@@ -115,8 +116,12 @@ class ContinuousWorker(DeviceWorker):
             self._join(tickets)
 
     def _limit(self, lane: Lane) -> int:
+        return self._size_limit((lane[0].width, lane[0].height))
+
+    def _size_limit(self, size: tuple[int, int]) -> int:
+        """The most images a batch at ``size`` may have (the memory admission's, at most ``max_batch``)."""
         admission = getattr(self.engine, "admission", None)
-        limit = self.batcher.max_batch if admission is None else admission.limit((lane[0].width, lane[0].height))
+        limit = self.batcher.max_batch if admission is None else admission.limit(size)
         return max(1, min(limit, self.batcher.max_batch))
 
     def _join(self, tickets: list[Ticket]) -> None:
@@ -253,20 +258,21 @@ class ContinuousWorker(DeviceWorker):
         """The bucket ``rows`` leaving a batch of ``bucket`` at ``size`` decode at: the smallest
         that holds them where every bucket up to ``bucket`` decodes each row to the same bits."""
         smallest = self.engine.bucket(rows)
-        return smallest if smallest < bucket and self._decodes_invariant(size) else bucket
+        return smallest if smallest < bucket <= self._invariant_up_to(size) else bucket
 
-    def _decodes_invariant(self, size: tuple[int, int]) -> bool:
-        """Whether the decoder gives each row at ``size`` the same bits at every bucket served
-        (found out once per size: :func:`~pipelines.stepwise.invariance.decode_is_batch_invariant`)."""
+    def _invariant_up_to(self, size: tuple[int, int]) -> int:
+        """The largest bucket up to which the decoder gives each row at ``size`` the same bits at
+        every bucket, 0 where it does not (found out once per size, up to the largest bucket a
+        batch at that size opens at then: :func:`~pipelines.stepwise.invariance.decode_is_batch_invariant`)."""
         if size not in self._invariant:
-            top = self.engine.bucket(self.batcher.max_batch)  # the largest bucket a batch opens at
+            top = self.engine.bucket(self._size_limit(size))  # the largest bucket a batch at size opens at
             buckets = [b for b in self.engine.batch_sizes or range(1, top + 1) if b <= top]
             try:
                 same = decode_is_batch_invariant(self.engine.steps, size, buckets, self.engine.device)
             except Exception as e:  # an optimisation only: without it rows decode at their batch's bucket
                 logger.warning("continuous: the decoder's check at %dx%d failed: %s", *size, one_line(e))
                 same = False
-            self._invariant[size] = same
+            self._invariant[size] = top if same else 0
             logger.info(
                 "continuous: the decoder at %dx%d gives each row %s at batch sizes %s: rows leaving a batch decode at %s",
                 *size, "the same bits" if same else "other bits", " ".join(map(str, buckets)),

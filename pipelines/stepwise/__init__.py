@@ -7,7 +7,8 @@ nobody. A row's arithmetic depends only on its own inputs and on the batch's sha
 is the one the stock pipeline makes of it in a call of the same batch size, whatever the other
 rows are and whichever steps they are at. Text is encoded and latents decoded at the same batch
 size for the same reason, unless the decoder is found to give every row the same bits at every
-batch size (``invariance``), where rows leaving together decode at the smallest that holds them. What a family's pipeline does in its loop is re-stated in its folder
+batch size (``invariance``): rows leaving together then decode at the smallest that holds them.
+What a family's pipeline does in its loop is re-stated in its folder
 (``pipelines/families/<family>/steps.py``); what is the same for every family is here.
 
 schedule  a row's own scheduler and where it is; the scheduler's own ``step`` on its row

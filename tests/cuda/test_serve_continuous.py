@@ -77,9 +77,9 @@ def check_joins(engine: Engine, size: tuple[int, int], steps: int, what: str, gu
             ref = static(engine, request[k], 4)
             mine = pixels(m)
             assert all(np.array_equal(a, b) for a, b in zip(mine, ref)), f"{what}: {k} against its pipeline call"
-        found = run.worker._invariant.get(size)  # None: no group left before its batch
+        found = run.worker._invariant.get(size)  # the largest bucket it holds up to (0: none; None: not checked)
         sys.stderr.write(f"{what}: A, B and C bit for bit their pipeline calls of 4 rows; C's steps after A left "
-                         f"took {seconds:.2f} s; the decoder keeps each row's bits across buckets: {found}\n")  # fmt: skip
+                         f"took {seconds:.2f} s; the decoder keeps each row's bits up to bucket {found}\n")  # fmt: skip
     finally:
         gate.open()
         run.close()

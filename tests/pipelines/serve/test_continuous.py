@@ -334,3 +334,17 @@ def test_rows_leaving_before_their_batch_decode_at_the_smallest_bucket_only_wher
     assert decoded == ([1, 1, 1] if found[0] else [4, 4, 4])
     for k, m in made.items():
         assert all(np.array_equal(a, b) for a, b in zip(pixels(m), static(engine, request[k], 4))), k
+
+
+def test_a_group_decodes_at_a_smaller_bucket_only_within_the_buckets_checked(emulated: pytest.MonkeyPatch) -> None:
+    """What the check found holds up to the largest bucket it decoded at: a batch of a larger one
+    (the memory admission allowed more later) decodes its leavers at its own bucket."""
+    engine = continuous_engine("z-image", (1, 2, 4), sizes=((32, 32),))
+    worker = Running(engine, 4, start=False).worker
+    worker.engine = engine
+    size = (32, 32)
+    worker._invariant[size] = 2
+    assert [worker._decode_bucket(size, b, 1) for b in (1, 2, 4)] == [1, 1, 4]
+    assert worker._decode_bucket(size, 4, 3) == 4
+    worker._invariant[size] = 0
+    assert [worker._decode_bucket(size, b, 1) for b in (1, 2, 4)] == [1, 2, 4]
