@@ -25,7 +25,15 @@ from .quantizers import Quantizer, check_bf16_weights, check_fp8_device
 from .row_quant import E4M3_MAX, quantize_rows_e4m3, quantize_silu_mul_rows_e4m3
 from .row_quant import quantize_rows_reference as quantize_rows
 
-__all__ = ["E4M3_MAX", "Float8RowwiseLinear", "PendingRows", "ScaledMMFloat8", "quantize_rows", "scaled_mm_rowwise"]
+__all__ = [
+    "E4M3_MAX",
+    "Float8RowwiseLinear",
+    "PendingRows",
+    "ScaledMMFloat8",
+    "quantize_rows",
+    "scaled_mm_rowwise",
+    "scaled_mm_rowwise_behind",
+]
 
 
 @torch.library.custom_op("bcg_diffusers::scaled_mm_rowwise", mutates_args=())
@@ -52,6 +60,40 @@ def _(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("bcg_diffusers::scaled_mm_rowwise_behind", mutates_args=())
+def scaled_mm_rowwise_behind(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    prefix: torch.Tensor,
+) -> torch.Tensor:
+    """``torch.cat([prefix, scaled_mm_rowwise(a, b, ...)])`` with the product written in place
+    behind the copied ``prefix`` (P, N), in its dtype: a cached prefix's values and a step's
+    without the concatenation's second pass over the step's rows. The same product, the same
+    kernel (the rows behind the prefix keep the output's alignment where N is a multiple of 128)."""
+    p = prefix.shape[0]
+    out = torch.empty((p + a.shape[0], b.shape[1]), dtype=prefix.dtype, device=a.device)
+    out[:p].copy_(prefix)
+    torch._scaled_mm(
+        a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=prefix.dtype, use_fast_accum=True, out=out[p:]
+    )
+    return out
+
+
+@scaled_mm_rowwise_behind.register_fake
+def _(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    prefix: torch.Tensor,
+) -> torch.Tensor:
+    return prefix.new_empty((prefix.shape[0] + a.shape[0], b.shape[1]))
 
 
 class PendingRows:
@@ -115,6 +157,23 @@ class Float8RowwiseLinear(torch.nn.Module):
         that produced the input; see :mod:`accel.hooks.fp8.norm_quant`), shaped ``(*lead, out)``."""
         out = scaled_mm_rowwise(xq, self.qweight.t(), xs, self.weight_scale, self.bias, self._dtype)
         return out.reshape(*lead, self.out_features)
+
+    def forward_behind(self, x: torch.Tensor | PendingRows, prefix: torch.Tensor) -> torch.Tensor:
+        """``torch.cat([prefix, self(x)], dim=1)``: ``prefix`` (batch, P, out). At batch 1, in the
+        product's dtype, the product is written behind the copied prefix
+        (:func:`scaled_mm_rowwise_behind`); anything else concatenates."""
+        if isinstance(x, PendingRows):
+            xq, xs, lead = x.e4m3_rows()
+            dtype = self._dtype
+        else:
+            lead, dtype = tuple(x.shape[:-1]), x.dtype
+            if len(lead) != 2 or lead[0] != 1 or prefix.shape[0] != 1 or prefix.dtype != dtype:
+                return torch.cat([prefix, self(x)], dim=1)
+            xq, xs = quantize_rows_e4m3(x.reshape(-1, self.in_features), False)
+        if len(lead) != 2 or lead[0] != 1 or prefix.shape[0] != 1 or prefix.dtype != dtype:
+            return torch.cat([prefix, self.forward_quantized(xq, xs, lead)], dim=1)
+        out = scaled_mm_rowwise_behind(xq, self.qweight.t(), xs, self.weight_scale, self.bias, prefix[0])
+        return out.unsqueeze(0)
 
     def _product(self, x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

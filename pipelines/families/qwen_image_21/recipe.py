@@ -103,6 +103,10 @@ class QwenImage21Recipe(GenericRecipe):
     # any layers, reading the gates' rows from fused_norms.py's _modulate; measured faster on an
     # H100, docs/benchmarks.md). Set it False on the class before accelerate_pipeline to compare.
     fused_residuals = True
+    # With compile=True, fused_head_norms and the library's float8 layers, the value projections
+    # of the steps that read the K/V cache write behind the cached values, without the
+    # concatenation's pass (head_norms.py). Off until measured on a GPU (docs/benchmarks.md).
+    values_behind_prefix = False
 
     def __init__(self) -> None:
         self.layouts = LayoutMemo()
@@ -136,7 +140,7 @@ class QwenImage21Recipe(GenericRecipe):
             return lambda: None
         undo = [qwen_rope_in_real_arithmetic(MODULE), fuse_swiglu(module)]
         if self.fused_head_norms:
-            undo.append(fuse_head_norms())
+            undo.append(fuse_head_norms(values_behind=self.values_behind_prefix))
         if self.fused_norm_fp8:
             undo.append(fuse_norm_quantization(module))
         if self.fused_residuals:
