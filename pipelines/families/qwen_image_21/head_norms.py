@@ -14,7 +14,8 @@ faster in the same process, its graphs equal to the same model without them (doc
 With ``values_behind`` (``QwenImage21Recipe.values_behind_prefix``), at the steps that read the
 cache the library's float8 value projection writes its product straight behind the copied cached
 values (batch 1; :func:`accel.hooks.fp8.scaled_mm.scaled_mm_rowwise_behind`) instead of the
-concatenation's pass over the step's values: the same product, the same kernel.
+concatenation's pass over the step's values: the same product, the same kernel (on by default:
+on an H100 the float8 call is faster with it in the same process, docs/benchmarks.md).
 
 Decided at each call: only where both norms are diffusers' ``RMSNorm`` with a weight and no
 forward of their own, and the rotation is the complex table the model passes; anything else runs

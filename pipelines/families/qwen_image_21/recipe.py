@@ -105,8 +105,9 @@ class QwenImage21Recipe(GenericRecipe):
     fused_residuals = True
     # With compile=True, fused_head_norms and the library's float8 layers, the value projections
     # of the steps that read the K/V cache write behind the cached values, without the
-    # concatenation's pass (head_norms.py). Off until measured on a GPU (docs/benchmarks.md).
-    values_behind_prefix = False
+    # concatenation's pass (head_norms.py; measured faster on an H100, docs/benchmarks.md). Set it
+    # False on the class before accelerate_pipeline to compare.
+    values_behind_prefix = True
 
     def __init__(self) -> None:
         self.layouts = LayoutMemo()

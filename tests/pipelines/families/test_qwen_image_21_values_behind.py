@@ -173,7 +173,7 @@ def test_the_recipe_puts_the_form_in_only_where_its_flag_says(
 ) -> None:
     t, forward = _model()
     inputs = _inputs(condition=False, padded=False)
-    assert QwenImage21Recipe.values_behind_prefix is False  # off until measured on a GPU
+    assert QwenImage21Recipe.values_behind_prefix is True  # on by default (measured on an H100)
     for flag in (False, True):
         monkeypatch.setattr(QwenImage21Recipe, "values_behind_prefix", flag)
         calls.clear()
