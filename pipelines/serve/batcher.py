@@ -198,11 +198,14 @@ class Batcher:
                 if running:
                     return running
 
-    def take(self, room: int, timeout: float | None = 0.0) -> list[Work] | None:
+    def take(self, room: int, timeout: float | None = 0.0, gather: bool = False) -> list[Work] | None:
         """For ``--batching continuous``: the oldest waiting requests, of any key, while their
         images fit ``room``, their futures marked running (none where the oldest does not fit:
         requests keep their order). With nothing waiting it waits ``timeout`` seconds (None: until
-        a request comes) and returns ``[]``; None once the batcher is closed."""
+        a request comes) and returns ``[]``; None once the batcher is closed. ``gather`` (the
+        device idle: a batch opens with what is taken) waits for company as :meth:`next_batch`
+        does, until ``room`` images wait or the oldest has waited ``max_wait``, while arrivals
+        are close."""
         give_up = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             queued = self._await_queue(give_up)
@@ -210,6 +213,15 @@ class Batcher:
                 return None
             if not queued:
                 return []
+            while gather and self._queue and not self._closed:
+                head = self._queue[0]
+                deadline = head.arrived + (self.max_wait if self._gap <= self.max_wait else 0.0)
+                now = time.monotonic()
+                if sum(w.images for w in self._queue) >= room or now >= deadline:
+                    break
+                self._cond.wait(deadline - now)  # woken by each submit, cancel and close
+            if self._closed:
+                return None
             taken: list[Work] = []
             while self._queue and self._queue[0].images <= room:
                 w = self._queue.popleft()

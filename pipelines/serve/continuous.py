@@ -2,9 +2,10 @@
 and leave at step boundaries.
 
 At each step boundary the worker takes the oldest waiting requests, as many images as the running
-batches have rows to spare (the largest bucket in all), and places each in a running batch of its
-lane (:mod:`.running`): one with a free slot, where it rides along in a row that was padding, or a
-new one at the bucket of the requests joining with it. Its text is encoded there, in a call of
+batches have rows to spare (the largest bucket in all; with nothing running, after waiting for
+company as a dynamic batch does: ``max_wait`` while arrivals are close), and places each in a
+running batch of its lane (:mod:`.running`): one with a free slot, where it rides along in a row
+that was padding, or a new one at the bucket of the requests joining with it. Its text is encoded there, in a call of
 that batch's bucket, and each image gets its own noise (its seed's generator) and schedule (its
 own steps). Then one batch takes one step, inside the bracket of a pipeline call (the
 accelerator's checks, the adapter of its lane): the batch holding the oldest request. Rows whose
@@ -79,7 +80,10 @@ class ContinuousWorker(DeviceWorker):
             self._drop_gone()  # first: their rows' slots are free for the requests taken now
             if not closed:
                 room = self.batcher.max_batch - self.rows
-                taken = self.batcher.take(room, timeout=None if not self.tickets else 0.0)
+                # Idle, a batch opens with what is taken: it waits for company as a dynamic
+                # batch does, or a burst opens small batches whose groups never merge again.
+                idle = not self.tickets
+                taken = self.batcher.take(room, timeout=None if idle else 0.0, gather=idle)
                 if taken is None:
                     closed = True
                 else:

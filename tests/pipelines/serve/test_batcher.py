@@ -155,3 +155,41 @@ def test_under_threads_every_request_is_taken_exactly_once() -> None:
         assert len({w.key for w in batch}) == 1
         assert sum(w.images for w in batch) <= 4
     assert any(len(batch) > 1 for batch in got)
+
+
+def test_take_gathering_waits_for_company_while_arrivals_are_close() -> None:
+    """``take(gather=True)`` (the continuous worker idle): the oldest waits for company up to
+    ``max_wait``, leaves at once when ``room`` is met, and not at all while arrivals are far apart;
+    without ``gather`` it takes what waits now; closed while it waits, None."""
+    b = Batcher(max_queue=16, max_batch=4, max_wait=0.3)
+    b.submit(work(A, 1, "first"))
+    threading.Timer(0.05, b.submit, [work(B, 2, "later")]).start()  # any key joins a running batch
+    t0 = time.monotonic()
+    assert names(b.take(4, timeout=None, gather=True)) == ["first", "later"]
+    assert 0.25 <= time.monotonic() - t0 < 2.0  # room not met: it waited max_wait
+    for i in range(2):
+        b.submit(work(A, 1, f"r{i}"))
+    t0 = time.monotonic()
+    assert names(b.take(2, timeout=None, gather=True)) == ["r0", "r1"]
+    assert time.monotonic() - t0 < 0.2  # room met: at once
+    b.submit(work(A, 1, "now"))
+    threading.Timer(0.05, b.submit, [work(A, 1, "after")]).start()
+    assert names(b.take(4, timeout=None)) == ["now"]  # no gathering: what waits now
+    time.sleep(0.1)
+    assert names(b.take(4)) == ["after"]
+
+    far = Batcher(max_queue=16, max_batch=4, max_wait=0.3)
+    far.submit(work(A, 1, "old", ago=5.0))
+    far.submit(work(A, 1, "new"))  # 5 s apart: company is unlikely, so no wait
+    assert names(far.take(2)) == ["old", "new"]
+    far.submit(work(A, 1, "lone"))
+    t0 = time.monotonic()
+    assert names(far.take(4, timeout=None, gather=True)) == ["lone"]
+    assert time.monotonic() - t0 < 0.2
+
+    closing = Batcher(max_queue=16, max_batch=4, max_wait=5.0)
+    closing.submit(work(A, 1, "waits"))
+    threading.Timer(0.05, closing.close).start()
+    t0 = time.monotonic()
+    assert closing.take(4, timeout=None, gather=True) is None
+    assert time.monotonic() - t0 < 2.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,8 +52,8 @@ def continuous_engine(model: str, buckets: tuple[int, ...], sizes: tuple[tuple[i
 class Running:
     """A continuous worker around ``engine``, its batcher and metrics; stopped at the end."""
 
-    def __init__(self, engine: Engine, max_batch: int, start: bool = True) -> None:
-        self.batcher = Batcher(256, max_batch, 0.0)
+    def __init__(self, engine: Engine, max_batch: int, start: bool = True, max_wait: float = 0.0) -> None:
+        self.batcher = Batcher(256, max_batch, max_wait)
         self.metrics = Metrics(max_batch, lambda: self.batcher.depth, engine.batch_sizes)
         self.ready = threading.Event()
         self.worker = ContinuousWorker(self.batcher, self.metrics, lambda: engine, lambda e: self.ready.set(),
@@ -141,12 +142,12 @@ class Gate:
         self.held: list[list[list[int]]] = []
         worker, take, step = run.worker, run.batcher.take, run.worker._round
 
-        def gated_take(room: int, timeout: float | None = 0.0) -> Any:
+        def gated_take(room: int, timeout: float | None = 0.0, gather: bool = False) -> Any:
             with self.cond:
                 self.arrived += 1
                 self.cond.notify_all()
                 self.cond.wait_for(lambda: self.allowed >= self.arrived)
-            return take(room, timeout)
+            return take(room, timeout, gather)
 
         def recorded() -> None:
             self.held.append([[r.schedule.index for r in b.rows] for b in worker.batches if b.rows])
@@ -236,6 +237,29 @@ def test_batches_take_their_steps_first_come_first_served(emulated: pytest.Monke
     assert work["a"].bucket == work["b"].bucket == 1
     for k, m in made.items():
         assert all(np.array_equal(a, b) for a, b in zip(pixels(m), static(engine, request[k], 1))), k
+
+
+def test_a_burst_on_an_idle_worker_opens_one_batch_as_a_dynamic_one_would(
+    emulated: pytest.MonkeyPatch, running: list[Running]
+) -> None:
+    """Four requests arriving 20 ms apart at an idle worker (``max_wait`` 0.5 s): the first waits
+    for company as a dynamic batch does, so all four open one batch at bucket 4 (taken as they
+    came, the first would open a batch of 1 and the rest another: groups that never merge again),
+    each image equal to its pipeline call of that bucket."""
+    rng = random.Random(8)
+    engine = continuous_engine("z-image", (1, 2, 4), sizes=((32, 32),))
+    prompt = prompt_of_warm_length(engine.pipe, engine.pipe.accel.recipes["transformer"], rng, (32, 32))
+    run = Running(engine, 4, max_wait=0.5)
+    running.append(run)
+    requests = [ImageRequest(prompt, 1, 32, 32, seed=10 + i, steps=2) for i in range(4)]
+    works = []
+    for r in requests:
+        works.append(run.submit(r))
+        time.sleep(0.02)
+    made = [w.future.result(60) for w in works]
+    assert [w.bucket for w in works] == [4, 4, 4, 4]
+    for r, m in zip(requests, made):
+        assert all(np.array_equal(a, b) for a, b in zip(pixels(m), static(engine, r, 4)))
 
 
 def test_a_steps_wait_for_the_device_counts_as_its_device_time(
