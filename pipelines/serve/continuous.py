@@ -5,10 +5,11 @@ At each step boundary the worker takes the oldest waiting requests, as many imag
 batches have rows to spare (the largest bucket in all; with nothing running, after waiting for
 company as a dynamic batch does: ``max_wait`` while arrivals are close), and places each in a
 running batch of its lane (:mod:`.running`): one with a free slot, where it rides along in a row
-that was padding, or a new one at the bucket of the requests joining with it. Its text is encoded there, in a call of
-that batch's bucket, and each image gets its own noise (its seed's generator) and schedule (its
-own steps). Then one batch takes one step, inside the bracket of a pipeline call (the
-accelerator's checks, the adapter of its lane): the batch holding the oldest request. Rows whose
+that was padding, or a new one at the bucket of the requests joining with it. Its text is
+encoded there, in a call of that batch's bucket, and each image gets its own noise (its seed's
+generator) and schedule (its own steps). Then one batch takes one step, inside the bracket of a
+pipeline call (the accelerator's checks, the adapter of its lane): the batch holding the oldest
+request. Rows whose
 steps are done leave; their images are decoded in a call of their bucket (or of the smallest
 bucket that holds them, where the decoder was found to give every row the same bits at every
 bucket: :mod:`pipelines.stepwise.invariance`, checked once per size), made 8-bit on the device as

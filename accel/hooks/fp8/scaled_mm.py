@@ -162,16 +162,18 @@ class Float8RowwiseLinear(torch.nn.Module):
         """``torch.cat([prefix, self(x)], dim=1)``: ``prefix`` (batch, P, out). At batch 1, in the
         product's dtype, the product is written behind the copied prefix
         (:func:`scaled_mm_rowwise_behind`); anything else concatenates."""
+
+        def one_row(lead: tuple[int, ...], dtype: torch.dtype) -> bool:
+            return len(lead) == 2 and lead[0] == 1 and prefix.shape[0] == 1 and prefix.dtype == dtype
+
         if isinstance(x, PendingRows):
             xq, xs, lead = x.e4m3_rows()
-            dtype = self._dtype
+            if not one_row(lead, self._dtype):
+                return torch.cat([prefix, self.forward_quantized(xq, xs, lead)], dim=1)
+        elif not one_row(tuple(x.shape[:-1]), x.dtype):
+            return torch.cat([prefix, self(x)], dim=1)
         else:
-            lead, dtype = tuple(x.shape[:-1]), x.dtype
-            if len(lead) != 2 or lead[0] != 1 or prefix.shape[0] != 1 or prefix.dtype != dtype:
-                return torch.cat([prefix, self(x)], dim=1)
             xq, xs = quantize_rows_e4m3(x.reshape(-1, self.in_features), False)
-        if len(lead) != 2 or lead[0] != 1 or prefix.shape[0] != 1 or prefix.dtype != dtype:
-            return torch.cat([prefix, self.forward_quantized(xq, xs, lead)], dim=1)
         out = scaled_mm_rowwise_behind(xq, self.qweight.t(), xs, self.weight_scale, self.bias, prefix[0])
         return out.unsqueeze(0)
 
