@@ -11,31 +11,16 @@ layout form is worth building.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-
-def _ms(fn, n: int = 7) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchkit
 
 
 def main() -> None:
     import torch
+    from benchkit.measure import Clock
 
     from accel.hooks.compiled.channel_norm import compile_channel_norms
     from pipelines.builders import build_vae
@@ -50,13 +35,14 @@ def main() -> None:
         with torch.no_grad():
             return vae.decode(z).sample
 
+    clock = Clock(torch.device("cuda"))
     stock = decode().float()
     rows = []
     for routed in (False, True):
         undo = compile_channel_norms(vae) if routed else None
         for layout in (torch.contiguous_format, torch.channels_last):
             vae.to(memory_format=layout)
-            ms = _ms(decode)
+            ms = clock.time_steps(decode, repeats=7, warmup=3)[0]
             out = decode().float()
             rel = ((out - stock).norm() / stock.norm()).item()
             name = f"{'routed' if routed else 'stock'} norms, {'channels-last' if layout is torch.channels_last else 'stock'} layout"
