@@ -22,7 +22,7 @@ def main() -> None:
     import torch
     from benchkit.measure import Clock
 
-    from accel.hooks.compiled.channel_norm import compile_channel_norms
+    from accel.hooks.compiled import compile_channel_norms
     from pipelines.builders import build_vae
 
     vae = build_vae("qwen-image-2.1", "full", device="cuda", dtype=torch.bfloat16).eval()

@@ -15,7 +15,8 @@ library's own ops called twice with the same arguments in a block, run once).
 May import: :mod:`accel.graphs` and the base module ``options``; nothing of the other subpackages.
 """
 
+from .channel_norm import compile_channel_norms
 from .compile import compile_options
 from .fused import fuse_gelu_epilogues
 
-__all__ = ["compile_options", "fuse_gelu_epilogues"]
+__all__ = ["compile_channel_norms", "compile_options", "fuse_gelu_epilogues"]
