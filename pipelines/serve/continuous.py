@@ -9,12 +9,11 @@ that was padding, or a new one at the bucket of the requests joining with it. It
 encoded there, in a call of that batch's bucket, and each image gets its own noise (its seed's
 generator) and schedule (its own steps). Then one batch takes one step, inside the bracket of a
 pipeline call (the accelerator's checks, the adapter of its lane): the batch holding the oldest
-request. Rows whose
-steps are done leave; their images are decoded in a call of their bucket (or of the smallest
-bucket that holds them, where the decoder was found to give every row the same bits at every
-bucket: :mod:`pipelines.stepwise.invariance`, checked once per size), made 8-bit on the device as
-the pipeline call's are, and handed on with their PNG text as :class:`~.rendered.RenderedImage`,
-which the service encodes. A request whose client left or whose time ran out leaves its batch at
+request. Rows whose steps are done leave; their images are decoded in a call of their bucket (or
+of the smallest bucket that holds them, where the decoder was found to give every row the same
+bits at every bucket: :mod:`pipelines.stepwise.invariance`, checked once per size), made 8-bit on
+the device as the pipeline call's are, and handed on with their PNG text as
+:class:`~.rendered.RenderedImage`, which the service encodes. A request whose client left or whose time ran out leaves its batch at
 the next boundary. An edit (its own input image) is one pipeline call, made between two steps. A
 failure fails the requests of the batch (or call) it happened in, and the worker goes on.
 

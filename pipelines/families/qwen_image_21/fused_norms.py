@@ -42,7 +42,7 @@ from accel import Float8RowwiseLinear, PendingRows, patch
 
 from ..qwen_image.fused_norms import Normed
 
-__all__ = ["Modulated", "Normed", "TanhGate", "fuse_norm_quantization"]
+__all__ = ["Modulated", "Normed", "TanhGate", "fuse_norm_quantization", "library_float8"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,8 @@ class Modulated(PendingRows):
         return xq, xs, tuple(self.x.shape[:-1])
 
 
-def _float8(*layers: torch.nn.Module) -> bool:
+def library_float8(*layers: torch.nn.Module) -> bool:
+    """Whether every one of ``layers`` is the library's float8 layer, unwrapped."""
     # While quantize="fp8" measures a layer its forward is wrapped: the measured path.
     return all(type(m) is Float8RowwiseLinear and "forward" not in vars(m) for m in layers)
 
@@ -86,12 +87,12 @@ def _attention_fusable(attn: torch.nn.Module) -> bool:
         type(attn) is q21.QwenImage21Attention
         and "forward" not in vars(attn)
         and type(attn.processor) in (q21.QwenImage21AttnProcessor, q21.QwenImage21FlexAttnProcessor)
-        and _float8(attn.to_q, attn.to_k, attn.to_v)
+        and library_float8(attn.to_q, attn.to_k, attn.to_v)
     )
 
 
 def _feed_forward_fusable(mlp: torch.nn.Module) -> bool:
-    return _float8(mlp.gate_layer, mlp.proj)
+    return library_float8(mlp.gate_layer, mlp.proj)
 
 
 def _norm_forward(norm: torch.nn.LayerNorm, fusable: Callable[[], bool]) -> Callable[[torch.Tensor], Any]:

@@ -33,8 +33,9 @@ from typing import Any
 import torch
 from diffusers.models.normalization import RMSNorm
 
-from accel import Float8RowwiseLinear, head_norm_rope, patch, unpatched
+from accel import head_norm_rope, patch, unpatched
 
+from .fused_norms import library_float8
 from .layout import MODULE
 
 __all__ = ["fuse_head_norms"]
@@ -57,11 +58,6 @@ def _fusable(attn: torch.nn.Module, rotary_emb: Any) -> bool:
     )
 
 
-def _behind(layer: torch.nn.Module) -> bool:
-    # While quantize="fp8" measures a layer its forward is wrapped: the measured path.
-    return type(layer) is Float8RowwiseLinear and "forward" not in vars(layer)
-
-
 def _prepare_qkv(stock: Callable[..., Any], values_behind: bool) -> Callable[..., Any]:
     def prepare_qkv(
         attn: torch.nn.Module,
@@ -77,7 +73,7 @@ def _prepare_qkv(stock: Callable[..., Any], values_behind: bool) -> Callable[...
         # with values_behind, a float8 value projection written behind the cached values).
         cached = layer_cache is not None and kv_cache_mode == "cached"
         cached_k, cached_v = layer_cache.get() if cached else (None, None)
-        behind = cached and values_behind and _behind(attn.to_v)
+        behind = cached and values_behind and library_float8(attn.to_v)
         query = attn.to_q(hidden_states)
         key = attn.to_k(hidden_states)
         value = attn.to_v.forward_behind(hidden_states, cached_v.flatten(2)) if behind else attn.to_v(hidden_states)
