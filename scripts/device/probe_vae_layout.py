@@ -2,7 +2,8 @@
 random weights, bf16) with its convolutions' weights in the stock layout and in channels-last
 (cuDNN's native NHWC kernels; the activations follow the weights), each with the stock channel
 norms and with them routed through inductor (:mod:`accel.hooks.compiled.channel_norm`, what
-``compile=True`` does). Times are CUDA events around the decode, median of 7 after 3 warm-ups;
+``compile=True`` does), and each of those with the causal convolutions' symmetric zero padding
+handed to the convolution (cuDNN pads as it reads) instead of ``F.pad``'s copy. Times are CUDA events around the decode, median of 7 after 3 warm-ups;
 the distance is to the stock decode's pixels. Nothing here is a library default: it says whether a
 layout form is worth building.
 
@@ -13,9 +14,26 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchkit
+
+
+def in_conv_padding(conv: Any) -> Any:
+    """``conv``'s forward (a single-frame causal convolution: squeeze the frame, ``F.pad``, convolve,
+    unsqueeze) with its padding handed to the convolution where it is symmetric."""
+    import torch.nn.functional as F
+
+    left, right, top, bottom = conv._padding
+    if left != right or top != bottom:
+        return conv.forward
+
+    def forward(x: Any, cache_x: Any = None) -> Any:
+        x = F.conv2d(x.squeeze(2), conv.weight, conv.bias, conv.stride, (top, left), conv.dilation, conv.groups)
+        return x.unsqueeze(2)
+
+    return forward
 
 
 def main() -> None:
@@ -37,19 +55,31 @@ def main() -> None:
 
     clock = Clock(torch.device("cuda"))
     stock = decode().float()
-    rows = []
+    convs = [m for m in vae.modules() if type(m).__name__.endswith("CausalConv3d")]
     for routed in (False, True):
         undo = compile_channel_norms(vae) if routed else None
-        for layout in (torch.contiguous_format, torch.channels_last):
-            vae.to(memory_format=layout)
-            ms = clock.time_steps(decode, repeats=7, warmup=3)[0]
-            out = decode().float()
-            rel = ((out - stock).norm() / stock.norm()).item()
-            name = f"{'routed' if routed else 'stock'} norms, {'channels-last' if layout is torch.channels_last else 'stock'} layout"
-            rows.append(name)
-            print(
-                f"{name}: {ms:.1f} ms, rel L2 to the stock decode {rel:.2e}, max abs {(out - stock).abs().max().item():.3e}"
-            )
+        for in_conv in (False, True):
+            for conv in convs:
+                if in_conv:
+                    conv.forward = in_conv_padding(conv)
+                else:
+                    vars(conv).pop("forward", None)
+            for layout in (torch.contiguous_format, torch.channels_last):
+                vae.to(memory_format=layout)
+                ms = clock.time_steps(decode, repeats=7, warmup=3)[0]
+                out = decode().float()
+                rel = ((out - stock).norm() / stock.norm()).item()
+                name = (
+                    f"{'routed' if routed else 'stock'} norms, "
+                    f"{'channels-last' if layout is torch.channels_last else 'stock'} layout, "
+                    f"{'in-conv' if in_conv else 'F.pad'} padding"
+                )
+                print(
+                    f"{name}: {ms:.1f} ms, rel L2 to the stock decode {rel:.2e}, "
+                    f"max abs {(out - stock).abs().max().item():.3e}"
+                )
+        for conv in convs:
+            vars(conv).pop("forward", None)
         vae.to(memory_format=torch.contiguous_format)
         if undo is not None:
             undo()
