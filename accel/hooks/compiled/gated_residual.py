@@ -13,6 +13,10 @@ tensor ops round (the tanh, the product, the sum), so on CUDA it gives their bit
 :func:`gated_residual_reference`, those tensor ops. It takes bf16 only on the kernel, contiguous
 ``(batch, tokens, channels)`` with channels a multiple of 1024 or a power of two; anything else runs
 the reference.
+
+With ``tanh=False`` the gate's rows come already through tanh: a compiled caller takes it in its
+graph, where inductor makes it with the block's other small kernels (one launch for both gates of
+a block, where the op took two ATen kernels per update).
 """
 
 from __future__ import annotations
@@ -25,12 +29,16 @@ __all__ = ["gated_residual", "gated_residual_reference"]
 
 
 def gated_residual_reference(
-    hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask: torch.Tensor | None = None
+    hidden: torch.Tensor,
+    out: torch.Tensor,
+    gate: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    tanh: bool = True,
 ) -> torch.Tensor:
     """``hidden + tanh(rows) * out``: ``hidden`` and ``out`` (batch, tokens, D); ``gate`` (batch, D)
     one row a sample, or with ``mask`` (tokens, bool) (batch + 1, D): a sample's own row where the
-    mask is set, the last row elsewhere."""
-    rows = gate.tanh()
+    mask is set, the last row elsewhere. ``tanh=False``: ``gate`` is already ``tanh(rows)``."""
+    rows = gate.tanh() if tanh else gate
     if mask is None:
         spread = rows.unsqueeze(1)
     else:
@@ -79,20 +87,25 @@ def _one_pass(hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask:
 
 @torch.library.custom_op("bcg_diffusers::gated_residual", mutates_args=())
 def gated_residual(
-    hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask: torch.Tensor | None = None
+    hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask: torch.Tensor | None = None, tanh: bool = True
 ) -> torch.Tensor:
     """:func:`gated_residual_reference` in one pass on CUDA (see the module docstring)."""
     _check(hidden, out, gate, mask)
     if not _one_pass(hidden, out, gate, mask):
-        return gated_residual_reference(hidden, out, gate, mask)
+        return gated_residual_reference(hidden, out, gate, mask, tanh)
     from .gated_residual_kernel import gated_residual_kernel
 
     with torch.cuda.device(hidden.device):
-        return launch(gated_residual_kernel, hidden, out, gate, mask)
+        return launch(gated_residual_kernel, hidden, out, gate, mask, tanh)
 
 
 def launch(
-    kernel: Any, hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask: torch.Tensor | None = None
+    kernel: Any,
+    hidden: torch.Tensor,
+    out: torch.Tensor,
+    gate: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    tanh: bool = True,
 ) -> torch.Tensor:
     """Run ``kernel`` (:func:`~accel.hooks.compiled.gated_residual_kernel.gated_residual_kernel`, or
     the same function under Triton's interpreter) as the op does, on channels that tile."""
@@ -102,7 +115,7 @@ def launch(
 
     batch, seq, d = hidden.shape
     channels = _channels(d)
-    rows = gate.tanh().contiguous()  # ATen's tanh, rounded as the tensor ops round it
+    rows = (gate.tanh() if tanh else gate).contiguous()  # ATen's tanh, rounded as the tensor ops round it
     result = torch.empty_like(hidden)
     n = batch * seq
     if n:
@@ -127,5 +140,7 @@ def launch(
 
 
 @gated_residual.register_fake
-def _(hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def _(
+    hidden: torch.Tensor, out: torch.Tensor, gate: torch.Tensor, mask: torch.Tensor | None = None, tanh: bool = True
+) -> torch.Tensor:
     return torch.empty_like(hidden)

@@ -108,6 +108,10 @@ class QwenImage21Recipe(GenericRecipe):
     # concatenation's pass (head_norms.py; measured faster on an H100, docs/benchmarks.md). Set it
     # False on the class before accelerate_pipeline to compare.
     values_behind_prefix = True
+    # With compile=True and fused_residuals, each block takes both gates' rows through tanh in its
+    # compiled graph, and the residual op takes them as they are (residuals.py): 128 fewer launches
+    # a step. Off until measured on a GPU (bench_fp8.py --form-flip gate_tanh_in_block).
+    gate_tanh_in_block = False
 
     def __init__(self) -> None:
         self.layouts = LayoutMemo()
@@ -145,7 +149,7 @@ class QwenImage21Recipe(GenericRecipe):
         if self.fused_norm_fp8:
             undo.append(fuse_norm_quantization(module))
         if self.fused_residuals:
-            undo.append(fuse_residuals(module))
+            undo.append(fuse_residuals(module, tanh_in_block=self.gate_tanh_in_block))
         return lambda: [u() for u in reversed(undo)] and None
 
     def component_breaks(self) -> dict[str, tuple[str, ...]]:

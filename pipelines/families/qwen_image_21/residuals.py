@@ -13,6 +13,13 @@ Decided at each call: a gate that is not a :class:`~.fused_norms.TanhGate` (the 
 class with its own forward; the recipe pins the diffusers range whose forward this copies.
 On by default (``QwenImage21Recipe.fused_residuals``): on an H100 the kernel takes about 35 us
 and the float8 call is faster with it in the same process (docs/benchmarks.md).
+
+With ``tanh_in_block`` (``QwenImage21Recipe.gate_tanh_in_block``) the block takes both gates'
+rows through tanh at its start, in its own compiled graph (one small kernel, with the modulation's
+others), and hands them to the op as they are: where the op took an ATen tanh and a copy per
+update, 128 launches a step at Qwen-Image 2.1's 32 blocks. The rows are the modulation's gate
+halves, which is what this module's ``_modulate`` (:mod:`.fused_norms`) hands on as a
+:class:`~.fused_norms.TanhGate`; without one the stock expression runs and they go unused.
 """
 
 from __future__ import annotations
@@ -35,13 +42,24 @@ logger = logging.getLogger(__name__)
 WHY = "qwen-image-2.1: the gated residual updates in one pass (compile=True)"
 
 
-def _residual(hidden_states: torch.Tensor, gate: Any, output: torch.Tensor) -> torch.Tensor:
+def _residual(
+    hidden_states: torch.Tensor, gate: Any, output: torch.Tensor, rows_tanh: torch.Tensor | None = None
+) -> torch.Tensor:
     if isinstance(gate, TanhGate) and not torch.is_grad_enabled():  # the op has no backward
+        if rows_tanh is not None:
+            return gated_residual(hidden_states, output, rows_tanh, gate.mask, tanh=False)
         return gated_residual(hidden_states, output, gate.rows, gate.mask)
     return hidden_states + gate.tanh() * output
 
 
-def _forward(block: torch.nn.Module) -> Callable[..., torch.Tensor]:
+def _gate_rows_tanh(mod1: torch.Tensor, mod2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tanh of both halves' gate rows (``_modulate``'s ``mod_params.chunk(2, dim=-1)[1]``), made in
+    one pass, each contiguous."""
+    both = torch.tanh(torch.stack((mod1.chunk(2, dim=-1)[1], mod2.chunk(2, dim=-1)[1])))
+    return both[0], both[1]
+
+
+def _forward(block: torch.nn.Module, tanh_in_block: bool = False) -> Callable[..., torch.Tensor]:
     def forward(
         hidden_states: torch.Tensor,
         modulation: torch.Tensor,
@@ -56,6 +74,7 @@ def _forward(block: torch.nn.Module) -> Callable[..., torch.Tensor]:
     ) -> torch.Tensor:
         # diffusers 0.42's QwenImage21TransformerBlock.forward, the residuals as _residual.
         mod1, mod2 = modulation.chunk(2, dim=-1)
+        rows1, rows2 = _gate_rows_tanh(mod1, mod2) if tanh_in_block and modulation.dim() == 2 else (None, None)
 
         img_modulated, img_gate1 = block._modulate(block.img_norm1(hidden_states), mod1, target_token_mask)
         attn_output = block.attn(
@@ -68,10 +87,10 @@ def _forward(block: torch.nn.Module) -> Callable[..., torch.Tensor]:
             segments=segments,
             key_valid=key_valid,
         )
-        hidden_states = _residual(hidden_states, img_gate1, attn_output)
+        hidden_states = _residual(hidden_states, img_gate1, attn_output, rows1)
 
         img_modulated2, img_gate2 = block._modulate(block.img_norm2(hidden_states), mod2, target_token_mask)
-        hidden_states = _residual(hidden_states, img_gate2, block.img_mlp(img_modulated2))
+        hidden_states = _residual(hidden_states, img_gate2, block.img_mlp(img_modulated2), rows2)
 
         if hidden_states.dtype == torch.float16:
             hidden_states = hidden_states.clip(-65504, 65504)
@@ -91,12 +110,12 @@ def _fusable(block: torch.nn.Module) -> bool:
     )
 
 
-def fuse_residuals(model: torch.nn.Module) -> Callable[[], None]:
-    """Give every Qwen-Image 2.1 block of ``model`` this form (see the module docstring) until the
-    returned undo is called. Call it before the blocks compile: dynamo traces what the forwards
-    are then."""
+def fuse_residuals(model: torch.nn.Module, tanh_in_block: bool = False) -> Callable[[], None]:
+    """Give every Qwen-Image 2.1 block of ``model`` this form (see the module docstring; with
+    ``tanh_in_block``, the gates' tanh in the block's graph) until the returned undo is called.
+    Call it before the blocks compile: dynamo traces what the forwards are then."""
     held = [
-        patch(block, "forward", _forward(block), why=WHY, where="dict")
+        patch(block, "forward", _forward(block, tanh_in_block), why=WHY, where="dict")
         for block in getattr(model, "transformer_blocks", ())
         if _fusable(block)
     ]

@@ -2,7 +2,8 @@
 reference is diffusers' arithmetic bit for bit (Qwen-Image 2.1's ``hidden + gate.tanh() * out``
 with the gate's rows spread by ``_select_modulation_rows``); the op is opaque to dynamo; its
 Triton kernel under Triton's interpreter (tests/helpers/interpreted.py, skipped without Triton:
-docs/development.md) gives the reference's bits, with and without the target-token mask."""
+docs/development.md) gives the reference's bits, with and without the target-token mask; with ``tanh=False`` the rows are taken as already
+through tanh."""
 
 from __future__ import annotations
 
@@ -57,6 +58,11 @@ def test_the_reference_and_the_cpu_op_are_diffusers_arithmetic(shape: tuple[Any,
     want = _diffusers(hidden, out, gate, mask)
     assert torch.equal(gated_residual_reference(hidden, out, gate, mask), want)
     assert torch.equal(gated_residual(hidden, out, gate, mask), want)
+    # The rows already through tanh (a compiled caller's): the same bits, not a second tanh.
+    rows = gate.tanh()
+    assert torch.equal(gated_residual_reference(hidden, out, rows, mask, tanh=False), want)
+    assert torch.equal(gated_residual(hidden, out, rows, mask, tanh=False), want)
+    assert not torch.equal(gated_residual(hidden, out, rows, mask), want)
 
 
 def test_bad_shapes_raise_one_line() -> None:
@@ -118,6 +124,12 @@ def _interpret() -> dict[str, Any]:
                 want = gated_residual_reference(hidden, out, gate, mask)
                 key = f"{'faithful' if on else 'as it is'} {shape}"
                 result[key] = [list(got.shape) == list(want.shape), (got != want).float().mean().item()]
+                if on:
+                    got = module.launch(gated_residual_kernel, hidden, out, gate.tanh(), mask, tanh=False)
+                    result[f"tanh given {shape}"] = [
+                        list(got.shape) == list(want.shape),
+                        (got != want).float().mean().item(),
+                    ]
     return result
 
 
@@ -130,6 +142,8 @@ def interpreted() -> dict[str, Any]:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_kernel_under_the_interpreter_is_the_reference(interpreted: dict[str, Any], shape: tuple[Any, ...]) -> None:
     same_shape, differ = interpreted[f"faithful {shape}"]
+    assert same_shape and differ == 0.0
+    same_shape, differ = interpreted[f"tanh given {shape}"]
     assert same_shape and differ == 0.0
     # The control: the interpreter's own truncating conversions move many values.
     assert interpreted[f"as it is {shape}"][1] > 0.05
