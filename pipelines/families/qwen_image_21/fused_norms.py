@@ -25,6 +25,10 @@ The same ``_modulate`` hands on the gate as a :class:`TanhGate`, whose only use 
 in the block's forward) takes the tanh of the gate's rows before they are spread over the tokens:
 bit for bit diffusers' values (the tanh is taken per value either way), but one tanh per row
 instead of one per token and channel, which made the residual's kernel bound by its arithmetic.
+
+With ``contiguous_scales`` (``QwenImage21Recipe.modulation_in_block``) ``_modulate`` makes the
+scale's rows contiguous in the block's compiled graph, where inductor can make the copy with the
+block's other small kernels; the op made it with an ATen copy per norm.
 """
 
 from __future__ import annotations
@@ -106,7 +110,7 @@ def _norm_forward(norm: torch.nn.LayerNorm, fusable: Callable[[], bool]) -> Call
     return forward
 
 
-def _modulate(block: torch.nn.Module) -> Callable[..., Any]:
+def _modulate(block: torch.nn.Module, contiguous_scales: bool = False) -> Callable[..., Any]:
     def stock(hidden_states: torch.Tensor, mod_params: torch.Tensor, mask: torch.Tensor | None) -> Any:
         # diffusers' _modulate, the gate handed on as its rows.
         scale, gate = mod_params.chunk(2, dim=-1)
@@ -126,6 +130,8 @@ def _modulate(block: torch.nn.Module) -> Callable[..., Any]:
             # tokens, the last (t = 0) row elsewhere.
             own = torch.arange(batch, device=x.device)[:, None]
             rows = torch.where(target_token_mask.view(1, -1), own, batch).reshape(-1)
+        if contiguous_scales:
+            scale = scale.contiguous()
         return Modulated(x, scale, rows, hidden_states.eps), TanhGate(gate, target_token_mask)
 
     return modulate
@@ -143,8 +149,9 @@ def _fusable_block(block: torch.nn.Module) -> bool:
     )
 
 
-def fuse_norm_quantization(model: torch.nn.Module) -> Callable[[], None]:
-    """Give every Qwen-Image 2.1 block of ``model`` this form (see the module docstring) until the
+def fuse_norm_quantization(model: torch.nn.Module, contiguous_scales: bool = False) -> Callable[[], None]:
+    """Give every Qwen-Image 2.1 block of ``model`` this form (see the module docstring; with
+    ``contiguous_scales``, the scales' rows made contiguous in the block's graph) until the
     returned undo is called. Call it before the blocks compile: dynamo traces what the forwards are
     then."""
     held = []
@@ -157,7 +164,7 @@ def fuse_norm_quantization(model: torch.nn.Module) -> Callable[[], None]:
         held += [
             patch(block.img_norm1, "forward", norm1, why=WHY, where="dict"),
             patch(block.img_norm2, "forward", norm2, why=WHY, where="dict"),
-            patch(block, "_modulate", _modulate(block), why=WHY, where="dict"),
+            patch(block, "_modulate", _modulate(block, contiguous_scales), why=WHY, where="dict"),
         ]
     if held:
         logger.info("%s: %d blocks write their float8 inputs in the norms", type(model).__name__, len(held) // 3)

@@ -108,10 +108,12 @@ class QwenImage21Recipe(GenericRecipe):
     # concatenation's pass (head_norms.py; measured faster on an H100, docs/benchmarks.md). Set it
     # False on the class before accelerate_pipeline to compare.
     values_behind_prefix = True
-    # With compile=True and fused_residuals, each block takes both gates' rows through tanh in its
-    # compiled graph, and the residual op takes them as they are (residuals.py): 128 fewer launches
-    # a step. Off until measured on a GPU (bench_fp8.py --form-flip gate_tanh_in_block).
-    gate_tanh_in_block = False
+    # With compile=True, each block makes its modulation's small tensors in its compiled graph:
+    # both gates' rows through tanh for the residual op (with fused_residuals, residuals.py) and the
+    # scales' rows contiguous for the modulated norm op (with fused_norm_fp8, fused_norms.py), where
+    # the ops took an ATen tanh or copy each: 128 fewer launches a step. Off until measured on a GPU
+    # (bench_fp8.py --form-flip modulation_in_block).
+    modulation_in_block = False
 
     def __init__(self) -> None:
         self.layouts = LayoutMemo()
@@ -147,9 +149,9 @@ class QwenImage21Recipe(GenericRecipe):
         if self.fused_head_norms:
             undo.append(fuse_head_norms(values_behind=self.values_behind_prefix))
         if self.fused_norm_fp8:
-            undo.append(fuse_norm_quantization(module))
+            undo.append(fuse_norm_quantization(module, contiguous_scales=self.modulation_in_block))
         if self.fused_residuals:
-            undo.append(fuse_residuals(module, tanh_in_block=self.gate_tanh_in_block))
+            undo.append(fuse_residuals(module, tanh_in_block=self.modulation_in_block))
         return lambda: [u() for u in reversed(undo)] and None
 
     def component_breaks(self) -> dict[str, tuple[str, ...]]:

@@ -14,11 +14,12 @@ class with its own forward; the recipe pins the diffusers range whose forward th
 On by default (``QwenImage21Recipe.fused_residuals``): on an H100 the kernel takes about 35 us
 and the float8 call is faster with it in the same process (docs/benchmarks.md).
 
-With ``tanh_in_block`` (``QwenImage21Recipe.gate_tanh_in_block``) the block takes both gates'
-rows through tanh at its start, in its own compiled graph (one small kernel, with the modulation's
-others), and hands them to the op as they are: where the op took an ATen tanh and a copy per
-update, 128 launches a step at Qwen-Image 2.1's 32 blocks. The rows are the modulation's gate
-halves, which is what this module's ``_modulate`` (:mod:`.fused_norms`) hands on as a
+With ``tanh_in_block`` (``QwenImage21Recipe.modulation_in_block``, which also has
+:mod:`.fused_norms` make the scales' rows in the block's graph) the block takes both gates' rows
+through tanh at its start, in its own compiled graph (one small kernel, or none of its own where
+inductor fuses it), and hands them to the op as they are, where the op took an ATen tanh per
+update: 64 launches a step at Qwen-Image 2.1's 32 blocks. The rows are the modulation's gate
+halves, which is what :mod:`.fused_norms`' ``_modulate`` hands on as a
 :class:`~.fused_norms.TanhGate`; without one the stock expression runs and they go unused.
 """
 

@@ -70,6 +70,26 @@ def test_the_transformer_with_the_form_gives_the_unfused_bits(calls: list[Any], 
 
 
 @torch.no_grad()
+def test_with_contiguous_scales_the_op_gets_contiguous_rows_and_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bool] = []
+    op = norm_quant.modulated_norm_rows_e4m3
+    monkeypatch.setattr(accel, "modulated_norm_rows_e4m3", lambda *a: seen.append(a[2].is_contiguous()) or op(*a))
+    monkeypatch.setattr(scaled_mm, "check_fp8_device", lambda device, what="": None)
+    t, forward = _model()
+    inputs = _inputs(condition=True, padded=True)  # two modulation rows: the scale a strided slice
+    undo_ffn = fuse_swiglu(t)
+    got = []
+    for contiguous in (False, True):
+        undo = fuse_norm_quantization(t, contiguous_scales=contiguous)
+        got.append(forward(**inputs)[0])
+        undo()
+    undo_ffn()
+    n = 5 * len(t.transformer_blocks)
+    assert seen == [False] * n + [True] * n
+    assert torch.equal(got[0], got[1])
+
+
+@torch.no_grad()
 @pytest.mark.parametrize(
     "case", ["bf16 attention projections", "bf16 feed-forward", "measured through its forward", "another processor"]
 )

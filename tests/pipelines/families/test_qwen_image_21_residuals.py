@@ -51,7 +51,7 @@ def test_the_transformer_with_the_form_gives_the_same_bits(
     inputs = _inputs(condition=condition, padded=True)
     later = {**inputs, "hidden_states": torch.randn_like(inputs["hidden_states"])}
     want = _steps(forward, blocks, inputs, later)
-    undo = [fuse_norm_quantization(t), fuse_residuals(t, tanh_in_block=tanh_in_block)]
+    undo = [fuse_norm_quantization(t, contiguous_scales=tanh_in_block), fuse_residuals(t, tanh_in_block=tanh_in_block)]
     try:
         got = _steps(forward, blocks, inputs, later)
     finally:
@@ -93,7 +93,10 @@ def test_without_the_rows_or_for_a_forward_of_its_own_diffusers_expression_runs(
 def test_dynamo_traces_a_block_with_the_form_in_one_graph(tanh_in_block: bool) -> None:
     t, forward = _model()
     inputs = _inputs(condition=True, padded=True)
-    forms = [lambda: fuse_norm_quantization(t), lambda: fuse_residuals(t, tanh_in_block=tanh_in_block)]
+    forms = [
+        lambda: fuse_norm_quantization(t, contiguous_scales=tanh_in_block),
+        lambda: fuse_residuals(t, tanh_in_block=tanh_in_block),
+    ]
     eager, compiled, seen = traced_first_block(t, forward, inputs, forms)
     assert torch.equal(eager, compiled)
     assert seen.count(torch.ops.bcg_diffusers.gated_residual.default) == 2
@@ -114,21 +117,26 @@ def test_the_recipe_puts_the_form_in_only_where_its_flag_says(monkeypatch: pytes
             undo()
         assert not any("forward" in vars(b) for b in t.transformer_blocks)
     assert sys.modules[FORM].fuse_residuals is fuse_residuals
-    assert QwenImage21Recipe.gate_tanh_in_block is False  # off until a GPU measures it
+    assert QwenImage21Recipe.modulation_in_block is False  # off until a GPU measures it
 
 
-def test_the_recipe_hands_the_tanh_flag_to_the_form(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_recipe_hands_its_modulation_flag_to_both_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     from pipelines.families.qwen_image_21 import recipe as module
 
-    seen: list[bool] = []
+    seen: list[tuple[str, bool]] = []
     monkeypatch.setattr(
-        module, "fuse_residuals", lambda m, tanh_in_block=False: seen.append(tanh_in_block) or (lambda: None)
+        module, "fuse_residuals", lambda m, tanh_in_block=False: seen.append(("tanh", tanh_in_block)) or (lambda: None)
+    )
+    monkeypatch.setattr(
+        module,
+        "fuse_norm_quantization",
+        lambda m, contiguous_scales=False: seen.append(("scales", contiguous_scales)) or (lambda: None),
     )
     t, _ = _model()
     for flag in (False, True):
-        monkeypatch.setattr(module.QwenImage21Recipe, "gate_tanh_in_block", flag)
+        monkeypatch.setattr(module.QwenImage21Recipe, "modulation_in_block", flag)
         module.QwenImage21Recipe().compiled_forms(t)()
-    assert seen == [False, True]
+    assert sorted(seen) == [("scales", False), ("scales", True), ("tanh", False), ("tanh", True)]
 
 
 @pytest.mark.parametrize(
@@ -147,7 +155,7 @@ def test_with_the_form_graphs_replay_every_step_bit_for_bit(
         t = pipe.transformer
         return [
             qwen_rope_in_real_arithmetic(MODULE),
-            fuse_norm_quantization(t),
+            fuse_norm_quantization(t, contiguous_scales=tanh_in_block),
             fuse_residuals(t, tanh_in_block=tanh_in_block),
         ]
 
