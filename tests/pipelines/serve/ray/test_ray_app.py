@@ -176,28 +176,36 @@ def test_two_replicas_answer_a_burst_and_lose_nothing_when_one_is_killed(deploye
 
     _wait(every_request_counted, 30, f"each replica's bcg_serve_device_seconds on Ray's metrics ({by})")
 
-    victim = next(iter(by))
-    killed: list[float] = []
+    # The kill must land on a replica holding requests. Ray's router now and then sends the victim
+    # none of a burst (a loaded machine's queue probes); then nothing was lost and nothing tested,
+    # so the scenario runs again once the replacement answers (at most three times).
+    for attempt in range(3):
+        victim = next(iter(by))
+        killed: list[float] = []
 
-    def kill() -> None:
-        actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Generator#{victim}", namespace="serve")
-        ray.kill(actor, no_restart=True)
-        killed.append(time.monotonic())
+        def kill(victim: str = victim, killed: list[float] = killed) -> None:
+            actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Generator#{victim}", namespace="serve")
+            ray.kill(actor, no_restart=True)
+            killed.append(time.monotonic())
 
-    # Longer calls, so the victim dies with requests queued and running.
-    answers = burst(client, 24, during=kill, steps=6)
-    assert killed
-    assert [r.status_code for r in answers] == [200] * 24, [r.text for r in answers if r.status_code != 200]
-    after = Counter(r.headers["x-bcg-replica"] for r in answers)
-    sent_again = sum(int(r.headers.get("x-bcg-tries", 1)) > 1 for r in answers)
-    assert sent_again > 0, f"the killed replica had no request to lose: {dict(after)}"
-    assert generate(client, 99).status_code == 200 and client.get("/ready").status_code == 200
+        # Longer calls, so the victim dies with requests queued and running.
+        answers = burst(client, 24, during=kill, steps=6)
+        assert killed
+        assert [r.status_code for r in answers] == [200] * 24, [r.text for r in answers if r.status_code != 200]
+        after = Counter(r.headers["x-bcg-replica"] for r in answers)
+        sent_again = sum(int(r.headers.get("x-bcg-tries", 1)) > 1 for r in answers)
+        assert generate(client, 99).status_code == 200 and client.get("/ready").status_code == 200
 
-    def two_again() -> bool:  # two replicas answer, neither the one killed
-        seen = {r.headers["x-bcg-replica"] for r in burst(client, 8)}
-        return len(seen) == 2 and victim not in seen
+        def two_again(victim: str = victim) -> bool:  # two replicas answer, neither the one killed
+            nonlocal by
+            by = Counter(r.headers["x-bcg-replica"] for r in burst(client, 8))
+            return len(by) == 2 and victim not in by
 
-    back = _wait(two_again, 120, "a second replica again")
+        back = _wait(two_again, 120, "a second replica again")
+        if sent_again:
+            break
+        logger.info("attempt %d: replica %s held none of the burst when killed (%s)", attempt + 1, victim, dict(after))
+    assert sent_again > 0, f"the killed replica had no request to lose, three times: {dict(after)}"
     message = (f"replica {victim} killed mid-burst: 24 of 24 answered ({dict(after)}), {sent_again} of them "
                f"sent again; two replicas answering again {back:.1f} s later")  # fmt: skip
     logger.info("%s", message)
