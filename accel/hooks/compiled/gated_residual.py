@@ -15,8 +15,8 @@ tensor ops round (the tanh, the product, the sum), so on CUDA it gives their bit
 the reference.
 
 With ``tanh=False`` the gate's rows come already through tanh: a compiled caller takes it in its
-graph, where inductor makes it with the block's other small kernels (one launch for both gates of
-a block, where the op took two ATen kernels per update).
+graph, where inductor can make it with the block's other small kernels (one launch for both gates
+of a block at most, where the op launches an ATen tanh per update).
 """
 
 from __future__ import annotations
