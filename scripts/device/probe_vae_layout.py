@@ -7,12 +7,13 @@ handed to the convolution (cuDNN pads as it reads) instead of ``F.pad``'s copy. 
 the distance is to the stock decode's pixels. Nothing here is a library default: it says whether a
 layout form is worth building.
 
-    python3 scripts/device/probe_vae_layout.py
+    python3 scripts/device/probe_vae_layout.py [--whole-decoder]
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,22 @@ def in_conv_padding(conv: Any) -> Any:
     return forward
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
     import torch
     from benchkit.measure import Clock
 
     from accel.hooks.compiled import compile_channel_norms
     from pipelines.builders import build_vae
 
+    parser = argparse.ArgumentParser(description="The decoder's layout, padding and norms, timed on one GPU.")
+    parser.add_argument(
+        "--whole-decoder",
+        action="store_true",
+        help="also time the whole decoder through torch.compile (slow to compile)",
+    )
+    whole = parser.parse_args(argv).whole_decoder
     vae = build_vae("qwen-image-2.1", "full", device="cuda", dtype=torch.bfloat16).eval()
     side = 1024 // 16
     g = torch.Generator("cuda").manual_seed(0)
@@ -83,6 +93,20 @@ def main() -> None:
         vae.to(memory_format=torch.contiguous_format)
         if undo is not None:
             undo()
+    if whole:
+        # The whole decoder through inductor (its pads, norms and activations fused around cuDNN's
+        # convolutions), in each layout: what compiling more than the norms would add.
+        vae.decoder.forward = torch.compile(vae.decoder.forward, dynamic=False)
+        for layout in (torch.contiguous_format, torch.channels_last):
+            vae.to(memory_format=layout)
+            t0 = time.perf_counter()
+            decode()
+            first = time.perf_counter() - t0
+            ms = clock.time_steps(decode, repeats=7, warmup=3)[0]
+            out = decode().float()
+            rel = ((out - stock).norm() / stock.norm()).item()
+            name = f"whole decoder compiled, {'channels-last' if layout is torch.channels_last else 'stock'} layout"
+            print(f"{name}: {ms:.1f} ms (first call {first:.1f} s), rel L2 to the stock decode {rel:.2e}")
     peak = torch.cuda.max_memory_allocated() / 2**30
     print(f"peak {peak:.1f} GiB")
 
