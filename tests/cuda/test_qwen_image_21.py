@@ -193,18 +193,21 @@ def test_compiled_graphs_equal_the_same_compiled_model_without_graphs(pipe, tmp_
     assert not mismatches, mismatches
 
 
-@pytest.mark.parametrize("layers", ["recipe", "torchao"])
+@pytest.mark.parametrize("layers", ["recipe", "torchao", "recipe-modulation-in-block"])
 @torch.no_grad()
 def test_float8_compiled_graphs_equal_the_same_model_without_graphs(pipe, tmp_path, monkeypatch, layers: str) -> None:
     """With the recipe's float8 layers (the library's: their down projections take the SwiGLU into
-    their quantization, their norms write their input), and with torchao's."""
+    their quantization, their norms write their input), with torchao's, and with the recipe's and
+    its modulation_in_block form (off by default until measured)."""
     if torch.cuda.get_device_capability() < quantizers.MIN_FP8_CAPABILITY:
         pytest.skip("float8 products need compute capability 8.9 or newer")
     pytest.importorskip("torchao")
-    if layers == "torchao":
-        from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
+    from pipelines.families.qwen_image_21.recipe import QwenImage21Recipe
 
+    if layers == "torchao":
         monkeypatch.setattr(QwenImage21Recipe, "fp8_layers", None)
+    if layers == "recipe-modulation-in-block":
+        monkeypatch.setattr(QwenImage21Recipe, "modulation_in_block", True)
     # Quantizing is one-way: a pipeline of its own, the module's waiting on the host meanwhile
     # (two full-size pipelines and a compiled one's graphs do not fit 80 GB).
     shared, pipe = pipe, None
