@@ -90,9 +90,13 @@ class Bench:
             options["attention"] = "fa3"
         if compile and getattr(self.args, "cold", False):
             # A fresh, empty inductor cache: this row's compiles are cold, whatever ran before.
+            # Removed when the process ends (its compiled kernels may be read until then).
+            import atexit
+            import shutil
             import tempfile
 
             options["compile_cache_dir"] = tempfile.mkdtemp(prefix="bcg-fp8-cold-")
+            atexit.register(shutil.rmtree, options["compile_cache_dir"], ignore_errors=True)
         if quantize:
             options.update(quantize="fp8", fp8_budget=self.args.fp8_budget)
         accelerate_pipeline(self.pipe, **options)
