@@ -176,6 +176,11 @@ class Batcher:
             self._cond.notify_all()
             return waiting
 
+    def _deadline(self, head: Work) -> float:
+        """When a batch opened by ``head`` stops waiting for company: ``max_wait`` after it
+        arrived while arrivals are close (their mean gap within ``max_wait``), else at once."""
+        return head.arrived + (self.max_wait if self._gap <= self.max_wait else 0.0)
+
     def next_batch(self, timeout: float | None = None) -> list[Work] | None:
         """The next batch, its futures marked running; blocks until there is one. None once
         the batcher is closed, or when ``timeout`` seconds pass with nothing queued."""
@@ -188,7 +193,7 @@ class Batcher:
                 room = self._room(head.key)
                 batch = self._joinable(head, room)
                 now = time.monotonic()
-                deadline = head.arrived + (self.max_wait if self._gap <= self.max_wait else 0.0)
+                deadline = self._deadline(head)
                 if sum(w.images for w in batch) < room and now < deadline:
                     self._cond.wait(deadline - now)  # more may arrive; woken by each submit
                     continue
@@ -215,7 +220,7 @@ class Batcher:
                 return []
             while gather and self._queue and not self._closed:
                 head = self._queue[0]
-                deadline = head.arrived + (self.max_wait if self._gap <= self.max_wait else 0.0)
+                deadline = self._deadline(head)
                 now = time.monotonic()
                 if sum(w.images for w in self._queue) >= room or now >= deadline:
                     break

@@ -13,9 +13,10 @@ request. Rows whose steps are done leave; their images are decoded in a call of 
 of the smallest bucket that holds them, where the decoder was found to give every row the same
 bits at every bucket: :mod:`pipelines.stepwise.invariance`, checked once per size), made 8-bit on
 the device as the pipeline call's are, and handed on with their PNG text as
-:class:`~.rendered.RenderedImage`, which the service encodes. A request whose client left or whose time ran out leaves its batch at
-the next boundary. An edit (its own input image) is one pipeline call, made between two steps. A
-failure fails the requests of the batch (or call) it happened in, and the worker goes on.
+:class:`~.rendered.RenderedImage`, which the service encodes. A request whose client left or whose
+time ran out leaves its batch at the next boundary. An edit (its own input image) is one pipeline
+call, made between two steps. A failure fails the requests of the batch (or call) it happened in,
+and the worker goes on.
 
 Why one batch a step, oldest first, and not every batch at every step: a step's time grows about
 linearly with its batch at the sizes served (Z-Image 512x512 on an H100: about 26 ms at batch 1,
